@@ -1,0 +1,299 @@
+"""The typed config tree: one dataclass per section, loaded from TOML plus dotted CLI overrides.
+
+Every field has a default and a one-line doc (`metadata["doc"]`), and optionally `choices` or a numeric
+range. Validation happens once, in `load_config`, and a bad value raises `ConfigError` naming the key,
+the value and what is allowed. The resolved tree is written to the run directory with `to_toml`, so a
+run can be reproduced (and resumed) from its own `config.toml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tracetrain.errors import ConfigError
+
+
+def fld(default: Any, doc: str, *, choices: tuple | None = None, ge: float | None = None,
+        gt: float | None = None, le: float | None = None) -> Any:
+    """A config field with its doc and constraints (checked by `validate`)."""
+    meta = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelSection:
+    preset: str = fld("tiny", "Architecture preset name (see `tracetrain presets`).")
+    init_from: str = fld("", "Hugging Face checkpoint directory to load weights and shape from ('' = random init).")
+    dim: int | None = fld(None, "Override the preset's hidden size.", gt=0)
+    n_layers: int | None = fld(None, "Override the preset's number of transformer blocks.", gt=0)
+    n_heads: int | None = fld(None, "Override the preset's number of attention heads.", gt=0)
+    n_kv_heads: int | None = fld(None, "Override the preset's number of key/value heads (GQA).", gt=0)
+    ffn_dim: int | None = fld(None, "Override the preset's SwiGLU hidden size.", gt=0)
+    vocab_size: int | None = fld(None, "Override the preset's vocabulary size (embedding rows).", gt=0)
+    init_std: float = fld(0.02, "Standard deviation of the random weight init.", gt=0)
+
+
+@dataclass
+class DataSection:
+    kind: str = fld("synthetic", "Dataset kind.", choices=("synthetic", "instruction", "text"))
+    path: str = fld("", "Training data: JSONL (instruction) or a text file (text). Unused for synthetic.")
+    eval_path: str = fld("", "Held-out data file; '' = split eval_fraction off the training data.")
+    eval_fraction: float = fld(0.05, "Share of examples held out for eval when eval_path is ''.", ge=0, le=0.5)
+    tokenizer: str = fld("byte", "'byte' (built-in byte-level) or a path to a Hugging Face tokenizer.json.")
+    seq_len: int = fld(128, "Tokens per training sequence.", gt=1)
+    pack: bool = fld(True, "Pack several examples into each sequence (document-masked attention).")
+    template: str = fld("alpaca", "Prompt template for instruction data.", choices=("alpaca", "plain", "chatml"))
+    instruction_field: str = fld("instruction", "JSONL field holding the instruction / question / prompt.")
+    context_field: str = fld("context", "JSONL field holding optional context ('' = none).")
+    response_field: str = fld("response", "JSONL field holding the target response / answer.")
+    train_on_prompt: bool = fld(False, "Also compute loss on prompt tokens (default: response only).")
+    skip_bad_lines: bool = fld(False, "Skip malformed JSONL lines (and report how many) instead of failing.")
+    synthetic_examples: int = fld(20000, "Number of generated examples for the built-in synthetic task.", gt=0)
+    num_workers: int = fld(0, "DataLoader worker processes.", ge=0)
+    pin_memory: bool = fld(True, "Pin host batches for faster, asynchronous copies to the GPU.")
+    prefetch_factor: int = fld(2, "Batches each worker loads ahead (needs num_workers > 0).", gt=0)
+    seed: int = fld(1234, "Seed for shuffling and the synthetic task.")
+
+
+@dataclass
+class TrainSection:
+    mode: str = fld("full", "Train every weight ('full') or low-rank adapters only ('lora').", choices=("full", "lora"))
+    steps: int = fld(600, "Optimizer steps to run.", gt=0)
+    micro_batch_size: int = fld(16, "Sequences per forward/backward pass.", gt=0)
+    grad_accum_steps: int = fld(1, "Micro-batches accumulated per optimizer step.", gt=0)
+    precision: str = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU).",
+                         choices=("auto", "fp32", "bf16"))
+    device: str = fld("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'.")
+    seed: int = fld(0, "Seed for weight init and dropout.")
+    grad_clip: float = fld(1.0, "Clip the global gradient norm to this value (0 = off).", ge=0)
+    eval_interval: int = fld(200, "Evaluate on the held-out split every N steps (0 = only at the end).", ge=0)
+    eval_batches: int = fld(20, "Held-out batches per evaluation.", gt=0)
+    eval_generate: int = fld(64, "Held-out examples scored by greedy generation (exact match) at the end.", ge=0)
+    max_bad_steps: int = fld(5, "Stop with an error after this many consecutive non-finite losses.", gt=0)
+    output_dir: str = fld("runs", "Parent folder of run directories.")
+    run_name: str = fld("", "Run directory name ('' = timestamp).")
+
+
+@dataclass
+class OptimSection:
+    lr: float = fld(1e-3, "Peak learning rate.", gt=0)
+    min_lr_ratio: float = fld(0.1, "Final learning rate as a fraction of lr.", ge=0, le=1)
+    schedule: str = fld("cosine", "Decay after warmup.", choices=("cosine", "linear", "constant"))
+    warmup_steps: int = fld(50, "Linear warmup steps.", ge=0)
+    weight_decay: float = fld(0.1, "AdamW decoupled weight decay (not applied to norms and biases).", ge=0)
+    beta1: float = fld(0.9, "AdamW beta1.", ge=0, le=1)
+    beta2: float = fld(0.95, "AdamW beta2.", ge=0, le=1)
+    eps: float = fld(1e-8, "AdamW epsilon.", gt=0)
+    fused: str = fld("auto", "Fused AdamW kernel ('auto' = on for CUDA).", choices=("auto", "on", "off"))
+
+
+@dataclass
+class LoraSection:
+    rank: int = fld(16, "Adapter rank r.", gt=0)
+    alpha: float = fld(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", gt=0)
+    dropout: float = fld(0.0, "Dropout on the adapter input.", ge=0, le=1)
+    targets: list[str] = fld(["q_proj", "k_proj", "v_proj", "o_proj"],
+                             "Linear layers to adapt, by name ('all-linear' = every projection).")
+    base_dtype: str = fld("auto", "dtype of frozen base weights ('auto' = bf16 on GPU, fp32 on CPU).",
+                          choices=("auto", "fp32", "bf16"))
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = fld(0, "Save every N steps (0 = only at the end and on interrupt).", ge=0)
+    keep_last: int = fld(2, "Checkpoints to keep; older ones are deleted after a successful save.", gt=0)
+    save_final: bool = fld(True, "Save a checkpoint when training ends.")
+
+
+@dataclass
+class LoggingSection:
+    log_interval: int = fld(10, "Read back metrics (one host sync) and log every N steps.", gt=0)
+    progress: bool = fld(True, "Show a live progress bar on the console.")
+    tensorboard: bool = fld(False, "Also write TensorBoard event files (needs the tensorboard package).")
+    peak_tflops: float = fld(0.0, "Peak dense FLOP/s (in TFLOP/s) for MFU; 0 = look up the GPU in the table.", ge=0)
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading and validation
+
+def _allowed_types(tp: Any) -> tuple[tuple[type, ...], bool]:
+    """Python types a TOML value may have for annotation `tp`, and whether None is allowed."""
+    optional = False
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        tp = args[0]
+    if typing.get_origin(tp) is list:
+        return (list,), optional
+    return {int: (int,), float: (int, float), bool: (bool,), str: (str,)}[tp], optional
+
+
+def _describe(tp: Any) -> str:
+    kinds, optional = _allowed_types(tp)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+    return names[kinds[-1]] + (" (or omitted)" if optional else "")
+
+
+def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
+    tp = typing.get_type_hints(_SECTION_OWNER[key.split(".")[0]])[f.name]
+    kinds, optional = _allowed_types(tp)
+    if value is None and optional:
+        return None
+    # bool is a subclass of int: reject true/false where a number is expected.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ConfigError(f"config key '{key}': {value!r} is not {_describe(tp)}")
+    if float in kinds:
+        value = float(value)
+    if list in kinds and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"config key '{key}': {value!r} must be a list of strings")
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        allowed = ", ".join(repr(c) for c in meta["choices"])
+        raise ConfigError(f"config key '{key}': {value!r} is not allowed; choose one of {allowed}")
+    for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                            ("le", lambda v, b: v <= b, "<=")):
+        if meta.get(bound) is not None and not ok(value, meta[bound]):
+            raise ConfigError(f"config key '{key}': {value!r} is out of range; it must be {word} {meta[bound]}")
+    return value
+
+
+_SECTION_OWNER: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _unknown(kind: str, name: str, known: list[str], where: str) -> ConfigError:
+    hint = difflib.get_close_matches(name, known, n=1)
+    suggestion = f" (did you mean '{hint[0]}'?)" if hint else f"; known: {', '.join(sorted(known))}"
+    return ConfigError(f"{where}unknown {kind} '{name}'{suggestion}")
+
+
+def from_dict(raw: dict[str, Any], where: str = "") -> Config:
+    """Build and validate a Config from nested dicts (TOML layout). `where` prefixes error messages."""
+    cfg = Config()
+    for section_name, values in raw.items():
+        if section_name not in _SECTION_OWNER:
+            raise _unknown("config section", section_name, list(_SECTION_OWNER), where)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}config section '{section_name}' must be a table, got {values!r}")
+        section = getattr(cfg, section_name)
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            if key not in fields:
+                raise _unknown("config key", f"{section_name}.{key}", [f"{section_name}.{k}" for k in fields], where)
+            try:
+                setattr(section, key, _check_value(f"{section_name}.{key}", fields[key], value))
+            except ConfigError as e:
+                raise ConfigError(f"{where}{e}") from None
+    _check_cross_fields(cfg, where)
+    return cfg
+
+
+def _check_cross_fields(cfg: Config, where: str) -> None:
+    if cfg.data.kind in ("instruction", "text") and not cfg.data.path:
+        raise ConfigError(f"{where}config key 'data.path' is required when data.kind = '{cfg.data.kind}'")
+    if cfg.data.num_workers == 0 and cfg.data.prefetch_factor != 2:
+        raise ConfigError(f"{where}config key 'data.prefetch_factor' needs data.num_workers > 0")
+    dev = cfg.train.device
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise ConfigError(f"{where}config key 'train.device': {dev!r} is not allowed; "
+                          "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def parse_override(arg: str) -> tuple[str, Any]:
+    """'--optim.lr=3e-4' -> ('optim.lr', 0.0003). Values are TOML literals; bare words are strings."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"override {arg!r} must look like --section.key=value (e.g. --optim.lr=3e-4)")
+    key, text = body.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as --data.path=my.jsonl
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML config (or the defaults when `path` is None), apply overrides, validate once."""
+    raw: dict[str, Any] = {}
+    where = ""
+    if path is not None:
+        path = Path(path)
+        where = f"{path}: "
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for arg in overrides or []:
+        key, value = parse_override(arg)
+        section, name = key.split(".", 1)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"override {arg!r}: '{section}' is not a config section")
+        raw[section][name] = value
+    return from_dict(raw, where)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    """The fully resolved config as TOML. Unset optional fields (None) are written as comments."""
+    lines: list[str] = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"# {key} = (preset)" if value is None else f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The config reference (every section and key, default and doc) as Markdown, for the docs."""
+    out: list[str] = []
+    for sf in dataclasses.fields(Config):
+        out += [f"### [{sf.name}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(sf.default_factory()):  # type: ignore[misc]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            m = f.metadata
+            allowed = " / ".join(map(str, m["choices"])) if m.get("choices") else " ".join(
+                s for s in (f">= {m['ge']}" if m.get("ge") is not None else "",
+                            f"> {m['gt']}" if m.get("gt") is not None else "",
+                            f"<= {m['le']}" if m.get("le") is not None else "") if s)
+            shown = "(preset)" if default is None else f"`{_toml_value(default)}`"
+            out.append(f"| `{f.name}` | {shown} | {allowed} | {m['doc']} |")
+        out.append("")
+    return "\n".join(out)

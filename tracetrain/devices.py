@@ -1,0 +1,48 @@
+"""Accelerator table: peak dense FLOP/s, memory and bandwidth by device name, from vendor datasheets
+(SXM/NVL/PCIe variants differ). Used for MFU and by the planner. An unknown device gets no entry:
+callers then report no MFU rather than a made-up one, unless the user gives `logging.peak_tflops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    bf16_tflops: float        # dense (no sparsity)
+    fp8_tflops: float
+    fp32_tflops: float        # plain (non-tensor-core) fp32
+    memory_gib: float
+    hbm_tb_s: float
+
+
+# Matched in order against torch.cuda.get_device_name(); more specific names first.
+DEVICES: list[tuple[str, DeviceSpec]] = [
+    ("GH200", DeviceSpec("GH200", 989.4, 1978.9, 66.9, 96.0, 4.0)),
+    ("H200", DeviceSpec("H200 SXM", 989.4, 1978.9, 66.9, 141.0 * 1e9 / 2**30, 4.8)),
+    ("H100 PCIe", DeviceSpec("H100 PCIe", 756.0, 1513.0, 51.2, 80.0 * 1e9 / 2**30, 2.0)),
+    ("H100 NVL", DeviceSpec("H100 NVL", 835.0, 1670.0, 60.0, 94.0 * 1e9 / 2**30, 3.9)),
+    ("H100", DeviceSpec("H100 SXM", 989.4, 1978.9, 66.9, 80.0 * 1e9 / 2**30, 3.35)),
+    ("A100", DeviceSpec("A100", 312.0, 0.0, 19.5, 80.0 * 1e9 / 2**30, 2.0)),
+    ("L40S", DeviceSpec("L40S", 362.1, 733.0, 91.6, 48.0 * 1e9 / 2**30, 0.864)),
+]
+
+
+def lookup_device(device_name: str) -> DeviceSpec | None:
+    for key, spec in DEVICES:
+        if key.lower() in device_name.lower():
+            return spec
+    return None
+
+
+def peak_flops(device_name: str, precision: str, override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s for MFU: the override if given, else the table's figure for `precision`."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    spec = lookup_device(device_name)
+    if spec is None:
+        return None
+    return {"bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops, "fp8": spec.fp8_tflops,
+            "fp32": spec.fp32_tflops}[precision] * 1e12

@@ -1,0 +1,89 @@
+"""Counting from first principles: parameters, FLOPs per token, bytes. Shared by the trainer's metrics
+and the planner, so there is one formula in one place.
+
+FLOP conventions (stated in the README):
+- A matmul of an (m, k) by (k, n) matrix costs 2*m*k*n FLOPs. Per token, a linear layer with P weights
+  costs 2P forward, 2P for the input gradient and 2P for the weight gradient.
+- Causal attention is counted at half of the full score matrix: per layer and token, QK^T and PV cost
+  2 * seq * (n_heads * head_dim) forward together; backward costs twice the forward.
+- Full training: 3x forward (the usual 6N + attention). LoRA: frozen weights need no weight gradient,
+  so 4 FLOPs per frozen weight and token, 6 per adapter weight, attention 3x forward.
+- Model FLOPs (MFU) count only the math the algorithm needs; hardware FLOPs (HFU) add what activation
+  recomputation repeats: one more forward for full recomputation, the attention forward for selective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tracetrain.models.llama import ModelArgs
+
+
+def block_params(args: ModelArgs) -> int:
+    """Parameters of one transformer block (attention, MLP, two norms)."""
+    d, kv = args.dim, args.n_kv_heads * args.head_dim
+    attn = d * d + 2 * d * kv + d * d + (d + 2 * kv if args.qkv_bias else 0)
+    mlp = 3 * d * args.ffn_dim
+    return attn + mlp + 2 * d
+
+
+def num_params(args: ModelArgs) -> int:
+    """Exact parameter count, as `sum(p.numel())` over unique parameters of the built model."""
+    embed = args.vocab_size * args.dim
+    head = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    return embed + args.n_layers * block_params(args) + args.dim + head
+
+
+def num_matmul_params(args: ModelArgs) -> int:
+    """Weights that take part in a matmul for every token: all linear layers and the output head
+    (the embedding lookup is a gather, not a matmul; norms and biases are negligible and excluded)."""
+    d, kv = args.dim, args.n_kv_heads * args.head_dim
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * args.ffn_dim
+    return args.n_layers * per_layer + args.vocab_size * args.dim
+
+
+def lora_params(args: ModelArgs, rank: int, targets: list[str]) -> int:
+    """Adapter parameters for LoRA of `rank` on the named projections of every block."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    names = list(shapes) if "all-linear" in targets else targets
+    return args.n_layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names if n in shapes)
+
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """FLOPs per trained token: `model` for MFU, `hardware` (with recomputation) for HFU."""
+
+    model: float
+    hardware: float
+
+
+def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:
+    """Causal attention scores and weighted sum, forward, per token, all layers."""
+    return 2.0 * args.n_layers * seq_len * args.n_heads * args.head_dim
+
+
+def training_flops_per_token(args: ModelArgs, seq_len: int, *, mode: Literal["full", "lora"] = "full",
+                             num_lora_params: int = 0,
+                             recompute: Literal["none", "selective", "full"] = "none") -> TokenFlops:
+    """FLOPs per token of one training step (forward + backward), by the conventions above."""
+    n = num_matmul_params(args)
+    attn = attention_forward_flops(args, seq_len)
+    forward = 2.0 * n + 2.0 * num_lora_params + attn
+    if mode == "full":
+        model = 6.0 * n + 3.0 * attn
+    else:
+        model = 4.0 * n + 6.0 * num_lora_params + 3.0 * attn
+    extra = {"none": 0.0, "selective": attn, "full": forward}[recompute]
+    return TokenFlops(model=model, hardware=model + extra)
+
+
+def inference_flops_per_token(args: ModelArgs, context_len: int) -> float:
+    """Forward FLOPs for one new token attending to `context_len` earlier tokens (non-causal row)."""
+    return 2.0 * num_matmul_params(args) + 4.0 * args.n_layers * context_len * args.n_heads * args.head_dim
+
+
+def weight_bytes(args: ModelArgs, bytes_per_param: int) -> int:
+    return num_params(args) * bytes_per_param

@@ -1,0 +1,266 @@
+"""Llama-family decoder as a plain nn.Module.
+
+Covers Llama 2/3/3.1/3.2, Mistral (no sliding window) and Qwen2: RMSNorm, rotary embeddings (with
+Llama-3 frequency scaling), grouped-query attention through `F.scaled_dot_product_attention`, SwiGLU
+MLP, optional q/k/v bias, tied or untied embeddings. Parameter names follow Hugging Face's Llama
+layout (`layers.N.self_attn.q_proj`, `layers.N.mlp.gate_proj`, ...) so checkpoint and PEFT adapter
+names map one to one, and the rotary embedding uses the same half-split ("rotate_half") layout as HF
+checkpoints, so their q/k weights load without a permutation.
+
+Precision, recomputation, LoRA, compile and parallelism are applied from outside (`apply_*`
+transforms); nothing here knows about them. Packed sequences are handled by `document_ids`: tokens
+attend only to earlier tokens of the same document (a block-diagonal causal mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    """Architecture hyper-parameters. Everything the accounting functions need is here."""
+
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 320
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3.1-style frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; empty = plain RoPE.
+    rope_scaling: dict[str, float] = field(default_factory=dict)
+    max_seq_len: int = 2048
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    s = args.rope_scaling
+    if not s:
+        return inv_freq
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim) float32."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future."""
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (batch, seq, seq)
+    return (same_doc & causal).unsqueeze(1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 for stability, then scale in the input dtype (as HF Llama does).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        kv_dim = args.n_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+        b, s, _ = x.shape  # (batch, seq, dim)
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (batch, kv_heads, cached + seq, head_dim)
+        # With no mask and no cache, is_causal lets SDPA pick the flash kernel on the GPU.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
+            enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder. `forward(tokens, position_ids, document_ids) -> logits (batch, seq, vocab)`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random init (normal, std init_std; residual outputs scaled by 1/sqrt(2 * n_layers)).
+
+        Called after `to_empty` when the model was built on the meta device.
+        """
+        std = self.args.init_std
+        self.rope_inv_freq.copy_(rope_inv_freq(self.args))
+        nn.init.normal_(self.embed_tokens.weight, std=std)
+        for block in self.layers:
+            for name, mod in block.named_modules():
+                if isinstance(mod, nn.Linear):
+                    out_proj = name.endswith(("o_proj", "down_proj"))
+                    nn.init.normal_(mod.weight, std=std / math.sqrt(2 * self.args.n_layers) if out_proj else std)
+                    if mod.bias is not None:
+                        nn.init.zeros_(mod.bias)
+                elif isinstance(mod, RMSNorm):
+                    nn.init.ones_(mod.weight)
+        nn.init.ones_(self.norm.weight)
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, seq) positions -> cos, sin of shape (batch, seq, head_dim), float32."""
+        freqs = position_ids.float().unsqueeze(-1) * self.rope_inv_freq  # (batch, seq, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       document_ids: torch.Tensor | None = None,
+                       cache: "KVCache | None" = None) -> torch.Tensor:
+        """Final normed hidden states (batch, seq, dim); the loss may apply lm_head itself (chunked)."""
+        b, s = tokens.shape
+        if position_ids is None:
+            start = cache.length if cache is not None else 0
+            position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
+        cos, sin = self.rope(position_ids)
+        mask = document_causal_mask(document_ids) if document_ids is not None else None
+        if cache is not None:
+            mask = cache.attention_mask(s)
+        h = self.embed_tokens(tokens)  # (batch, seq, dim)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.advance(s)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
+        return self.lm_head(self.forward_hidden(tokens, position_ids, document_ids, cache))
+
+
+class KVCacheLayer:
+    """One layer's preallocated keys and values: (batch, kv_heads, max_len, head_dim)."""
+
+    def __init__(self, owner: "KVCache", k: torch.Tensor, v: torch.Tensor) -> None:
+        self.owner, self.k, self.v = owner, k, v
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.owner.length, self.owner.length + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Static KV cache for generation. Rows may be left-padded: `pad_mask` (batch, max_len) marks
+    positions that hold real tokens, so padded prompts never receive attention."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        self.layers = [KVCacheLayer(self, torch.zeros(shape, device=device, dtype=dtype),
+                                    torch.zeros(shape, device=device, dtype=dtype)) for _ in range(args.n_layers)]
+        self.length = 0
+        self.max_len = max_len
+        self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+
+    def attention_mask(self, s: int) -> torch.Tensor:
+        """(batch, 1, s, length + s) bool: causal within the new tokens, and no padded positions."""
+        end = self.length + s
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; {end} requested")
+        q_pos = torch.arange(self.length, end, device=self.valid.device).unsqueeze(1)
+        k_pos = torch.arange(end, device=self.valid.device).unsqueeze(0)
+        causal = k_pos <= q_pos  # (s, end)
+        return (causal.unsqueeze(0) & self.valid[:, None, :end]).unsqueeze(1)
+
+    def advance(self, s: int) -> None:
+        self.length += s
