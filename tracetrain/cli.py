@@ -1,0 +1,170 @@
+"""The `tracetrain` command. Thin: each subcommand parses, validates and calls one library function.
+
+User mistakes (TracetrainError) print one line `error: ...` and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tracetrain import __version__
+from tracetrain.errors import TracetrainError
+
+EPILOG_OVERRIDES = ("Any config key can be overridden as --section.key=value, e.g. --optim.lr=3e-4 "
+                    "--data.path=my.jsonl --train.steps=200. `tracetrain config --reference` lists every key.")
+
+
+def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.config import load_config
+    from tracetrain.train.loop import train
+    from tracetrain.train.resume import prepare_run_dir, resolve_resume
+
+    if a.resume:
+        cfg, point = resolve_resume(a.resume, a.config, overrides)
+    else:
+        cfg, point = load_config(a.config, overrides), None
+    run_dir = point.run_dir if point else prepare_run_dir(cfg)
+    train(cfg, run_dir, resume=point)
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.train.evaluation import exact_match_eval, run_eval
+    from tracetrain.train.step import StepContext
+    from tracetrain.data import build_datasets
+    from tracetrain.inference import load_trained
+
+    loaded = load_trained(a.path, a.device, overrides)
+    cfg = loaded.cfg
+    _, eval_ds, _ = build_datasets(cfg.data, loaded.tokenizer)
+    import torch
+    ctx = StepContext(loaded.device, torch.bfloat16 if loaded.precision == "bf16" else None, 0.0,
+                      cfg.data.pack, False)
+    result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
+    result.update(exact_match_eval(loaded.model, loaded.tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, None))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+    from tracetrain.inference import load_trained
+    from tracetrain.models.generate import generate
+
+    loaded = load_trained(a.path, a.device, overrides)
+    tok = loaded.tokenizer
+    g = torch.Generator(device=loaded.device).manual_seed(a.seed)
+    prompts = a.prompt
+    ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    outs = generate(loaded.model, ids, a.max_new_tokens, tok.eos_id, tok.pad_id, temperature=a.temperature,
+                    top_k=a.top_k, top_p=a.top_p, generator=g,
+                    dtype=torch.bfloat16 if loaded.precision == "bf16" else torch.float32)
+    for prompt, out in zip(prompts, outs):
+        print(json.dumps({"prompt": prompt, "completion": tok.decode(out)}))
+    return 0
+
+
+def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.inference import load_trained
+    from tracetrain.models.hf import export_hf, export_peft_adapter
+
+    loaded = load_trained(a.path, "cpu", overrides)
+    if a.peft:
+        lc = loaded.cfg.lora
+        if loaded.cfg.train.mode != "lora":
+            raise TracetrainError(f"{loaded.checkpoint} is a full fine-tune; --peft needs a LoRA run")
+        export_peft_adapter(loaded.model, Path(a.peft), lc.rank, lc.alpha, lc.dropout, lc.targets,
+                            base_model_name_or_path=loaded.cfg.model.init_from)
+        print(f"PEFT adapter written to {a.peft}")
+    if a.hf:
+        export_hf(loaded.model, loaded.model.args, Path(a.hf))
+        print(f"Hugging Face model (adapters merged) written to {a.hf}")
+    if not (a.hf or a.peft):
+        raise TracetrainError("export needs --hf OUT_DIR and/or --peft OUT_DIR")
+    return 0
+
+
+def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.models.accounting import num_params
+    from tracetrain.models.presets import PRESETS
+
+    for name, args in PRESETS.items():
+        print(f"{name:<14} {num_params(args) / 1e9:>7.3f}B  dim {args.dim:<5} layers {args.n_layers:<3} "
+              f"heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.vocab_size}")
+    return 0
+
+
+def cmd_config(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.config import load_config, reference_markdown, to_toml
+
+    print(reference_markdown() if a.reference else to_toml(load_config(a.config, overrides)))
+    return 0
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace, list[str]], int]]]:
+    p = argparse.ArgumentParser(prog="tracetrain", description="Train and fine-tune Llama-family models, "
+                                "and see where every millisecond and gigabyte goes.")
+    p.add_argument("--version", action="version", version=f"tracetrain {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    handlers: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {}
+
+    t = sub.add_parser("train", help="train or fine-tune (default: a tiny model on a built-in task)",
+                       epilog=EPILOG_OVERRIDES)
+    t.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    t.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its latest checkpoint")
+    handlers["train"] = cmd_train
+
+    for name, helptext in (("eval", "held-out loss, perplexity and exact match of a trained run"),
+                           ("generate", "sample from a trained run")):
+        s = sub.add_parser(name, help=helptext, epilog=EPILOG_OVERRIDES)
+        s.add_argument("path", help="run directory (latest checkpoint) or checkpoint folder")
+        s.add_argument("--device", default="auto")
+        handlers[name] = cmd_eval if name == "eval" else cmd_generate
+        if name == "generate":
+            s.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+            s.add_argument("--max-new-tokens", type=int, default=128)
+            s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+            s.add_argument("--top-k", type=int, default=0)
+            s.add_argument("--top-p", type=float, default=1.0)
+            s.add_argument("--seed", type=int, default=0)
+
+    e = sub.add_parser("export", help="export a trained run to Hugging Face and/or PEFT format")
+    e.add_argument("path", help="run directory or checkpoint folder")
+    e.add_argument("--hf", metavar="OUT_DIR", help="write config.json + safetensors (adapters merged)")
+    e.add_argument("--peft", metavar="OUT_DIR", help="write a PEFT LoRA adapter")
+    handlers["export"] = cmd_export
+
+    sub.add_parser("presets", help="list model presets with parameter counts")
+    handlers["presets"] = cmd_presets
+    c = sub.add_parser("config", help="print the resolved config (or --reference for every key)")
+    c.add_argument("--config", help="TOML config file")
+    c.add_argument("--reference", action="store_true", help="print the config reference as Markdown")
+    handlers["config"] = cmd_config
+    return p, handlers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, handlers = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    unknown = [r for r in rest if not (r.startswith("--") and "=" in r and "." in r.split("=", 1)[0])]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides look like --section.key=value)")
+    try:
+        return handlers[args.command](args, rest)
+    except TracetrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

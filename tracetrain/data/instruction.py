@@ -1,0 +1,208 @@
+"""Instruction data: JSONL records -> prompt/response pairs -> tokenised, loss-masked documents.
+
+One document per example:
+
+    BOS  prompt tokens  response tokens  EOS
+         (no loss)      (loss)           (loss)      <- unless data.train_on_prompt
+
+The prompt and the response are tokenised separately, so the boundary between "no loss" and "loss"
+is exact even for BPE tokenizers (a merge across the boundary would otherwise blur it).
+
+An example longer than `seq_len` keeps its whole prompt and as much of the response as fits (no EOS:
+the answer did not end there); if not even one response token fits, it is dropped. Both are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from tracetrain.config import DataSection
+from tracetrain.data.packing import (DataStats, Document, PackedDataset, empty_rows, fill_row_stats,
+                                     pack_documents, shift_labels)
+from tracetrain.data.tokenizer import Tokenizer
+from tracetrain.errors import DataError
+
+# (prompt_text, response_text): the prompt already has its template applied.
+Example = tuple[str, str]
+
+_ALPACA_INTRO = ("The following is a task for you to complete. Write a response that carries it out.")
+_ALPACA_INTRO_CONTEXT = ("The following is a task for you to complete, together with input that gives "
+                         "more context. Write a response that carries it out.")
+
+
+def format_prompt(template: str, instruction: str, context: str = "") -> str:
+    """The prompt text for one example; the response follows it directly."""
+    if template == "alpaca":
+        if context:
+            return (f"{_ALPACA_INTRO_CONTEXT}\n\n### Instruction:\n{instruction}\n\n"
+                    f"### Input:\n{context}\n\n### Response:\n")
+        return f"{_ALPACA_INTRO}\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+    if template == "plain":
+        return f"{instruction}\n{context}\n" if context else f"{instruction}\n"
+    if template == "chatml":
+        user = f"{instruction}\n\n{context}" if context else instruction
+        return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    raise ValueError(f"unknown template {template!r}")  # config validation rules this out
+
+
+def open_data_file(path: str, key: str) -> TextIO:
+    """Open a data file for text reading, or raise DataError naming the path and the config key."""
+    if not Path(path).is_file():
+        raise DataError(f"data file {path} does not exist (config key '{key}')")
+    return open(path, encoding="utf-8")
+
+
+def read_jsonl(path: str, key: str, required: list[str], optional: list[str],
+               skip_bad_lines: bool) -> tuple[list[dict[str, str]], int]:
+    """String fields of every JSONL line -> (records, number of bad lines skipped).
+
+    Blank lines are ignored. An optional field that is absent or null reads as ''. A bad line raises
+    DataError `file:LINE: ...` unless `skip_bad_lines`, in which case it is counted and skipped.
+    """
+    records, bad = [], 0
+    with open_data_file(path, key) as f:
+        try:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(_parse_line(line, required, optional))
+                except DataError as e:
+                    if not skip_bad_lines:
+                        raise DataError(f"{path}:{line_no}: {e}") from None
+                    bad += 1
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start} of a chunk)") from None
+    if not records:
+        what = f"all {bad} non-blank lines are bad" if bad else "the file has no JSON lines"
+        raise DataError(f"{path}: no usable examples ({what}; config key '{key}')")
+    return records, bad
+
+
+def _parse_line(line: str, required: list[str], optional: list[str]) -> dict[str, str]:
+    """One JSONL line -> its fields; DataError with the reason (the caller adds file:line)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"not a JSON object (got {type(obj).__name__})")
+    out = {}
+    for name in required + optional:
+        value = obj.get(name)
+        if value is None and name in optional:
+            value = ""
+        if name not in obj and name in required:
+            present = ", ".join(map(repr, obj)) or "none"
+            raise DataError(f"missing field {name!r} (fields present: {present})")
+        if not isinstance(value, str):
+            raise DataError(f"field {name!r} is {type(value).__name__}, expected a string")
+        out[name] = value
+    return out
+
+
+def read_instruction_file(path: str, key: str, data: DataSection) -> tuple[list[Example], int]:
+    """A JSONL file -> (templated examples, bad lines skipped), fields named by the data config."""
+    optional = [data.context_field] if data.context_field else []
+    records, bad = read_jsonl(path, key, [data.instruction_field, data.response_field], optional,
+                              data.skip_bad_lines)
+    examples = [(format_prompt(data.template, r[data.instruction_field], r.get(data.context_field, "")),
+                 r[data.response_field]) for r in records]
+    return examples, bad
+
+
+def held_out_split(num_examples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, eval indices): `fraction` of the examples, at least one when fraction > 0."""
+    num_eval = round(num_examples * fraction)
+    if fraction > 0 and num_examples >= 2:
+        num_eval = min(max(num_eval, 1), num_examples - 1)
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
+    return order[num_eval:], order[:num_eval]
+
+
+def tokenize_examples(examples: list[Example], tok: Tokenizer, seq_len: int, train_on_prompt: bool,
+                      stats: DataStats) -> tuple[list[Document], list[Example]]:
+    """Examples -> (documents, the examples kept); truncations and drops are counted in `stats`."""
+    prompts = tok.encode_batch([p for p, _ in examples])
+    responses = tok.encode_batch([r for _, r in examples])
+    docs, kept = [], []
+    for example, p, r in zip(examples, prompts, responses):
+        room = seq_len - 1 - len(p)  # tokens left for the response after BOS + prompt
+        if not example[1].strip() or room <= 0:
+            stats.examples_dropped += 1
+            continue
+        target = r + [tok.eos_id]
+        if len(target) > room:
+            target = target[:room]
+            stats.examples_truncated += 1
+        ids = [tok.bos_id] + p + target
+        is_target = [False] + [train_on_prompt] * len(p) + [True] * len(target)
+        docs.append((ids, shift_labels(ids, is_target)))
+        kept.append(example)
+    return docs, kept
+
+
+def datasets_from_examples(train_examples: list[Example], eval_examples: list[Example], tok: Tokenizer,
+                           data: DataSection, stats: DataStats,
+                           source: str) -> tuple[PackedDataset, PackedDataset]:
+    """Tokenise, shuffle (seeded) and pack both splits; `source` names the data in errors."""
+    train_docs, train_kept = tokenize_examples(train_examples, tok, data.seq_len, data.train_on_prompt, stats)
+    eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
+    if not train_docs:
+        raise DataError(f"{source}: no usable training examples ({len(train_examples)} read, all dropped: "
+                        f"empty response, or the prompt alone fills data.seq_len = {data.seq_len})")
+    # Packing is greedy in order, so shuffle first: neighbouring file lines are often near-duplicates.
+    order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(data.seed)).tolist()
+    train = PackedDataset(pack_documents([train_docs[i] for i in order], data.seq_len, tok.pad_id, data.pack),
+                          name="train")
+    eval_rows = (pack_documents(eval_docs, data.seq_len, tok.pad_id, data.pack) if eval_docs
+                 else empty_rows(data.seq_len))
+    eval_ = PackedDataset(eval_rows, examples=eval_kept, name="eval")
+    stats.train_examples, stats.eval_examples = len(train_kept), len(eval_kept)
+    fill_row_stats(stats, train, eval_)
+    return train, eval_
+
+
+def build_instruction_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
+    """`data.kind = "instruction"`: JSONL file(s) -> train and eval datasets plus stats."""
+    stats = DataStats()
+    examples, stats.bad_lines_skipped = read_instruction_file(data.path, "data.path", data)
+    if data.eval_path:
+        train_examples = examples
+        eval_examples, bad = read_instruction_file(data.eval_path, "data.eval_path", data)
+        stats.bad_lines_skipped += bad
+    else:
+        train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
+        train_examples = [examples[i] for i in train_idx]
+        eval_examples = [examples[i] for i in eval_idx]
+    stats.examples_read = len(train_examples) + len(eval_examples)
+    train, eval_ = datasets_from_examples(train_examples, eval_examples, tok, data, stats, data.path)
+    return train, eval_, stats
+
+
+def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids a model is given to generate a response: BOS + prompt, as in training."""
+    return [tok.bos_id] + tok.encode(prompt)
+
+
+_FINAL_NUMBER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+
+
+def _final_number(text: str) -> float | None:
+    match = _FINAL_NUMBER.search(text)
+    return float(match.group(1).replace(",", "")) if match else None
+
+
+def exact_match(prediction: str, reference: str, kind: str) -> bool:
+    """Is a generated response right? GSM8K-style references (`#### <number>`) compare final numbers;
+    everything else (the synthetic task included) compares stripped strings."""
+    if kind != "synthetic" and "####" in reference:
+        ref = _final_number(reference)
+        if ref is not None:
+            return _final_number(prediction) == ref
+    return prediction.strip() == reference.strip()

@@ -1,0 +1,184 @@
+"""Turn tokenised documents into fixed-length rows, and hold the rows as a `PackedDataset`.
+
+Every row has four aligned int64 tensors of length `seq_len`:
+
+    input_ids     the tokens
+    labels        the *next* token of the same document (already shifted), or -100 for no loss
+    position_ids  0, 1, 2, ... restarting at every document start (and at every row start)
+    document_ids  0, 1, 2, ... one per document within the row; padding gets -1
+
+Labels are shifted here, once, so that the trainer does a plain
+`cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100)` and so that a document's last
+token never learns to predict the first token of the next, unrelated document.
+
+Two ways to fill rows:
+- `pack_documents`: whole documents (instruction examples), greedily packed or one per row; a document
+  never straddles two rows, so every example is seen with its full prompt.
+- `chunk_stream`: a contiguous token stream (a text corpus) cut every `seq_len` tokens; a document may
+  continue into the next row, and its label at the cut still points at its true next token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+IGNORE_INDEX = -100
+PAD_DOCUMENT = -1
+
+# A tokenised document: (token ids, shifted labels), both of the same length.
+Document = tuple[list[int], list[int]]
+
+
+@dataclass
+class DataStats:
+    """What building the datasets did, for the trainer to print and the run directory to keep."""
+
+    examples_read: int = 0
+    bad_lines_skipped: int = 0
+    examples_truncated: int = 0
+    examples_dropped: int = 0
+    train_examples: int = 0
+    eval_examples: int = 0
+    train_sequences: int = 0
+    eval_sequences: int = 0
+    train_tokens: int = 0  # real (non-padding) tokens in the training rows
+    train_target_tokens: int = 0  # tokens that carry a loss (labels != -100)
+    seq_len: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """One line for the console."""
+        fill = self.train_tokens / max(1, self.train_sequences * self.seq_len)
+        parts = [f"{self.examples_read} examples read", f"{self.train_examples} train / "
+                 f"{self.eval_examples} eval", f"{self.train_sequences} train rows ({fill:.0%} filled)",
+                 f"{self.train_tokens} tokens, {self.train_target_tokens} with loss"]
+        for count, what in ((self.bad_lines_skipped, "bad lines skipped"),
+                            (self.examples_truncated, "truncated"), (self.examples_dropped, "dropped")):
+            if count:
+                parts.append(f"{count} {what}")
+        return "data: " + ", ".join(parts)
+
+
+class PackedDataset(Dataset):
+    """Fixed-length rows held in memory as stacked tensors; `ds[i]` is one row as a dict.
+
+    `examples` holds the held-out (prompt_text, response_text) pairs for exact-match evaluation
+    (instruction and synthetic data; empty for text). `name` says which split it is, for messages.
+    """
+
+    def __init__(self, rows: dict[str, torch.Tensor], examples: list[tuple[str, str]] | None = None,
+                 name: str = "train") -> None:
+        lengths = {t.shape for t in rows.values()}
+        assert len(lengths) == 1, f"row tensors disagree in shape: {lengths}"
+        # Stored as int32 to halve host memory for large corpora; rows are widened on the way out.
+        self.rows = {k: v.to(torch.int32) for k, v in rows.items()}  # each (num_rows, seq_len)
+        self.examples = list(examples or [])
+        self.name = name
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows["input_ids"].shape[1]
+
+    def __len__(self) -> int:
+        return self.rows["input_ids"].shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i].long() for k, v in self.rows.items()}  # each (seq_len,)
+
+    def batch(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows start..stop-1 as one batch, without per-row collation."""
+        return {k: v[start:stop].long() for k, v in self.rows.items()}  # each (rows, seq_len)
+
+
+def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
+    """labels[t] = ids[t+1] where token t+1 is a target, else -100; the last token gets -100."""
+    labels = [tok if tgt else IGNORE_INDEX for tok, tgt in zip(ids[1:], is_target[1:])]
+    return labels + [IGNORE_INDEX]
+
+
+def _finish_rows(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray) -> dict[str, torch.Tensor]:
+    """Rows of ids/labels plus a global document index per token (-1 = padding) -> the four tensors.
+
+    Positions and per-row document ids are derived from where the global index changes, so a document
+    cut at a row boundary restarts at position 0 in the next row (its earlier part is not visible).
+    """
+    num_rows, seq_len = ids.shape
+    starts = np.ones_like(doc, dtype=bool)  # (rows, seq): True where a new segment begins
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    col = np.broadcast_to(np.arange(seq_len), (num_rows, seq_len))
+    seg_start = np.maximum.accumulate(np.where(starts, col, 0), axis=1)
+    positions = np.where(doc >= 0, col - seg_start, 0)
+    local_doc = np.where(doc >= 0, np.cumsum(starts, axis=1) - 1, PAD_DOCUMENT)
+    return {"input_ids": torch.from_numpy(ids.astype(np.int64)),
+            "labels": torch.from_numpy(labels.astype(np.int64)),
+            "position_ids": torch.from_numpy(positions.astype(np.int64)),
+            "document_ids": torch.from_numpy(local_doc.astype(np.int64))}
+
+
+def _row_slots(lengths: list[int], seq_len: int, pack: bool) -> list[tuple[int, int]]:
+    """(row, offset) for each document: greedy first-fit into the current row, in the given order."""
+    slots, row, used = [], -1, seq_len
+    for n in lengths:
+        assert 0 < n <= seq_len, f"document of {n} tokens does not fit seq_len {seq_len}"
+        if not pack or used + n > seq_len:
+            row, used = row + 1, 0
+        slots.append((row, used))
+        used += n
+    return slots
+
+
+def pack_documents(docs: list[Document], seq_len: int, pad_id: int, pack: bool) -> dict[str, torch.Tensor]:
+    """Whole documents into rows of exactly `seq_len`; the rest of each row is padding.
+
+    pack=True: greedy in the given order (shuffle first), a new row whenever the next document does
+    not fit. pack=False: one document per row, right-padded.
+    """
+    slots = _row_slots([len(ids) for ids, _ in docs], seq_len, pack)
+    num_rows = slots[-1][0] + 1 if slots else 0
+    ids = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
+    labels = np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int64)
+    doc = np.full((num_rows, seq_len), PAD_DOCUMENT, dtype=np.int64)
+    for d, ((doc_ids, doc_labels), (row, offset)) in enumerate(zip(docs, slots)):
+        end = offset + len(doc_ids)
+        ids[row, offset:end] = doc_ids
+        labels[row, offset:end] = doc_labels
+        doc[row, offset:end] = d
+    return _finish_rows(ids, labels, doc)
+
+
+def chunk_stream(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, seq_len: int,
+                 pad_id: int) -> dict[str, torch.Tensor]:
+    """A token stream (with shifted labels and a document index per token) cut into `seq_len` rows.
+
+    The last, partial row is padded. A label at a cut keeps pointing at the document's next token
+    (the first token of the next row): the prediction is still made from this row's context.
+    """
+    num_rows = -(-len(ids) // seq_len)
+    pad = num_rows * seq_len - len(ids)
+
+    def padded(a: np.ndarray, fill: int) -> np.ndarray:
+        return np.concatenate([a, np.full(pad, fill, dtype=np.int64)]).reshape(num_rows, seq_len)
+
+    return _finish_rows(padded(ids, pad_id), padded(labels, IGNORE_INDEX), padded(doc, PAD_DOCUMENT))
+
+
+def empty_rows(seq_len: int) -> dict[str, torch.Tensor]:
+    """Zero rows, for an absent held-out split."""
+    shape = (0, seq_len)
+    return {k: torch.zeros(shape, dtype=torch.int64)
+            for k in ("input_ids", "labels", "position_ids", "document_ids")}
+
+
+def fill_row_stats(stats: DataStats, train: PackedDataset, eval_: PackedDataset) -> None:
+    """Record row and token counts of the built datasets in `stats`."""
+    stats.train_sequences, stats.eval_sequences = len(train), len(eval_)
+    stats.train_tokens = int((train.rows["document_ids"] != PAD_DOCUMENT).sum())
+    stats.train_target_tokens = int((train.rows["labels"] != IGNORE_INDEX).sum())
+    stats.seq_len = train.seq_len

@@ -1,0 +1,76 @@
+"""Build the model a config asks for: architecture, materialisation, weights, and the transforms.
+
+The model is built on the meta device (no memory), materialised directly on the target device, then
+initialised there — a 7B model never exists in fp32 on the CPU. Transforms are applied here, in one
+place and in a fixed order:
+
+1. weights: random init, or a Hugging Face checkpoint (`model.init_from`)
+2. LoRA (`train.mode = "lora"`): wraps target projections and freezes the rest; it comes before any
+   wrapping transform so that later ones (recomputation, compile, sharding) see the final modules.
+   Later issues add recomputation -> compile -> parallelism after it, in that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tracetrain.config import Config
+from tracetrain.errors import ConfigError
+from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.presets import PRESETS, get_preset
+
+_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+
+
+def model_args_from_config(cfg: Config) -> ModelArgs:
+    """The architecture: a preset (or a HF checkpoint's config.json) plus the config's overrides."""
+    m = cfg.model
+    if m.init_from:
+        from tracetrain.models.hf import load_hf_config
+        args = load_hf_config(m.init_from)
+    elif m.preset in PRESETS:
+        args = get_preset(m.preset)
+    else:
+        raise ConfigError(f"config key 'model.preset': {m.preset!r} is not a preset; "
+                          f"choose one of {', '.join(PRESETS)}")
+    changes = {k: getattr(m, k) for k in _OVERRIDES if getattr(m, k) is not None}
+    if m.init_from and changes:
+        raise ConfigError(f"config keys {', '.join('model.' + k for k in changes)} cannot change the shape "
+                          f"of a loaded checkpoint ({m.init_from})")
+    args = dataclasses.replace(args, **changes, max_seq_len=cfg.data.seq_len, init_std=m.init_std)
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"model shape: {e}") from None
+    return args
+
+
+def materialize(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
+    """Build on meta, allocate on `device` (fp32), and initialise with a seeded generator."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty replaces parameters, which breaks the tie
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | None = None) -> Transformer:
+    """The model for `cfg`, with weights loaded and transforms applied (see module docstring)."""
+    args = model_args_from_config(cfg)
+    model = materialize(args, device, cfg.train.seed)
+    if cfg.model.init_from:
+        from tracetrain.models.hf import load_hf_weights
+        load_hf_weights(model, cfg.model.init_from)
+    if cfg.train.mode == "lora":
+        from tracetrain.models.lora import apply_lora
+        lc = cfg.lora
+        try:
+            apply_lora(model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
+                       base_dtype=base_dtype)
+        except ValueError as e:
+            raise ConfigError(f"config key 'lora.targets': {e}") from None
+    return model

@@ -1,0 +1,380 @@
+"""Hugging Face interop: read and write `transformers` checkpoints and PEFT LoRA adapters.
+
+The model's parameter names already follow HF's Llama layout, and its rotary embedding uses HF's
+half-split layout, so conversion is only a renaming (`model.` prefix) with no permutation of q/k.
+
+Supported architectures: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (q/k/v bias).
+Sliding-window attention (Mistral's `sliding_window`, Qwen2's `use_sliding_window`) is ignored:
+the model attends to the full causal context, which is identical while sequences are no longer than
+the window (4096 for Mistral 7B v0.1; later Mistral and Qwen2 checkpoints disable it).
+
+Weights are streamed tensor by tensor (`safetensors.safe_open`) and copied into the existing
+parameters, so a model already materialised on a GPU or in bf16 needs no second full-size copy.
+Exports are written to a temporary directory and renamed into place, so a crash never leaves a
+half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from tracetrain.errors import CheckpointError
+from tracetrain.models.llama import ModelArgs
+from tracetrain.models.lora import (LoRALinear, apply_lora, is_lora_key, load_lora_state_dict,
+                                    lora_state_dict, resolve_targets)
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed here
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_PEFT_PREFIX = "base_model.model."
+
+
+# ----------------------------------------------------------------------------------------------------
+# config.json -> ModelArgs
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+
+
+def _check_architecture(cfg: dict[str, Any], where: Path) -> str:
+    """The HF model_type of a supported architecture, else CheckpointError listing the supported ones."""
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type", "")
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if archs:
+        if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(f"{where}: architecture {', '.join(archs)} is not supported; supported: {supported}")
+        return SUPPORTED_ARCHITECTURES[archs[0]]
+    if model_type not in SUPPORTED_ARCHITECTURES.values():
+        raise CheckpointError(f"{where}: model_type '{model_type}' is not supported; supported: {supported}")
+    return model_type
+
+
+def _rope_from_config(cfg: dict[str, Any], where: Path) -> tuple[float, dict[str, float]]:
+    """(rope_theta, llama3 scaling dict) from either transformers-5 `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling` keys."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, {}
+    if rope_type != "llama3":
+        raise CheckpointError(f"{where}: rope_type '{rope_type}' is not supported; supported: default, llama3")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, {k: float(params[k]) for k in keys}
+
+
+def _check_unsupported_features(cfg: dict[str, Any], where: Path, dim: int, n_heads: int) -> None:
+    """Features the plain model does not implement fail loudly instead of loading wrong weights."""
+    if cfg.get("head_dim") not in (None, dim // n_heads):
+        raise CheckpointError(f"{where}: head_dim {cfg['head_dim']} != hidden_size / num_attention_heads "
+                              f"({dim // n_heads}) is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act '{cfg['hidden_act']}' is not supported; supported: silu")
+    # Llama's attention_bias also adds an o_proj bias, which the model (like Qwen2) does not have.
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{where}: {key} = true is not supported")
+
+
+def load_hf_config(path: str | Path) -> ModelArgs:
+    """ModelArgs from the `config.json` of a Hugging Face checkpoint directory."""
+    where = Path(path) / "config.json"
+    cfg = _read_json(where)
+    model_type = _check_architecture(cfg, where)
+    try:
+        dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        _check_unsupported_features(cfg, where, dim, n_heads)
+        theta, scaling = _rope_from_config(cfg, where)
+        args = ModelArgs(
+            dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads, ffn_dim=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rope_scaling=scaling, max_seq_len=cfg.get("max_position_embeddings", 2048),
+            qkv_bias=model_type == "qwen2", tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            init_std=float(cfg.get("initializer_range", 0.02)))
+    except KeyError as e:
+        raise CheckpointError(f"{where}: required key {e} is missing") from None
+    try:
+        args.validate()
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weights: HF checkpoint -> model
+
+def _local_name(hf_name: str) -> str:
+    """'model.layers.0.self_attn.q_proj.weight' -> 'layers.0.self_attn.q_proj.weight'."""
+    return hf_name.removeprefix("model.")
+
+
+def _hf_name(local_name: str) -> str:
+    """The model's state-dict key (LoRA-wrapped or not) -> HF's key ('.base.' dropped, 'model.' added)."""
+    name = local_name.replace(".base.", ".")
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _checkpoint_files(path: Path) -> dict[str, str]:
+    """HF tensor name -> file name holding it, from the index (sharded) or the single file's header."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise CheckpointError(f"{path / shard} (listed in {index.name}) does not exist")
+        return weight_map
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single.name)
+
+
+def _model_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Local (HF-style, no 'model.') name -> the parameter to fill; LoRA adapters are not in HF files."""
+    state = model.state_dict(keep_vars=True)
+    return {_local_name(_hf_name(k)): v for k, v in state.items() if not is_lora_key(k)}
+
+
+def _list_some(names: set[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(sorted(names)[:limit]) + more
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+    """Copy a HF checkpoint's tensors (single or sharded safetensors) into `model`'s parameters in place.
+
+    Works on a model already on any device and in any dtype (tensors are converted on copy), and on a
+    LoRA-wrapped model (the `.base` weights are filled). Names are all checked before anything is copied.
+    """
+    path = Path(path)
+    files = {_local_name(k): v for k, v in _checkpoint_files(path).items() if not k.endswith(_IGNORED_SUFFIXES)}
+    targets = _model_targets(model)
+    if getattr(model, "args", None) is not None and model.args.tie_embeddings:
+        # Tied: lm_head is the embedding (as in HF, which ties after loading); a saved copy is skipped.
+        targets.pop("lm_head.weight", None)
+        files.pop("lm_head.weight", None)
+    missing, unexpected = targets.keys() - files.keys(), files.keys() - targets.keys()
+    if missing:
+        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {_list_some(missing)}")
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensors in the checkpoint: {_list_some(unexpected)}")
+    by_file: dict[str, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        with safe_open(path / file, framework="pt") as f:
+            stored = {_local_name(k): k for k in f.keys()}
+            for name in names:
+                _copy_tensor(f, stored, name, targets[name], path / file)
+
+
+def _copy_tensor(f: Any, stored: dict[str, str], name: str, param: torch.Tensor, file: Path) -> None:
+    if name not in stored:
+        raise CheckpointError(f"{file}: tensor '{name}' is listed in the index but not in the file")
+    shape = tuple(f.get_slice(stored[name]).get_shape())  # read the header only, not the data
+    if shape != tuple(param.shape):
+        raise CheckpointError(f"{file}: tensor '{stored[name]}' has shape {shape} "
+                              f"but the model expects {tuple(param.shape)}")
+    param.copy_(f.get_tensor(stored[name]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Export: model -> HF checkpoint
+
+@contextlib.contextmanager
+def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `out_dir`; on success it replaces `out_dir` (rename), on error it is
+    removed. An existing `out_dir` is swapped out and deleted only after the new one is in place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def hf_config_dict(args: ModelArgs, dtype: torch.dtype, bos_token_id: int | None = None,
+                   eos_token_id: int | None = None) -> dict[str, Any]:
+    """The `config.json` transformers needs: Qwen2ForCausalLM when q/k/v have biases, else Llama.
+
+    Rope is written in the long-standing `rope_theta` + `rope_scaling` form, which transformers 4.x
+    reads as is and 5.x converts to `rope_parameters`.
+    """
+    arch, model_type = ("Qwen2ForCausalLM", "qwen2") if args.qkv_bias else ("LlamaForCausalLM", "llama")
+    scaling = {"rope_type": "llama3", **args.rope_scaling} if args.rope_scaling else None
+    cfg: dict[str, Any] = {
+        "architectures": [arch], "model_type": model_type, "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len, "rope_theta": args.rope_theta, "rope_scaling": scaling,
+        "tie_word_embeddings": args.tie_embeddings, "initializer_range": args.init_std,
+        "attention_dropout": 0.0, "use_cache": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        # transformers >= 4.56 reads `dtype`; older versions read `torch_dtype`.
+        "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype]}
+    if args.qkv_bias:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
+    else:
+        cfg.update(attention_bias=False, mlp_bias=False)
+    return cfg
+
+
+def _export_tensor(model: nn.Module, key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor as written: LoRA-wrapped weights merged (into a new tensor), cast, on the CPU."""
+    module_name, _, leaf = key.rpartition(".")
+    if module_name.endswith(".base") and leaf == "weight":
+        owner = model.get_submodule(module_name.removesuffix(".base"))
+        if isinstance(owner, LoRALinear):
+            value = owner.merged_weight(dtype)
+    return value.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, in state-dict order: a new shard starts when the next tensor would overflow this one."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+@torch.no_grad()
+def export_hf(model: nn.Module, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+              max_shard_bytes: int = 5 * 10**9, bos_token_id: int | None = None,
+              eos_token_id: int | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (or shards + index) loadable by transformers.
+
+    LoRA adapters are merged into the written weights without changing `model`. Shards are built one
+    at a time, so peak host memory is about one shard, not the whole model.
+    """
+    state = {k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
+    if args.tie_embeddings:
+        state.pop("lm_head.weight", None)  # HF ties it on load; safetensors refuses shared storage anyway
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = _plan_shards({k: v.numel() * itemsize for k, v in state.items()}, max_shard_bytes)
+    with _atomic_dir(Path(out_dir)) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(args, dtype, bos_token_id, eos_token_id), indent=2))
+        weight_map: dict[str, str] = {}
+        for i, keys in enumerate(shards):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {_hf_name(k): _export_tensor(model, k, state[k], dtype) for k in keys}
+            save_file(tensors, tmp / file, metadata={"format": "pt"})  # transformers checks "format"
+            weight_map.update(dict.fromkeys(tensors, file))
+        if len(shards) > 1:
+            total = sum(v.numel() * itemsize for v in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# PEFT adapters
+
+def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> None:
+    """The config written must describe the adapters written, or PEFT would load them wrongly."""
+    wrapped = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    ranks = {m.rank for m in wrapped.values()}
+    if ranks != {rank}:
+        raise ValueError(f"rank {rank} does not match the model's adapters (rank {sorted(ranks)})")
+    names = {n.rpartition(".")[2] for n in wrapped}
+    if names != set(resolve_targets(targets)):
+        raise ValueError(f"targets {targets} do not match the model's adapted layers {sorted(names)}")
+
+
+def export_peft_adapter(model: nn.Module, out_dir: str | Path, rank: int, alpha: float, dropout: float,
+                        targets: list[str], base_model_name_or_path: str = "") -> None:
+    """Write the model's adapters as a PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`)
+    that `peft.PeftModel.from_pretrained(hf_base_model, out_dir)` loads."""
+    adapters = lora_state_dict(model)
+    if not adapters:
+        raise ValueError("model has no LoRA adapters to export; apply_lora first")
+    _check_adapter_args(model, rank, targets)
+    cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+        "target_modules": resolve_targets(targets), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "base_model_name_or_path": base_model_name_or_path,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {}, "use_rslora": False, "use_dora": False, "lora_bias": False}
+    tensors = {_PEFT_PREFIX + _hf_name(k): v.detach().cpu().contiguous() for k, v in adapters.items()}
+    with _atomic_dir(Path(out_dir)) as tmp:
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+# Adapter features with no equivalent here; a set value would silently change what the adapter computes.
+_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern",
+                     "modules_to_save", "layers_to_transform", "layer_replication", "target_parameters",
+                     "trainable_token_indices")
+
+
+def _read_peft_config(adapter_dir: Path) -> dict[str, Any]:
+    where = adapter_dir / "adapter_config.json"
+    cfg = _read_json(where)
+    if cfg.get("peft_type") != "LORA":
+        raise CheckpointError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported; supported: LORA")
+    used = [k for k in _PEFT_UNSUPPORTED if cfg.get(k)] + (["bias"] if cfg.get("bias", "none") != "none" else [])
+    if used:
+        raise CheckpointError(f"{where}: adapter options not supported: {', '.join(used)}")
+    targets = cfg.get("target_modules")
+    targets = [targets] if targets == "all-linear" else targets
+    if not isinstance(targets, list):
+        raise CheckpointError(f"{where}: target_modules {targets!r} must be a list of projection names")
+    try:
+        cfg["target_modules"] = resolve_targets(targets)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return cfg
+
+
+def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, base_dtype: torch.dtype | None = None,
+                      adapter_dtype: torch.dtype = torch.float32) -> int:
+    """Apply LoRA as a PEFT adapter describes it and load its tensors, to continue training from it.
+
+    Returns the number of trainable parameters (as `apply_lora`).
+    """
+    adapter_dir = Path(adapter_dir)
+    cfg = _read_peft_config(adapter_dir)
+    file = adapter_dir / "adapter_model.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist")
+    with safe_open(file, framework="pt") as f:
+        # 'base_model.model.model.layers.0...lora_A.weight' -> 'layers.0...lora_A.weight'
+        tensors = {_local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}
+    count = apply_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"],
+                       base_dtype, adapter_dtype)
+    try:
+        load_lora_state_dict(model, tensors)
+    except CheckpointError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    return count

@@ -1,0 +1,176 @@
+"""LoRA as a transform over the plain model: `apply_lora` swaps chosen projections for `LoRALinear`.
+
+A LoRA layer keeps the pretrained `nn.Linear` frozen (as `.base`) and learns a low-rank update
+`W' = W + (alpha / rank) * B @ A`, with A (rank, in) and B (out, rank). B starts at zero, so the
+adapted model starts out computing exactly what the base model computes.
+
+Names are chosen so that checkpoints map one to one onto Hugging Face and PEFT: the wrapped
+projection's state-dict keys are `layers.N.self_attn.q_proj.base.weight`, `...q_proj.lora_A.weight`
+and `...q_proj.lora_B.weight`; `merge_lora` restores the original `...q_proj.weight` names.
+
+Adapters are kept in `adapter_dtype` (float32 by default) even when the frozen base is cast to bf16:
+the optimizer updates only the adapters, and small updates to a bf16 weight would be rounded away.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tracetrain.errors import CheckpointError
+
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + dropout(x) @ A^T @ B^T * (alpha / rank)`, with `base` frozen.
+
+    The adapter matmuls run in the adapters' dtype (the input is cast to it) and the sum is returned
+    in the base output's dtype, so a bf16 base stays a bf16 activation stream.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float,
+                 adapter_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if rank <= 0:
+            raise ValueError(f"LoRA rank must be > 0, got {rank}")
+        self.base = base
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+        kwargs = {"device": base.weight.device, "dtype": adapter_dtype}
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **kwargs)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, **kwargs)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.base.requires_grad_(False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """PEFT's init: A kaiming-uniform (as nn.Linear's default), B zero, so the update starts at 0.
+
+        Call again after `to_empty` when the model was built on the meta device.
+        """
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)  # (..., out_features)
+        h = self.dropout(x.to(self.lora_A.weight.dtype))
+        update = self.lora_B(self.lora_A(h)) * self.scaling
+        return out + update.to(out.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W + scaling * B @ A, computed in float32, returned in `dtype` (default: the base weight's).
+
+        A new tensor: the module itself is left unchanged (export uses this on a live model, and asks
+        for its output dtype directly so a bf16 base is not rounded twice).
+        """
+        w = self.base.weight
+        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()  # (out, in)
+        return (w.float() + self.scaling * delta).to(dtype or w.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+def resolve_targets(targets: list[str]) -> list[str]:
+    """Expand 'all-linear' and check names; raises ValueError naming the bad entry and the allowed ones."""
+    allowed = ", ".join((*LORA_TARGETS, "all-linear"))
+    if not targets:
+        raise ValueError(f"LoRA targets are empty; choose from {allowed}")
+    for name in targets:
+        if name != "all-linear" and name not in LORA_TARGETS:
+            raise ValueError(f"unknown LoRA target '{name}'; allowed: {allowed}")
+    if "all-linear" in targets:
+        return list(LORA_TARGETS)
+    return list(dict.fromkeys(targets))  # de-duplicated, in the given order
+
+
+def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """'self_attn.q_proj' -> (the self_attn module, 'q_proj')."""
+    parent_name, _, leaf = name.rpartition(".")
+    return (root.get_submodule(parent_name) if parent_name else root), leaf
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str],
+               base_dtype: torch.dtype | None = None, adapter_dtype: torch.dtype = torch.float32) -> int:
+    """Wrap the `targets` projections of every block in `model.layers` with `LoRALinear`, in place.
+
+    Every other parameter is frozen (and cast to `base_dtype` when given, to halve the memory of the
+    frozen weights in bf16). `lm_head` and the embedding are never adapted. Returns the number of
+    trainable parameters, which equals `accounting.lora_params(args, rank, targets)`.
+    """
+    names = resolve_targets(targets)
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("model already has LoRA adapters; merge_lora it first")
+    model.requires_grad_(False)
+    if base_dtype is not None:
+        # Assigning `.data` keeps each Parameter object, so tied weights (lm_head = embedding) stay tied.
+        for p in model.parameters():
+            p.data = p.data.to(base_dtype)
+    for block in model.layers:
+        matches = [(n, m) for n, m in block.named_modules()
+                   if isinstance(m, nn.Linear) and n.rpartition(".")[2] in names]
+        for name, linear in matches:
+            parent, leaf = _parent(block, name)
+            setattr(parent, leaf, LoRALinear(linear, rank, alpha, dropout, adapter_dtype))
+    return sum(p.numel() for p in trainable_parameters(model).values())
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> None:
+    """Fold every adapter into its base weight and put the plain `nn.Linear` back, in place.
+
+    Afterwards the state dict has the original names (`...q_proj.weight`) again. The restored
+    layers stay frozen; call `model.requires_grad_(True)` for full fine-tuning from here.
+    """
+    lora_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name, module in lora_modules:
+        module.base.weight.copy_(module.merged_weight())
+        parent, leaf = _parent(model, name)
+        setattr(parent, leaf, module.base)
+
+
+def is_lora_key(key: str) -> bool:
+    """True for adapter entries of a state dict (`...lora_A.weight`, `...lora_B.weight`)."""
+    return ".lora_A." in key or ".lora_B." in key
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters only, keyed by their names in the model (`layers.0.self_attn.q_proj.lora_A.weight`)."""
+    return {k: v for k, v in model.state_dict().items() if is_lora_key(k)}
+
+
+def _list_some(keys: set[str] | list[str], limit: int = 5) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+@torch.no_grad()
+def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy adapter tensors into a model that already went through `apply_lora` (same targets and rank).
+
+    Raises CheckpointError naming missing or unexpected adapters, or the first tensor whose shape
+    does not match; nothing is copied unless every name and shape matches.
+    """
+    params = {k: v for k, v in model.state_dict(keep_vars=True).items() if is_lora_key(k)}
+    missing, unexpected = params.keys() - state_dict.keys(), state_dict.keys() - params.keys()
+    if missing:
+        raise CheckpointError(f"LoRA adapters missing from the state dict: {_list_some(missing)}")
+    if unexpected:
+        raise CheckpointError(f"unexpected LoRA adapters in the state dict: {_list_some(unexpected)}")
+    for key, param in params.items():
+        if state_dict[key].shape != param.shape:
+            raise CheckpointError(f"LoRA tensor '{key}' has shape {tuple(state_dict[key].shape)} "
+                                  f"but the model expects {tuple(param.shape)} (different rank?)")
+    for key, param in params.items():
+        param.copy_(state_dict[key])
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters that require grad, by name (after `apply_lora`: the adapters only)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,98 @@
+"""Console output of a training run: a live progress bar plus periodic lines (rich).
+
+Computing and printing are separate: the loop hands finished numbers to the Reporter. When the
+console is not a terminal (CI, a log file) the bar is off and only the periodic lines are printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from tracetrain.models.accounting import num_params
+from tracetrain.train.metrics import format_line
+
+
+class _Bar:
+    def __init__(self, progress: Progress | None, task: Any, console: Console, total: int) -> None:
+        self.progress, self.task, self.console, self.total = progress, task, console, total
+
+    def update(self, done: int, rec: dict[str, Any] | None) -> None:
+        if rec is None:
+            return
+        line = format_line(rec, self.total)
+        if self.progress is not None:
+            stats = f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s"
+            if rec.get("mfu") is not None:
+                stats += f" | MFU {100 * rec['mfu']:.1f}%"
+            self.progress.update(self.task, completed=done, stats=stats)
+        self.console.print(line, highlight=False)
+
+
+class Reporter:
+    def __init__(self, progress: bool = True, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self.show_bar = progress and self.console.is_terminal
+
+    @contextlib.contextmanager
+    def status(self, what: str) -> Iterator[None]:
+        if self.show_bar:
+            with self.console.status(what):
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def progress(self, total: int, start: int) -> Iterator[_Bar]:
+        if not self.show_bar:
+            yield _Bar(None, None, self.console, total)
+            return
+        columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                   TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=self.console, transient=False) as prog:
+            task = prog.add_task("train", total=total, completed=start, stats="")
+            yield _Bar(prog, task, self.console, total)
+
+    def note(self, text: str) -> None:
+        self.console.print(f"[yellow]note:[/] {text}", highlight=False)
+
+    def data_stats(self, stats: Any) -> None:
+        d = stats if isinstance(stats, dict) else dataclasses.asdict(stats)
+        shown = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in d.items() if isinstance(v, int))
+        self.console.print(f"data: {shown}", highlight=False)
+        for key in ("bad_lines_skipped", "examples_truncated", "examples_dropped"):
+            if d.get(key):
+                self.note(f"{d[key]:,} {key.replace('_', ' ')}")
+
+    def model_summary(self, args: Any, model: Any, cfg: Any, device_name: str, precision: str,
+                      flops_per_token: float) -> None:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = num_params(args)
+        self.console.print(
+            f"model: {cfg.model.init_from or cfg.model.preset} | {total / 1e6:,.1f}M params | "
+            f"{trainable / 1e6:,.2f}M trainable ({cfg.train.mode}) | {device_name} | {precision} | "
+            f"{flops_per_token / 1e9:,.2f} GFLOP/token", highlight=False)
+
+    def eval_line(self, step: int, values: dict[str, Any] | None) -> None:
+        if values:
+            self.console.print(f"eval @ step {step}: loss {values['eval_loss']:.4f} | ppl {values['eval_ppl']:.2f}",
+                               highlight=False)
+
+    def summary(self, summary: dict[str, Any], run_dir: Path) -> None:
+        if summary.get("interrupted"):
+            return
+        parts = []
+        if "eval_loss" in summary:
+            parts.append(f"held-out loss {summary['eval_loss']:.4f} (ppl {summary['eval_ppl']:.2f})")
+        if "exact_match" in summary:
+            parts.append(f"exact match {100 * summary['exact_match']:.1f}% of {summary['exact_match_n']}")
+        if summary.get("tokens_per_s"):
+            parts.append(f"{summary['tokens_per_s']:,.0f} tok/s")
+        self.console.print("[bold green]done:[/] " + " | ".join(parts), highlight=False)
+        self.console.print(f"run directory: {run_dir}", highlight=False)

@@ -1,0 +1,57 @@
+"""Held-out evaluation: loss and perplexity during training; exact match by greedy generation at the end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracetrain.config import Config
+from tracetrain.data import exact_match, iter_batches
+from tracetrain.models.generate import generate
+from tracetrain.train.step import StepContext, evaluate
+
+
+def run_eval(model: nn.Module, eval_ds: Any, cfg: Config, ctx: StepContext) -> dict[str, float]:
+    """Loss / perplexity over the first `train.eval_batches` held-out batches."""
+    batches = list(itertools.islice(iter_batches(eval_ds, cfg.train.micro_batch_size), cfg.train.eval_batches))
+    if not batches:
+        return {}
+    return evaluate(model, batches, ctx)
+
+
+def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str, str]], cfg: Config,
+                     ctx: StepContext, run_dir: Path | None, batch_size: int = 32) -> dict[str, float]:
+    """Greedy answers to held-out prompts, scored by exact match; answers written to samples.jsonl."""
+    examples = examples[: cfg.train.eval_generate]
+    if not examples:
+        return {}
+    correct = 0
+    samples = []
+    max_new = max(8, min(512, cfg.data.seq_len // 2))
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        prompts = [[tokenizer.bos_id] + tokenizer.encode(p) for p, _ in chunk]
+        outs = generate(model, prompts, max_new, tokenizer.eos_id, tokenizer.pad_id,
+                        dtype=ctx.autocast_dtype or torch.float32)
+        for (prompt, reference), ids in zip(chunk, outs):
+            prediction = tokenizer.decode(ids)
+            ok = exact_match(prediction, reference, cfg.data.kind)
+            correct += ok
+            samples.append({"prompt": prompt, "reference": reference, "prediction": prediction, "correct": ok})
+    if run_dir is not None:
+        with open(run_dir / "samples.jsonl", "w") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+    return {"exact_match": correct / len(examples), "exact_match_n": len(examples)}
+
+
+def final_evaluation(model: nn.Module, tokenizer: Any, eval_ds: Any, cfg: Config, ctx: StepContext,
+                     run_dir: Path, reporter: Any) -> dict[str, Any]:
+    with reporter.status("final evaluation"):
+        result: dict[str, Any] = dict(run_eval(model, eval_ds, cfg, ctx))
+        result.update(exact_match_eval(model, tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, run_dir))
+    return result

@@ -1,0 +1,142 @@
+"""Per-step metrics: loss, grad norm, lr, tokens/s, MFU, data-wait vs compute time, peak memory.
+
+Device values (loss, grad norm, finite flag) stay on the device until `flush`, which reads a whole
+interval with one host sync. Wall-clock throughput is measured between flushes, so it covers every
+step in the interval including the GPU work that was still queued at the previous flush.
+Records go to `metrics.jsonl` (one line per step, plus eval lines), the console, and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracetrain.errors import TracetrainError
+
+
+@dataclass
+class _Pending:
+    step: int
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    finite: torch.Tensor
+    lr: float
+    tokens: int
+    data_wait_s: float
+
+
+@dataclass
+class MetricsLogger:
+    run_dir: Path
+    device: torch.device
+    flops_per_token: float            # model FLOPs (MFU convention, see models/accounting.py)
+    peak_flops: float | None          # None: unknown device, MFU is not reported
+    max_bad_steps: int
+    tensorboard: bool = False
+    pending: list[_Pending] = field(default_factory=list)
+    bad_streak: int = 0
+    skipped_steps: int = 0
+    last: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.window_start = time.perf_counter()
+        self.tb = None
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise TracetrainError("logging.tensorboard = true needs the tensorboard package: "
+                                      "pip install 'tracetrain[tensorboard]'") from None
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
+               lr: float, tokens: int, data_wait_s: float) -> None:
+        """Remember one step's values without reading them from the device."""
+        self.pending.append(_Pending(step, loss, grad_norm, finite, lr, tokens, data_wait_s))
+
+    def restart_window(self) -> None:
+        """Exclude time spent outside training steps (eval, checkpoints) from throughput."""
+        self.window_start = time.perf_counter()
+
+    def flush(self) -> dict[str, Any] | None:
+        """Read the pending steps (one host sync), write them, and return the interval's summary."""
+        if not self.pending:
+            return None
+        # The one host sync of the interval: the stacked values can only be read once the GPU is done.
+        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float(), p.finite.float()])
+                              for p in self.pending]).tolist()
+        elapsed = time.perf_counter() - self.window_start
+        tokens = sum(p.tokens for p in self.pending)
+        data_wait = sum(p.data_wait_s for p in self.pending)
+        tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
+        mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        memory = self.memory()
+        step_s = elapsed / len(self.pending)
+        for p, (loss, gnorm, finite) in zip(self.pending, values):
+            self._count_bad(finite > 0, p.step)
+            rec = {"step": p.step + 1, "loss": loss, "grad_norm": gnorm, "lr": p.lr, "skipped": finite == 0,
+                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_s": step_s,
+                   "data_wait_s": p.data_wait_s, "compute_s": max(0.0, step_s - p.data_wait_s), **memory}
+            self.file.write(json.dumps(rec) + "\n")
+            self._tensorboard(rec)
+        self.last = {**rec, "data_wait_share": data_wait / elapsed if elapsed > 0 else 0.0,
+                     "skipped_total": self.skipped_steps}
+        self.pending.clear()
+        self.window_start = time.perf_counter()
+        return self.last
+
+    def _count_bad(self, finite: bool, step: int) -> None:
+        self.bad_streak = 0 if finite else self.bad_streak + 1
+        self.skipped_steps += 0 if finite else 1
+        if self.bad_streak >= self.max_bad_steps:
+            raise TracetrainError(
+                f"loss or gradient was NaN/inf for {self.bad_streak} steps in a row (last at step {step + 1}); "
+                "stopping. Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16")
+
+    def memory(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            return {"mem_peak_alloc_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                    "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30}
+        # CPU: peak resident set size of the process (ru_maxrss is KiB on Linux, bytes on macOS).
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"mem_peak_rss_gib": rss / (2**30 if sys.platform == "darwin" else 2**20)}
+
+    def log_eval(self, step: int, values: dict[str, Any]) -> None:
+        rec = {"step": step, **values}
+        self.file.write(json.dumps(rec) + "\n")
+        self._tensorboard(rec)
+
+    def _tensorboard(self, rec: dict[str, Any]) -> None:
+        if self.tb is None:
+            return
+        for key, value in rec.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tb.add_scalar(key, value, rec["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_line(rec: dict[str, Any], total_steps: int) -> str:
+    """One console line for an interval summary."""
+    parts = [f"step {rec['step']:>6}/{total_steps}", f"loss {rec['loss']:.4f}", f"gnorm {rec['grad_norm']:.3f}",
+             f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+    if rec.get("mfu") is not None:
+        parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+    parts.append(f"data {100 * rec.get('data_wait_share', 0):.0f}%")
+    mem = rec.get("mem_peak_alloc_gib", rec.get("mem_peak_rss_gib"))
+    if mem is not None:
+        parts.append(f"mem {mem:.2f} GiB" + (" (rss)" if "mem_peak_rss_gib" in rec else ""))
+    if rec.get("skipped_total"):
+        parts.append(f"skipped {rec['skipped_total']}")
+    return " | ".join(parts)

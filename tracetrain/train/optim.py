@@ -1,0 +1,45 @@
+"""AdamW with decoupled weight decay on matrices only, and warmup + cosine/linear decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tracetrain.config import OptimSection
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over trainable parameters; norms, biases and other 1-D tensors get no weight decay.
+
+    The fused kernel (one launch for all parameters, and it honours `found_inf` so a non-finite step
+    is skipped on the GPU without a host sync) is used on CUDA unless `optim.fused = "off"`.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = cfg.fused == "on" or (cfg.fused == "auto" and device.type == "cuda")
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
+
+
+def lr_factor(step: int, cfg: OptimSection, total_steps: int) -> float:
+    """Multiplier on the peak lr for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimSection,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))

@@ -1,0 +1,31 @@
+"""Device and precision resolution, with clear errors for impossible requests."""
+
+from __future__ import annotations
+
+import torch
+
+from tracetrain.errors import ConfigError
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu. Asking for CUDA without one is an error, not a fallback."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"config key 'train.device': {spec!r} but no CUDA GPU is visible to PyTorch "
+                              f"(torch {torch.__version__}); use 'cpu' or 'auto'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"config key 'train.device': {spec!r} but only {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(device)
+    return device
+
+
+def resolve_precision(spec: str, device: torch.device) -> str:
+    """'auto' -> bf16 on GPUs that support it, fp32 otherwise."""
+    if spec == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if spec == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("config key 'train.precision': 'bf16' is not supported by this GPU; use 'fp32'")
+    return spec

@@ -1,0 +1,99 @@
+"""The training step and held-out evaluation.
+
+`train_step` is the whole of one optimizer step, straight-line. It never waits for the GPU: the loss,
+gradient norm and "was this step finite" flag come back as device tensors that the metrics logger reads
+every `logging.log_interval` steps (one host sync per interval instead of one per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepContext:
+    """What the step needs besides the batch; fixed for the whole run."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None   # None = no autocast (fp32)
+    grad_clip: float                     # 0 = no clipping (the norm is still measured)
+    use_document_mask: bool              # packed rows: attention must not cross documents
+    fused_skip: bool                     # optimizer honours `found_inf` on the device (fused AdamW)
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor        # () float32 on device: mean loss per target token over the whole step
+    grad_norm: torch.Tensor   # () float32 on device, before clipping
+    finite: torch.Tensor      # () bool on device: the update was applied
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    # non_blocking: with pinned host memory the copy overlaps the previous micro-batch's compute.
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def autocast(ctx: StepContext) -> contextlib.AbstractContextManager:
+    if ctx.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype)
+
+
+def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+    """Summed cross-entropy over target tokens of one micro-batch (labels are pre-shifted)."""
+    doc = batch["document_ids"] if ctx.use_document_mask else None
+    with autocast(ctx):
+        logits = model(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, vocab)
+    # Loss in float32 whatever the compute precision: bf16 log-softmax over a large vocab is lossy.
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
+               ctx: StepContext) -> StepOutput:
+    """Forward/backward over every micro-batch, clip, and one optimizer update (skipped if non-finite)."""
+    # Normalise by the target tokens of the whole step, so that accumulating k micro-batches gives the
+    # same gradient as one batch k times larger. Labels are still on the host: counting costs no sync.
+    num_targets = max(1, sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches))
+    total = torch.zeros((), device=ctx.device)
+    for mb in micro_batches:
+        loss = loss_sum(model, to_device(mb, ctx.device), ctx) / num_targets
+        loss.backward()  # gradients accumulate in .grad across micro-batches
+        total += loss.detach()
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
+    finite = torch.isfinite(total) & torch.isfinite(grad_norm)
+    if ctx.fused_skip:
+        # Fused AdamW skips the update on the device when found_inf is non-zero: no host sync.
+        optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
+        optimizer.step()
+    elif bool(finite):
+        # Host sync: needed to decide whether to step. Only on paths without the fused kernel
+        # (CPU, where there is no asynchronous queue to stall, or optim.fused = "off").
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss=total, grad_norm=grad_norm, finite=finite)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], ctx: StepContext) -> dict[str, float]:
+    """Mean loss per target token and perplexity over held-out batches."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    num_targets = 0
+    for batch in batches:
+        num_targets += int((batch["labels"] != IGNORE_INDEX).sum())
+        total += loss_sum(model, to_device(batch, ctx.device), ctx).double()
+    model.train(was_training)
+    loss = total.item() / max(1, num_targets)
+    return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp()), "eval_tokens": num_targets}
