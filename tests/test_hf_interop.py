@@ -27,6 +27,8 @@ def save_hf(tmp_path: Path, arch: str, **overrides) -> tuple[Path, torch.nn.Modu
     """A tiny random transformers model of `arch`, saved with save_pretrained; returns (dir, model)."""
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config}[arch]
+    # transformers adds keys to a rope_scaling dict passed to it: hand it copies.
+    overrides = {k: dict(v) if isinstance(v, dict) else v for k, v in overrides.items()}
     save_kwargs = {"max_shard_size": overrides.pop("max_shard_size")} if "max_shard_size" in overrides else {}
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**{**TINY, **overrides}))
@@ -91,6 +93,21 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
     assert_same_logits(hf_model, load_tracetrain(path))
 
 
+def test_load_into_bf16_and_lora_wrapped_models(tmp_path: Path) -> None:
+    """Weights are copied into existing parameters, whatever their dtype, and into LoRA `.base` layers."""
+    from tracetrain.models.lora import apply_lora
+
+    path, hf_model = save_hf(tmp_path, "llama")
+    reference = hf_model.state_dict()
+    model = Transformer(load_hf_config(path)).to(torch.bfloat16)
+    apply_lora(model, rank=2, alpha=4.0, dropout=0.0, targets=["q_proj"], base_dtype=None)
+    load_hf_weights(model, path)
+    q = model.layers[1].self_attn.q_proj.base.weight
+    assert q.dtype == torch.bfloat16
+    assert torch.equal(q, reference["model.layers.1.self_attn.q_proj.weight"].to(torch.bfloat16))
+    assert torch.equal(model.lm_head.weight, reference["lm_head.weight"].to(torch.bfloat16))
+
+
 def test_rope_parameters_and_legacy_keys_agree(tmp_path: Path) -> None:
     """transformers 5 writes `rope_parameters`; 4.x wrote top-level rope_theta + rope_scaling."""
     path, _ = save_hf(tmp_path, "llama", rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
@@ -118,7 +135,7 @@ def test_export_loads_in_transformers(tmp_path: Path, qkv_bias: bool, tie: bool)
             torch.nn.init.normal_(block.self_attn.k_proj.bias, std=0.1)
             torch.nn.init.normal_(block.self_attn.v_proj.bias, std=0.1)
     export_hf(model, args, tmp_path / "out", dtype=torch.float32, bos_token_id=1, eos_token_id=2)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(hf_model).__name__ == ("Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM")
     assert_same_logits(hf_model, model.eval())
 
@@ -135,7 +152,7 @@ def test_export_sharded_and_overwrite(tmp_path: Path) -> None:
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dirs left behind
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert_same_logits(hf_model, model.eval())
 
 

@@ -39,7 +39,9 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
     if m.init_from and changes:
         raise ConfigError(f"config keys {', '.join('model.' + k for k in changes)} cannot change the shape "
                           f"of a loaded checkpoint ({m.init_from})")
-    args = dataclasses.replace(args, **changes, max_seq_len=cfg.data.seq_len, init_std=m.init_std)
+    # A loaded checkpoint keeps its own context length (exported configs must not understate it).
+    max_seq_len = max(args.max_seq_len, cfg.data.seq_len) if m.init_from else cfg.data.seq_len
+    args = dataclasses.replace(args, **changes, max_seq_len=max_seq_len, init_std=m.init_std)
     try:
         args.validate()
     except ValueError as e:

@@ -37,7 +37,8 @@ class _Bar:
 
 class Reporter:
     def __init__(self, progress: bool = True, console: Console | None = None) -> None:
-        self.console = console or Console()
+        # soft_wrap: never break metric lines at the console width (logs and CI are not terminals).
+        self.console = console or Console(soft_wrap=True)
         self.show_bar = progress and self.console.is_terminal
 
     @contextlib.contextmanager

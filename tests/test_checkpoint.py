@@ -1,0 +1,137 @@
+"""Checkpoints a user can trust: exact resume after a real signal, atomic saves under kill -9."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracetrain.config import load_config
+from tracetrain.errors import CheckpointError, ConfigError
+from tracetrain.models.build import build_model
+from tracetrain.train.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from tracetrain.train.optim import build_optimizer
+from tracetrain.train.resume import resolve_resume
+
+from test_train import read_metrics, run_cli
+
+# Dropout and LoRA make the RNG state matter; a tiny model keeps the run fast.
+RUN = ["--train.steps=30", "--train.micro_batch_size=4", "--data.synthetic_examples=400", "--data.seq_len=64",
+       "--model.n_layers=2", "--logging.log_interval=1", "--train.eval_interval=0", "--train.eval_generate=0",
+       "--train.eval_batches=1", "--optim.warmup_steps=5", "--train.mode=lora", "--lora.dropout=0.1",
+       "--lora.targets=['all-linear']", "--optim.lr=5e-3"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)[0]]
+
+
+def test_sigterm_saves_and_resume_is_bit_identical(tmp_path):
+    run_cli("train", *RUN, f"--train.output_dir={tmp_path}", "--train.run_name=full")
+    reference = _losses(tmp_path / "full")
+    assert len(reference) == 30
+
+    # The same run, stopped by a real SIGTERM part-way and resumed.
+    cmd = [sys.executable, "-m", "tracetrain.cli", "train", *RUN, f"--train.output_dir={tmp_path}",
+           "--train.run_name=cut"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 8):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM received: saved checkpoint" in out and "--resume" in out
+    ckpts = list_checkpoints(tmp_path / "cut")
+    assert len(ckpts) == 1
+    stopped_at = int(ckpts[0].name.split("_")[1])
+    assert 8 <= stopped_at < 30
+
+    run_cli("train", "--resume", str(tmp_path / "cut"))
+    resumed = _losses(tmp_path / "cut")
+    assert len(resumed) == 30
+    assert resumed == reference  # bit-identical, step by step
+
+
+def test_resume_refuses_changes_that_alter_the_run(tmp_path):
+    run_cli("train", *RUN, "--train.steps=3", f"--train.output_dir={tmp_path}", "--train.run_name=r")
+    with pytest.raises(ConfigError, match=r"data.seq_len: 64 -> 128"):
+        resolve_resume(str(tmp_path / "r"), None, ["--data.seq_len=128"])
+    cfg, point = resolve_resume(str(tmp_path / "r"), None, ["--train.steps=6", "--logging.log_interval=2"])
+    assert cfg.train.steps == 6 and point.checkpoint.name == "step_00000003"
+    with pytest.raises(CheckpointError, match="no config.toml"):
+        resolve_resume(str(tmp_path / "nothing"), None, [])
+
+
+_SAVER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from tracetrain.config import load_config
+    from tracetrain.models.build import build_model
+    from tracetrain.train.checkpoint import TrainState, save_checkpoint
+    from tracetrain.train.optim import build_optimizer
+    cfg = load_config(None, ["--model.dim=256", "--model.ffn_dim=1024", "--model.n_layers=6",
+                             "--model.vocab_size=32000"])
+    model = build_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    for step in range(1, 10_000):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))  # every tensor of checkpoint N holds the value N
+        save_checkpoint(Path(sys.argv[1]), model, opt, TrainState(step, {}, {}, {}), "", lora=False, keep_last=2)
+        print(step, flush=True)
+""")
+
+
+def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path):
+    cfg = load_config(None, ["--model.dim=256", "--model.ffn_dim=1024", "--model.n_layers=6",
+                             "--model.vocab_size=32000"])
+    for attempt, delay in enumerate((0.05, 0.13, 0.29)):
+        run_dir = tmp_path / f"run{attempt}"
+        proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(run_dir)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "1"  # first checkpoint complete
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)  # no handler can run: the save is cut wherever it is
+        proc.wait()
+        ckpts = list_checkpoints(run_dir)
+        assert ckpts, "the first complete checkpoint must survive"
+        for ckpt in ckpts:  # every visible checkpoint is complete and internally consistent
+            model = build_model(cfg, torch.device("cpu"))
+            opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+            state = load_checkpoint(ckpt, model, opt, lora=False)
+            assert state.step == int(ckpt.name.split("_")[1])
+            assert all(torch.all(p == state.step) for p in model.parameters())
+
+
+def test_load_rejects_incomplete_or_mismatched(tmp_path):
+    cfg = load_config(None, ["--model.n_layers=1"])
+    model = build_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    path = save_checkpoint(tmp_path, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=1)
+    other = build_model(load_config(None, ["--model.n_layers=1", "--model.dim=64", "--model.ffn_dim=192"]),
+                        torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=r"tensor embed_tokens.weight has shape \(320, 128\)"):
+        load_checkpoint(path, other, build_optimizer(other, cfg.optim, torch.device("cpu")), lora=False)
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError, match="optimizer.pt is missing"):
+        load_checkpoint(path, model, opt, lora=False)
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    cfg = load_config(None, ["--model.n_layers=1"])
+    model = build_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, model, opt, TrainState(step, {}, {}, {}), "", lora=False, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    # Temporary folders of interrupted saves are never taken for checkpoints.
+    (tmp_path / "checkpoints" / ".tmp-step_00000009-1").mkdir()
+    assert len(list_checkpoints(tmp_path)) == 2

@@ -1,0 +1,131 @@
+"""The training step and loop: accumulation, NaN guard, schedule, and the real CLI end to end."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tracetrain.config import OptimSection, load_config
+from tracetrain.errors import TracetrainError
+from tracetrain.models.build import build_model
+from tracetrain.train.metrics import MetricsLogger
+from tracetrain.train.optim import build_optimizer, lr_factor
+from tracetrain.train.step import StepContext, train_step
+
+CTX = StepContext(torch.device("cpu"), None, grad_clip=0.0, use_document_mask=True, fused_skip=False)
+
+
+def _model_and_opt(seed: int = 0, sgd: bool = False):
+    cfg = load_config(None, ["--model.n_layers=2", f"--train.seed={seed}", "--optim.weight_decay=0.0"])
+    model = build_model(cfg, torch.device("cpu"))
+    if sgd:  # update = gradient: parameters after one step compare the gradients themselves
+        return model, torch.optim.SGD(model.parameters(), lr=1.0)
+    return model, build_optimizer(model, cfg.optim, torch.device("cpu"))
+
+
+def _rows(n: int, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 259, (n, seq), generator=g)
+    labels = torch.randint(0, 259, (n, seq), generator=g)
+    # Different numbers of target tokens per row, so per-micro-batch averaging would be wrong.
+    for i in range(n):
+        labels[i, : 3 + 5 * i] = -100
+    doc = (torch.arange(seq) >= seq // 2).long().expand(n, seq).contiguous()
+    pos = torch.cat([torch.arange(seq // 2), torch.arange(seq - seq // 2)]).expand(n, seq).contiguous()
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": doc}
+
+
+def test_accumulation_equals_one_large_batch():
+    big = _rows(4)
+    halves = [{k: v[:1] for k, v in big.items()}, {k: v[1:] for k, v in big.items()}]
+    m1, o1 = _model_and_opt(sgd=True)
+    m2, o2 = _model_and_opt(sgd=True)
+    out1 = train_step(m1, o1, [big], CTX)
+    out2 = train_step(m2, o2, halves, CTX)
+    assert out1.loss.item() == pytest.approx(out2.loss.item(), rel=1e-6)
+    assert out1.grad_norm.item() == pytest.approx(out2.grad_norm.item(), rel=1e-5)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert torch.allclose(p1, p2, atol=1e-6, rtol=0)
+    # And the check can fail: naive per-micro-batch means give a different gradient.
+    m3, o3 = _model_and_opt()
+    from tracetrain.train.step import loss_sum
+    for mb in halves:
+        (loss_sum(m3, mb, CTX) / (mb["labels"] != -100).sum() / 2).backward()
+    naive = torch.nn.utils.clip_grad_norm_(list(m3.parameters()), float("inf"))
+    assert naive.item() != pytest.approx(out1.grad_norm.item(), rel=1e-3)
+
+
+def test_non_finite_step_is_skipped_and_counted():
+    model, opt = _model_and_opt()
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    out = train_step(model, opt, [_rows(2)], CTX)
+    assert not out.finite.item()
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    assert sum(changed) == 1  # only the weight we poisoned differs; no update was applied
+
+
+def test_bad_streak_stops_with_clear_error(tmp_path):
+    log = MetricsLogger(tmp_path, torch.device("cpu"), 1.0, None, max_bad_steps=3)
+    nan, bad = torch.tensor(float("nan")), torch.tensor(False)
+    for step in range(3):
+        log.record(step, nan, nan, bad, 1e-3, 10, 0.0)
+    with pytest.raises(TracetrainError, match="NaN/inf for 3 steps in a row"):
+        log.flush()
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = OptimSection(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_factor(0, cfg, 100) == pytest.approx(0.1)
+    assert lr_factor(9, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(55, cfg, 100) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
+    lin = OptimSection(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
+    assert lr_factor(50, lin, 100) == pytest.approx(0.5)
+
+
+def run_cli(*args: str, cwd=None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tracetrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+SMALL = ["--train.steps=24", "--train.micro_batch_size=8", "--data.synthetic_examples=600", "--data.seq_len=64",
+         "--logging.log_interval=4", "--train.eval_interval=12", "--train.eval_batches=2", "--train.eval_generate=8",
+         "--optim.warmup_steps=4"]
+
+
+def read_metrics(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "loss" in r], [r for r in lines if "eval_loss" in r]
+
+
+def test_cli_train_writes_a_complete_run_directory(tmp_path):
+    proc = run_cli("train", *SMALL, f"--train.output_dir={tmp_path}", "--train.run_name=r1")
+    run = tmp_path / "r1"
+    steps, evals = read_metrics(run)
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in steps)
+    assert len(evals) == 1 and evals[0]["step"] == 12
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"eval_loss", "eval_ppl", "exact_match", "tokens_per_s", "checkpoint"} <= set(summary)
+    assert load_config(run / "config.toml").train.steps == 24
+    assert (run / "checkpoints" / "step_00000024" / "model.safetensors").is_file()
+    assert len((run / "samples.jsonl").read_text().splitlines()) == 8
+    assert "held-out loss" in proc.stdout
+    # The loss fell.
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    proc = run_cli("train", "--optim.lr=-1", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: config key 'optim.lr': -1.0 is out of range; it must be > 0"
+    proc = run_cli("train", "--data.kind=instruction", f"--data.path={tmp_path / 'nope.jsonl'}", check=False)
+    assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
