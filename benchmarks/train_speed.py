@@ -40,9 +40,9 @@ def bench_case(name: str, spec: dict, warmup: int, steps: int) -> dict:
     cfg = load_config(None, [f"--model.preset={spec['preset']}", f"--train.mode={spec['mode']}",
                              f"--data.seq_len={spec['seq']}", "--data.pack=false", "--train.precision=bf16"])
     device = torch.device("cuda")
-    torch.cuda.reset_peak_memory_stats()
     model = build_model(cfg, device, base_dtype=torch.bfloat16 if spec["mode"] == "lora" else None)
     opt = build_optimizer(model, cfg.optim, device)
+    torch.cuda.reset_peak_memory_stats()  # the peer's peak also excludes nothing but its own steps
     ctx = StepContext(device, torch.bfloat16, 1.0, use_document_mask=False, fused_skip=True)
     vocab = model.args.vocab_size
     tokens = torch.randint(0, vocab, (spec["batch"], spec["seq"] + 1))

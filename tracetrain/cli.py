@@ -59,7 +59,15 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     tok = loaded.tokenizer
     g = torch.Generator(device=loaded.device).manual_seed(a.seed)
     prompts = a.prompt
-    ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    data = loaded.cfg.data
+    if not a.raw and data.kind in ("instruction", "synthetic"):
+        # Wrap the prompt the way the model saw prompts in training (the synthetic task uses "plain").
+        from tracetrain.data import format_prompt
+        template = "plain" if data.kind == "synthetic" else data.template
+        texts = [format_prompt(template, p) for p in prompts]
+    else:
+        texts = prompts
+    ids = [[tok.bos_id] + tok.encode(t) for t in texts]
     outs = generate(loaded.model, ids, a.max_new_tokens, tok.eos_id, tok.pad_id, temperature=a.temperature,
                     top_k=a.top_k, top_p=a.top_p, generator=g,
                     dtype=torch.bfloat16 if loaded.precision == "bf16" else torch.float32)
@@ -131,6 +139,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
             s.add_argument("--top-k", type=int, default=0)
             s.add_argument("--top-p", type=float, default=1.0)
             s.add_argument("--seed", type=int, default=0)
+            s.add_argument("--raw", action="store_true",
+                           help="send the prompt as is (default: wrap it in the run's prompt template)")
 
     e = sub.add_parser("export", help="export a trained run to Hugging Face and/or PEFT format")
     e.add_argument("path", help="run directory or checkpoint folder")

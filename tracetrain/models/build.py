@@ -49,11 +49,15 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
     return args
 
 
-def materialize(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
-    """Build on meta, allocate on `device` (fp32), and initialise with a seeded generator."""
+def materialize(args: ModelArgs, device: torch.device, seed: int,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on meta, allocate on `device` in `dtype`, and initialise with a seeded generator."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
+    if dtype != torch.float32:
+        model.to(dtype)
+        model.rope_inv_freq.data = model.rope_inv_freq.float()  # rotary frequencies stay float32
     model.tie_weights()  # to_empty replaces parameters, which breaks the tie
     torch.manual_seed(seed)
     model.init_weights()
@@ -63,7 +67,9 @@ def materialize(args: ModelArgs, device: torch.device, seed: int) -> Transformer
 def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | None = None) -> Transformer:
     """The model for `cfg`, with weights loaded and transforms applied (see module docstring)."""
     args = model_args_from_config(cfg)
-    model = materialize(args, device, cfg.train.seed)
+    # A LoRA base is frozen: allocate it in its final dtype at once (a 7B base never exists in fp32).
+    lora_base = base_dtype if cfg.train.mode == "lora" and base_dtype is not None else torch.float32
+    model = materialize(args, device, cfg.train.seed, lora_base)
     if cfg.model.init_from:
         from tracetrain.models.hf import load_hf_weights
         load_hf_weights(model, cfg.model.init_from)
