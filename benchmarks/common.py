@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -15,8 +16,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def environment() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    # The device machine receives the working tree without .git: the caller passes TRACETRAIN_COMMIT.
+    commit = os.environ.get("TRACETRAIN_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=Path(__file__).parent).stdout.strip() or "unknown"
     return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
             "date": datetime.date.today().isoformat()}
