@@ -73,7 +73,7 @@ def test_bad_streak_stops_with_clear_error(tmp_path):
     log = MetricsLogger(tmp_path, torch.device("cpu"), 1.0, None, max_bad_steps=3)
     nan, bad = torch.tensor(float("nan")), torch.tensor(False)
     for step in range(3):
-        log.record(step, nan, nan, bad, 1e-3, 10, 0.0)
+        log.record(step, nan, nan, bad, ~bad, 1e-3, 10, 0.0)
     with pytest.raises(TracetrainError, match="NaN/inf for 3 steps in a row"):
         log.flush()
 

@@ -96,6 +96,44 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
+    """Train with profiling on; unless --full-run, stop right after the profiled window."""
+    from tracetrain.config import load_config
+    from tracetrain.train.loop import train
+    from tracetrain.train.resume import prepare_run_dir
+
+    cfg = load_config(a.config, ["--profile.enabled=true", *overrides])
+    if not a.full_run:
+        cfg.train.steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
+        cfg.checkpoint.save_final = False
+        cfg.train.eval_generate = 0
+    result = train(cfg, prepare_run_dir(cfg))
+    for key in ("trace", "report_html", "report_json"):
+        if key in result.summary:
+            print(f"{key.replace('_', ' ')}: {result.summary[key]}")
+    return 0
+
+
+def cmd_analyze(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.profile.analyze import analyze, compare, render_html, render_json, render_terminal
+
+    if overrides:
+        raise TracetrainError(f"analyze takes no config overrides (got {' '.join(overrides)})")
+    result = analyze(a.paths, device_name=a.device_name)
+    if a.compare:
+        result = compare(result, analyze(a.compare, device_name=a.device_name))
+    from rich.console import Console
+    console = Console()
+    render_terminal(result, console if console.is_terminal else Console(width=160))
+    if a.html:
+        Path(a.html).write_text(render_html(result))
+        print(f"HTML report: {a.html}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(render_json(result), indent=2))
+        print(f"JSON report: {a.json}")
+    return 0
+
+
 def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.models.accounting import num_params
     from tracetrain.models.presets import PRESETS
@@ -147,6 +185,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     e.add_argument("--hf", metavar="OUT_DIR", help="write config.json + safetensors (adapters merged)")
     e.add_argument("--peft", metavar="OUT_DIR", help="write a PEFT LoRA adapter")
     handlers["export"] = cmd_export
+
+    pr = sub.add_parser("profile", help="train with a profiled window of steps, then analyze the trace",
+                        epilog="Window: --profile.start_step=N --profile.num_steps=K. " + EPILOG_OVERRIDES)
+    pr.add_argument("--config", help="TOML config file")
+    pr.add_argument("--full-run", action="store_true", help="keep training after the window (default: stop)")
+    handlers["profile"] = cmd_profile
+
+    an = sub.add_parser("analyze", help="explain where time goes in PyTorch profiler traces")
+    an.add_argument("paths", nargs="+", help="trace files (.json / .json.gz; one per rank) or a folder of them")
+    an.add_argument("--compare", nargs="+", metavar="PATH", help="second set of traces to compare against")
+    an.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    an.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    an.add_argument("--device-name", help="GPU name for peak FLOP/s (default: from the trace)")
+    handlers["analyze"] = cmd_analyze
 
     sub.add_parser("presets", help="list model presets with parameter counts")
     handlers["presets"] = cmd_presets

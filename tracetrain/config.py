@@ -70,8 +70,8 @@ class TrainSection:
     steps: int = fld(600, "Optimizer steps to run.", gt=0)
     micro_batch_size: int = fld(16, "Sequences per forward/backward pass.", gt=0)
     grad_accum_steps: int = fld(1, "Micro-batches accumulated per optimizer step.", gt=0)
-    precision: str = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU).",
-                         choices=("auto", "fp32", "bf16"))
+    precision: str = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU); fp16 uses dynamic "
+                                 "loss scaling.", choices=("auto", "fp32", "bf16", "fp16"))
     device: str = fld("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'.")
     seed: int = fld(0, "Seed for weight init and dropout.")
     grad_clip: float = fld(1.0, "Clip the global gradient norm to this value (0 = off).", ge=0)
@@ -123,6 +123,39 @@ class LoggingSection:
 
 
 @dataclass
+class MemorySection:
+    recompute: str = fld("none", "Activation recomputation: none, full (whole blocks) or selective (cheap ops only).",
+                         choices=("none", "full", "selective"))
+    recompute_every: int = fld(1, "Recompute every k-th block only (1 = all blocks).", gt=0)
+    activation_offload: str = fld("none", "Move saved activations to pinned CPU memory during forward.",
+                                  choices=("none", "save_on_cpu", "streamed"))
+    optimizer_offload: bool = fld(False, "Keep fp32 master weights and AdamW moments in CPU memory (ZeRO-Offload).")
+    offload_threads: int = fld(0, "CPU threads for the offloaded optimizer step (0 = all cores).", ge=0)
+    unified_memory: str = fld("none", "Allocate these in CUDA managed memory (experimental).",
+                              choices=("none", "optimizer", "model"))
+    coherent_memory: bool = fld(False, "The GPU shares coherent memory with the CPU (GH200): allow managed "
+                                       "memory beyond free GPU memory.")
+    expandable_segments: bool = fld(True, "Use the CUDA caching allocator's expandable segments (less fragmentation).")
+    oom_snapshot: bool = fld(True, "On CUDA out-of-memory, write an allocator snapshot into the run directory.")
+
+
+@dataclass
+class ProfileSection:
+    enabled: bool = fld(False, "Capture a profile of steps [start_step, start_step + num_steps).")
+    start_step: int = fld(10, "First profiled step (earlier steps are warm-up).", ge=1)
+    num_steps: int = fld(5, "Number of profiled steps.", gt=0)
+    ranks: list[str] = fld(["0"], "Ranks to profile (as strings; ['all'] = every rank).")
+    record_shapes: bool = fld(True, "Record operator input shapes (needed for FLOP and bound analysis).")
+    with_stack: bool = fld(False, "Record Python stacks (large traces).")
+    profile_memory: bool = fld(True, "Record allocator events (memory over time).")
+    memory_snapshot: bool = fld(False, "Also dump a CUDA allocator snapshot (pickle) for pytorch.org/memory_viz.")
+    nvtx: bool = fld(True, "Emit NVTX ranges for steps and phases (for Nsight Systems).")
+    cuda_profiler_api: bool = fld(False, "Call cudaProfilerStart/Stop around the profiled steps, for "
+                                         "`nsys profile --capture-range=cudaProfilerApi` (the torch profiler is off).")
+    analyze: bool = fld(True, "Analyze the captured trace at the end and write report.html / report.json.")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -131,6 +164,8 @@ class Config:
     lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
 
 # ----------------------------------------------------------------------------------------------------

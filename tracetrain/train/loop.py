@@ -27,6 +27,7 @@ from tracetrain.data import build_datasets, build_loader, check_vocab, load_toke
 from tracetrain.devices import peak_flops
 from tracetrain.models.accounting import training_flops_per_token
 from tracetrain.models.build import build_model
+from tracetrain.profile.capture import ProfileCapture
 from tracetrain.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
@@ -73,7 +74,7 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
     reporter = reporter or Reporter(cfg.logging.progress)
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
-    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16}[precision]
+    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     torch.manual_seed(cfg.train.seed)
     (run_dir / "config.toml").write_text(to_toml(cfg))
 
@@ -97,9 +98,13 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
     loader = build_loader(train_ds, cfg.train.micro_batch_size, cfg.data, shuffle=True, seed=cfg.data.seed)
 
     start_step, counters = 0, {"skipped_steps": 0}
+    # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     if resume is not None:
         state = load_checkpoint(resume.checkpoint, model, optimizer, lora=adapters_only)
         scheduler.load_state_dict(state.scheduler)
+        if scaler is not None and state.counters.get("scaler"):
+            scaler.load_state_dict(state.counters["scaler"])
         loader.load_state_dict(state.loader)
         start_step, counters = state.step, state.counters
         resume.truncate_metrics(run_dir, start_step)
@@ -114,15 +119,18 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
                       "set logging.peak_tflops to its dense peak")
     metrics = MetricsLogger(run_dir, device, flops.model, peak, cfg.train.max_bad_steps, cfg.logging.tensorboard)
     metrics.skipped_steps = counters.get("skipped_steps", 0)
+    prof = ProfileCapture(cfg.profile, run_dir, device)
     ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
-                      use_document_mask=cfg.data.pack, fused_skip=bool(optimizer.defaults.get("fused")))
+                      use_document_mask=cfg.data.pack, fused_skip=bool(optimizer.defaults.get("fused")),
+                      scaler=scaler, phase=prof.phase)
     reporter.model_summary(args, model, cfg, device_name, precision, flops.model)
     config_toml = to_toml(cfg)
 
     def checkpoint(step: int) -> Path:
+        counters = {"skipped_steps": metrics.skipped_steps, "scaler": scaler.state_dict() if scaler else {}}
         state = TrainState(step=step, scheduler=scheduler.state_dict(), loader=loader.state_dict(),
-                           counters={"skipped_steps": metrics.skipped_steps})
-        with reporter.status(f"saving checkpoint at step {step}"):
+                           counters=counters)
+        with reporter.status(f"saving checkpoint at step {step}"), prof.phase("checkpoint"):
             return save_checkpoint(run_dir, model, optimizer, state, config_toml, lora=adapters_only,
                                    keep_last=cfg.checkpoint.keep_last)
 
@@ -135,19 +143,24 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
         with reporter.progress(cfg.train.steps, start_step) as bar:
             metrics.restart_window()
             for step in range(start_step, cfg.train.steps):
+                prof.step_begin(step)
                 t0 = time.perf_counter()
-                micro_batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
+                with prof.phase("data_wait"):
+                    micro_batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
                 data_wait_s = time.perf_counter() - t0
                 lr = scheduler.get_last_lr()[0]
                 out = train_step(model, optimizer, micro_batches, ctx)
                 scheduler.step()
-                metrics.record(step, out.loss, out.grad_norm, out.finite, lr, tokens_per_step, data_wait_s)
+                prof.step_end(step)
+                metrics.record(step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens_per_step,
+                               data_wait_s)
                 done = step + 1
                 if done % cfg.logging.log_interval == 0 or done == cfg.train.steps or stop.signal:
                     rec = metrics.flush()
                     bar.update(done, rec)
                 if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
-                    ev = run_eval(model, eval_ds, cfg, ctx)
+                    with prof.phase("eval"):
+                        ev = run_eval(model, eval_ds, cfg, ctx)
                     metrics.log_eval(done, ev)
                     reporter.eval_line(done, ev)
                     metrics.restart_window()
@@ -157,6 +170,7 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
                 if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < cfg.train.steps:
                     checkpoint(done)
                     metrics.restart_window()
+        summary_extra = prof.finish(reporter.note)
         if interrupted_at is not None:
             reporter.note(f"{stop.signal} received: saved checkpoint {interrupted_at} at step {step + 1}; "
                           f"continue with: tracetrain train --resume {run_dir}")
@@ -167,12 +181,14 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
             summary.update(_throughput_summary(metrics, cfg, step + 1))
             if cfg.checkpoint.save_final:
                 summary["checkpoint"] = str(checkpoint(cfg.train.steps))
+        summary.update(summary_extra)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         reporter.summary(summary, run_dir)
         return TrainResult(run_dir=run_dir, summary=summary)
     finally:
         stop.restore()
         metrics.close()
+        prof.finish(lambda _: None)  # stops a profiler left running by an exception
 
 
 def _lora_base_dtype(cfg: Config, device: torch.device) -> torch.dtype:

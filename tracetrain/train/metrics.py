@@ -27,6 +27,7 @@ class _Pending:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     finite: torch.Tensor
+    diverged: torch.Tensor
     lr: float
     tokens: int
     data_wait_s: float
@@ -58,9 +59,9 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
-               lr: float, tokens: int, data_wait_s: float) -> None:
+               diverged: torch.Tensor, lr: float, tokens: int, data_wait_s: float) -> None:
         """Remember one step's values without reading them from the device."""
-        self.pending.append(_Pending(step, loss, grad_norm, finite, lr, tokens, data_wait_s))
+        self.pending.append(_Pending(step, loss, grad_norm, finite, diverged, lr, tokens, data_wait_s))
 
     def restart_window(self) -> None:
         """Exclude time spent outside training steps (eval, checkpoints) from throughput."""
@@ -71,8 +72,8 @@ class MetricsLogger:
         if not self.pending:
             return None
         # The one host sync of the interval: the stacked values can only be read once the GPU is done.
-        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float(), p.finite.float()])
-                              for p in self.pending]).tolist()
+        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float(), p.finite.float(),
+                                           p.diverged.float()]) for p in self.pending]).tolist()
         elapsed = time.perf_counter() - self.window_start
         tokens = sum(p.tokens for p in self.pending)
         data_wait = sum(p.data_wait_s for p in self.pending)
@@ -80,8 +81,8 @@ class MetricsLogger:
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
         memory = self.memory()
         step_s = elapsed / len(self.pending)
-        for p, (loss, gnorm, finite) in zip(self.pending, values):
-            self._count_bad(finite > 0, p.step)
+        for p, (loss, gnorm, finite, diverged) in zip(self.pending, values):
+            self._count_bad(finite > 0, diverged > 0, p.step)
             rec = {"step": p.step + 1, "loss": loss, "grad_norm": gnorm, "lr": p.lr, "skipped": finite == 0,
                    "tokens_per_s": tokens_per_s, "mfu": mfu, "step_s": step_s,
                    "data_wait_s": p.data_wait_s, "compute_s": max(0.0, step_s - p.data_wait_s), **memory}
@@ -93,9 +94,9 @@ class MetricsLogger:
         self.window_start = time.perf_counter()
         return self.last
 
-    def _count_bad(self, finite: bool, step: int) -> None:
-        self.bad_streak = 0 if finite else self.bad_streak + 1
-        self.skipped_steps += 0 if finite else 1
+    def _count_bad(self, applied: bool, diverged: bool, step: int) -> None:
+        self.skipped_steps += 0 if applied else 1
+        self.bad_streak = self.bad_streak + 1 if diverged else 0
         if self.bad_streak >= self.max_bad_steps:
             raise TracetrainError(
                 f"loss or gradient was NaN/inf for {self.bad_streak} steps in a row (last at step {step + 1}); "

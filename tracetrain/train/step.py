@@ -8,7 +8,8 @@ every `logging.log_interval` steps (one host sync per interval instead of one pe
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +27,18 @@ class StepContext:
     grad_clip: float                     # 0 = no clipping (the norm is still measured)
     use_document_mask: bool              # packed rows: attention must not cross documents
     fused_skip: bool                     # optimizer honours `found_inf` on the device (fused AdamW)
+    scaler: torch.amp.GradScaler | None = None   # fp16 only: dynamic loss scaling
+    # Named ranges for the profiler / NVTX (tracetrain/forward, ...); a no-op unless profiling.
+    phase: Callable[[str], contextlib.AbstractContextManager] = field(
+        default=lambda name: contextlib.nullcontext())
 
 
 @dataclass
 class StepOutput:
     loss: torch.Tensor        # () float32 on device: mean loss per target token over the whole step
-    grad_norm: torch.Tensor   # () float32 on device, before clipping
+    grad_norm: torch.Tensor   # () float32 on device, before clipping (unscaled under fp16)
     finite: torch.Tensor      # () bool on device: the update was applied
+    diverged: torch.Tensor    # () bool on device: counts toward the "NaN/inf N steps in a row" stop
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -63,25 +69,42 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     # same gradient as one batch k times larger. Labels are still on the host: counting costs no sync.
     num_targets = max(1, sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches))
     total = torch.zeros((), device=ctx.device)
+    scaler = ctx.scaler
     for mb in micro_batches:
-        loss = loss_sum(model, to_device(mb, ctx.device), ctx) / num_targets
-        loss.backward()  # gradients accumulate in .grad across micro-batches
+        with ctx.phase("forward"):
+            loss = loss_sum(model, to_device(mb, ctx.device), ctx) / num_targets
+        with ctx.phase("backward"):
+            # fp16: scale the loss so small gradients do not underflow; unscaled again below.
+            (scaler.scale(loss) if scaler else loss).backward()  # .grad accumulates across micro-batches
         total += loss.detach()
 
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
-    finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-    if ctx.fused_skip:
-        # Fused AdamW skips the update on the device when found_inf is non-zero: no host sync.
-        optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
-        optimizer.step()
-    elif bool(finite):
-        # Host sync: needed to decide whether to step. Only on paths without the fused kernel
-        # (CPU, where there is no asynchronous queue to stall, or optim.fused = "off").
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss=total, grad_norm=grad_norm, finite=finite)
+    with ctx.phase("optimizer"):
+        if scaler:
+            scaler.unscale_(optimizer)  # clip and measure the true gradient norm
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
+        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
+        if scaler:
+            # GradScaler skips the update when the unscaled gradients hold inf/NaN (it then lowers the
+            # scale); with fused AdamW it hands found_inf to the kernel, so there is no host sync. An
+            # overflow is routine under fp16; only a non-finite loss means the run diverged.
+            scaler.step(optimizer)
+            scaler.update()
+            diverged = ~torch.isfinite(total)
+        elif ctx.fused_skip:
+            # Fused AdamW skips the update on the device when found_inf is non-zero: no host sync.
+            optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
+            optimizer.step()
+            diverged = ~finite
+        else:
+            # Host sync: needed to decide whether to step. Only on paths without the fused kernel
+            # (CPU, where there is no asynchronous queue to stall, or optim.fused = "off").
+            if bool(finite):
+                optimizer.step()
+            diverged = ~finite
+        optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss=total, grad_norm=grad_norm, finite=finite, diverged=diverged)
 
 
 @torch.no_grad()

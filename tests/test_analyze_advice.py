@@ -1,0 +1,75 @@
+"""Every advice rule fires on a trace built to trigger it and stays quiet on one that is not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import traces_gen as gen
+
+from tracetrain.profile.analyze import analyze
+from tracetrain.profile.analyze.advice import RULES, Advice
+
+
+def _advice(tmp_path: Path, *docs: dict[str, Any]) -> dict[str, Advice]:
+    paths = [gen.write(doc, tmp_path / f"rank{i}.json.gz") for i, doc in enumerate(docs)]
+    return {a.rule: a for a in analyze(paths).advice}
+
+
+def _gemm_bf16() -> dict[str, Any]:
+    return gen.gemm_heavy(steps=2)
+
+
+CASES = {
+    # rule: (trace that fires it, trace that does not, expected gain or None)
+    "data_loader": (lambda: gen.data_loader_bound(steps=3), _gemm_bf16, 39_990 / 100_000),
+    "pageable_copies": (lambda: gen.host_copies(steps=2, pageable=True),
+                        lambda: gen.host_copies(steps=2, pageable=False), 0.5 * 0.6),
+    "launch_bound": (lambda: gen.launch_bound(steps=2, kernels_per_step=200), _gemm_bf16, 0.7),
+    "fp32_gemm": (lambda: gen.gemm_heavy(steps=2, dtype="fp32"), _gemm_bf16, 0.5 * 0.96),
+    "small_gemm": (lambda: gen.gemm_heavy(steps=2, m=64), _gemm_bf16, 0.5 * 0.96),
+    "sync_stalls": (lambda: gen.sync_heavy(steps=2), _gemm_bf16, 4_908 / 20_000),
+    "memory_headroom": (lambda: gen.gemm_heavy(steps=2, memory_peak=10 * gen.GIB),
+                        lambda: gen.gemm_heavy(steps=2, memory_peak=70 * gen.GIB), None),
+}
+
+
+def test_every_rule_has_cases():
+    assert {rule.__name__ for rule in RULES} == set(CASES) | {"exposed_comm"}
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rule_fires_with_evidence_and_gain(tmp_path, rule):
+    fires, _, gain = CASES[rule]
+    advice = _advice(tmp_path, fires())
+    assert rule in advice, sorted(advice)
+    found = advice[rule]
+    assert found.evidence and found.action and found.title
+    assert found.gain == (pytest.approx(gain) if gain is not None else None)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rule_stays_quiet(tmp_path, rule):
+    _, quiet, _ = CASES[rule]
+    assert rule not in _advice(tmp_path, quiet())
+
+
+def test_exposed_comm_fires_on_exposed_nccl_only(tmp_path):
+    exposed = _advice(tmp_path, gen.two_rank_nccl(0, exposed=True), gen.two_rank_nccl(1, exposed=True))
+    assert exposed["exposed_comm"].gain == pytest.approx(0.15)
+    hidden = _advice(tmp_path, gen.two_rank_nccl(0, exposed=False), gen.two_rank_nccl(1, exposed=False))
+    assert "exposed_comm" not in hidden
+
+
+def test_well_fed_gemm_trace_gets_no_advice(tmp_path):
+    assert _advice(tmp_path, _gemm_bf16()) == {}
+
+
+def test_advice_is_sorted_by_gain_and_merged_across_ranks(tmp_path):
+    report = analyze([gen.write(gen.data_loader_bound(steps=2), tmp_path / "a.json.gz"),
+                      gen.write(gen.launch_bound(steps=2, kernels_per_step=200), tmp_path / "b.json.gz")])
+    gains = [a.gain for a in report.advice]
+    assert gains == sorted(gains, reverse=True)
+    by_rule = {a.rule: a for a in report.advice}
+    assert by_rule["launch_bound"].rank == 1 and by_rule["data_loader"].rank == 0

@@ -1,0 +1,66 @@
+"""Number formatting shared by the terminal and HTML renderers (plain strings, no markup)."""
+
+from __future__ import annotations
+
+import math
+
+
+def duration(us: float | None) -> str:
+    """12.3 s / 45.6 ms / 789 µs."""
+    if us is None or not math.isfinite(us):
+        return "—"
+    if abs(us) >= 1e6:
+        return f"{us / 1e6:.2f} s"
+    if abs(us) >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us:.1f} µs"
+
+
+def percent(fraction: float | None, digits: int = 1) -> str:
+    if fraction is None or not math.isfinite(fraction):
+        return "—"
+    return f"{100 * fraction:.{digits}f}%"
+
+
+def nbytes(value: float | None) -> str:
+    if value is None:
+        return "—"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def number(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    if value is None or not math.isfinite(value):
+        return "—"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def signed(value: float | None, unit: str) -> str:
+    """A delta with its sign, in the metric's unit."""
+    if value is None:
+        return "—"
+    sign = "+" if value > 0 else "-" if value < 0 else "±"
+    magnitude = abs(value)
+    body = {"us": duration(magnitude), "fraction": f"{100 * magnitude:.1f} pt",
+            "tflops": f"{magnitude:.1f} TFLOP/s"}.get(unit, f"{magnitude:,.1f}")
+    return sign + body
+
+
+def in_unit(amount: float | None, unit: str) -> str:
+    """An amount in its unit: µs durations, fractions as percent, TFLOP/s, plain counts."""
+    if unit == "us":
+        return duration(amount)
+    if unit == "fraction":
+        return percent(amount)
+    if unit == "tflops":
+        return number(amount, 1, " TFLOP/s")
+    return number(amount, 1)
+
+
+def relative(a: float | None, b: float | None) -> str:
+    """b relative to a, e.g. -12.5%."""
+    if a is None or b is None or a == 0:
+        return "—"
+    return f"{100 * (b / a - 1):+.1f}%"

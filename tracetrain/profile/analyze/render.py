@@ -1,0 +1,113 @@
+"""Render a `Report` or `CompareReport` to the terminal (rich tables) or to JSON-ready data.
+
+Rendering never computes: it formats the tables the analyzers returned. Trace strings (kernel
+names, file names) are untrusted and are written as plain `rich.text.Text`, never as markup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from tracetrain.profile.analyze import fmt, tables
+from tracetrain.profile.analyze.advice import Advice
+from tracetrain.profile.analyze.compare import CompareReport
+from tracetrain.profile.analyze.report import RankReport, Report
+from tracetrain.profile.analyze.tables import TextTable
+
+JSON_VERSION = 1
+
+
+def _rich(table: TextTable) -> Table:
+    out = Table(title=Text(table.title, style="bold"), title_justify="left", show_lines=False)
+    for header, numeric in zip(table.headers, table.numeric):
+        out.add_column(Text(header), justify="right" if numeric else "left",
+                       overflow="fold", max_width=None if numeric else 60)
+    for row in table.rows:
+        out.add_row(*(Text(cell) for cell in row))
+    return out
+
+
+def rank_tables(rank: RankReport) -> list[TextTable]:
+    """The detailed tables of one rank, in reading order (empty tables left out)."""
+    if not rank.has_gpu:  # a CPU-only trace: host step and phase times are all there is
+        return [t for t in (tables.steps_table(rank), tables.phases_table(rank)) if t.rows]
+    found = [tables.utilisation_table(rank), tables.steps_table(rank), tables.categories_table(rank),
+             tables.kernels_table(rank), tables.memcpy_table(rank), tables.phases_table(rank),
+             tables.offload_table(rank)]
+    return [t for t in found if t.rows]
+
+
+def report_tables(report: Report) -> list[TextTable]:
+    """Everything of a report: ranks (when several), rank 0's details, communication, advice."""
+    found = [tables.ranks_table(report)] if len(report.ranks) > 1 else []
+    found += rank_tables(report.ranks[0])
+    found.append(tables.comm_table(report))
+    return [t for t in found if t.rows]
+
+
+def compare_tables(diff: CompareReport) -> list[TextTable]:
+    a, b = "a", "b"
+    return [t for t in (
+        tables.delta_table(f"Summary (a: {diff.verdict_a}, b: {diff.verdict_b})", diff.summary, a, b),
+        tables.delta_table("Idle per step by cause", diff.idle, a, b),
+        tables.delta_table("GPU time per step by category", diff.categories, a, b),
+        tables.delta_table("Top kernels, time per step", diff.kernels, a, b)) if t.rows]
+
+
+def _print_advice(console: Console, advice: list[Advice], title: str) -> None:
+    console.print(Text(title, style="bold"))
+    if not advice:
+        console.print(Text("  no rule fired: nothing obvious to fix in this trace"))
+    for i, item in enumerate(advice, 1):
+        gain = f" (up to {fmt.percent(item.gain, 0)} of step time)" if item.gain else ""
+        console.print(Text(f"{i}. {item.title}{gain}", style="green"))
+        console.print(Text(f"   {item.action}\n   {item.evidence}"))
+
+
+def render_terminal(report: Report | CompareReport, console: Console | None = None) -> None:
+    """Print the report (or comparison) as rich tables."""
+    console = console or Console()
+    for note in report.notes:
+        console.print(Text(f"note: {note}", style="yellow"))
+    if isinstance(report, CompareReport):
+        console.print(Text(f"a: {report.label_a}\nb: {report.label_b}", style="bold"))
+        for table in compare_tables(report):
+            console.print(_rich(table))
+        _print_advice(console, report.advice_a, "Advice for a")
+        _print_advice(console, report.advice_b, "Advice for b")
+    else:
+        first = report.ranks[0]
+        console.print(Text(f"{first.source} — {first.device_name or 'unknown device'}, "
+                           f"{len(report.ranks)} rank(s)", style="bold"))
+        for table in report_tables(report):
+            console.print(_rich(table))
+        if any(rank.has_gpu for rank in report.ranks):
+            _print_advice(console, report.advice, "Advice")
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: dataclasses to dicts, numpy to Python, non-finite floats to None."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def render_json(report: Report | CompareReport) -> dict[str, Any]:
+    """The report (or comparison) as JSON-serialisable data, tagged with its kind and a version."""
+    kind = "tracetrain.compare" if isinstance(report, CompareReport) else "tracetrain.analysis"
+    return {"kind": kind, "version": JSON_VERSION, **_plain(report)}

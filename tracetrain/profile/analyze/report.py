@@ -1,0 +1,123 @@
+"""The analysis facade: parse each rank's trace, run every analyzer, collect the tables and advice.
+
+Each trace is parsed, analysed and dropped before the next is read, so analysing many ranks costs the
+memory of one parsed trace plus the (small) tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tracetrain.devices import DeviceSpec, lookup_device
+from tracetrain.errors import TracetrainError
+from tracetrain.profile.analyze.advice import Advice, advise, merge_advice
+from tracetrain.profile.analyze.bound import BoundAnalysis, bound
+from tracetrain.profile.analyze.comm import (CommRow, MemoryTimeline, OffloadRow, communication,
+                                             memory_timeline, offload)
+from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
+from tracetrain.profile.analyze.phases import PhaseRow, phases
+from tracetrain.profile.analyze.trace import Trace, parse_trace
+from tracetrain.profile.analyze.utilisation import Utilisation, utilisation
+
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """Every analysis of one rank's trace."""
+
+    source: str
+    rank: int
+    world_size: int
+    has_gpu: bool
+    device_name: str | None
+    notes: list[str]
+    utilisation: Utilisation
+    kernels: KernelBreakdown
+    bound: BoundAnalysis
+    phases: list[PhaseRow]
+    communication: CommRow
+    offload: OffloadRow
+    memory: MemoryTimeline | None
+    advice: list[Advice] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Report:
+    """The analysis of one run: a report per rank (sorted by rank), communication per rank, and the
+    advice of all ranks merged (each rule once, at the rank where it gains most)."""
+
+    ranks: list[RankReport]
+    communication: list[CommRow]
+    advice: list[Advice]
+    notes: list[str]
+
+
+def _device(trace: Trace) -> tuple[DeviceSpec | None, list[str]]:
+    if not trace.device_name:
+        return None, ["device unknown (no deviceProperties in the trace): pass device_name for "
+                      "FLOP/s and bandwidth efficiency"]
+    spec = lookup_device(trace.device_name)
+    if spec is None:
+        return None, [f"device {trace.device_name!r} is not in tracetrain.devices: no peak FLOP/s or "
+                      "bandwidth to compare with"]
+    return spec, []
+
+
+def analyze_trace(trace: Trace) -> RankReport:
+    """Run every analyzer on one parsed trace."""
+    spec, notes = _device(trace)
+    has_gpu = len(trace.gpu) > 0
+    notes = notes if has_gpu else []
+    util = utilisation(trace)
+    num_devices = len(set(trace.gpu.device.tolist()))
+    if num_devices > 1:
+        notes.append(f"activity on {num_devices} GPUs in one trace: analysing GPU {util.device}, the busiest")
+    if len(trace.gpu) and not util.has_step_ranges:
+        notes.append("no ProfilerStep#N ranges (call prof.step() each iteration): the whole window "
+                     "counts as one step")
+    capacity = trace.device_memory_bytes or (int(spec.memory_gib * 2**30) if spec else None)
+    report = RankReport(
+        source=trace.path, rank=trace.rank, world_size=trace.world_size, has_gpu=has_gpu,
+        device_name=spec.name if spec else trace.device_name, notes=trace.notes + notes,
+        utilisation=util, kernels=kernel_breakdown(trace), bound=bound(trace, spec, util),
+        phases=phases(trace, util.steps_us), communication=communication(trace, util.steps_us),
+        offload=offload(trace), memory=memory_timeline(trace, capacity))
+    # Every rule reads GPU time: a CPU-only trace gets its note and no advice.
+    return replace(report, advice=advise(report)) if has_gpu else report
+
+
+def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
+    """The trace files named: files as given, directories expanded to their `*.json[.gz]` files."""
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    files: list[Path] = []
+    for item in map(Path, items):
+        if item.is_dir():
+            found = sorted(p for p in item.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+            if not found:
+                raise TracetrainError(f"{item}: directory has no .json or .json.gz trace files")
+            files.extend(found)
+        else:
+            files.append(item)
+    if not files:
+        raise TracetrainError("no trace files given")
+    return files
+
+
+def analyze(paths: Sequence[str | Path] | str | Path, *, device_name: str | None = None) -> Report:
+    """Analyse one trace, or one trace per rank of a run (files, or directories of them).
+
+    `device_name` (e.g. "H100 SXM") overrides the device the trace names, for peak FLOP/s and
+    bandwidth. Raises TracetrainError, naming the file, for a missing or malformed trace.
+    """
+    ranks = []
+    for index, path in enumerate(trace_files(paths)):
+        ranks.append(analyze_trace(parse_trace(path, rank=index, device_name=device_name)))
+    ranks.sort(key=lambda r: r.rank)
+    notes = [f"{r.source}: {note}" if len(ranks) > 1 else note for r in ranks for note in r.notes]
+    if len({r.rank for r in ranks}) < len(ranks):
+        notes.append("several traces claim the same rank; pass one trace per rank")
+    return Report(ranks=ranks, communication=[r.communication for r in ranks],
+                  advice=merge_advice([r.advice for r in ranks]), notes=notes)

@@ -1,0 +1,265 @@
+"""Parse a PyTorch profiler (Kineto) Chrome trace into compact columns.
+
+What we keep from `traceEvents` (everything else, e.g. `python_function` stacks, metadata `M`
+events, `Trace` spans, `gpu_user_annotation`, is counted or ignored; unknown fields are tolerated):
+
+- host ranges (`ph: "X"`): `cpu_op` (with `Input Dims`/`Input type` when shapes were recorded),
+  `user_annotation` (record_function ranges such as `ProfilerStep#N`, `tracetrain/forward`),
+  `cuda_runtime`/`cuda_driver` (launches and syncs, carrying `args.correlation`);
+- GPU activities (`ph: "X"`): `kernel`, `gpu_memcpy` (`args.bytes`), `gpu_memset`, each with
+  `args.device`, `args.stream`, `args.correlation`;
+- `ac2g` flow starts (`ph: "s"`), the launch side of a launch -> kernel arrow, used when a kernel's
+  runtime event is missing;
+- `[memory]` instant events (`args["Total Allocated"]`, `"Total Reserved"`, `"Device Id"`);
+- unified-memory activity (names with `Unified Memory`, `page fault`, or a `uvm`/`unified` category).
+
+Older Kineto spellings (`Kernel`, `Memcpy`, `Runtime`, `Operator`) map to the same kinds. Each event
+becomes one row of typed numpy columns; names and recorded shapes are interned, so a trace of N
+events costs about 60 bytes per kept event, not the size of its JSON.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tracetrain.errors import TracetrainError
+from tracetrain.profile.analyze.jsonstream import read_trace_document
+from tracetrain.profile.analyze.link import link_launches
+
+# Host event kinds and GPU event kinds (the `kind` column).
+OP, ANNOTATION, RUNTIME = 0, 1, 2
+KERNEL, MEMCPY, MEMSET = 0, 1, 2
+GPU_KIND_NAMES = ("kernel", "memcpy", "memset")
+
+_HOST_CATS = {"cpu_op": OP, "operator": OP, "user_annotation": ANNOTATION, "cuda_runtime": RUNTIME,
+              "cuda_driver": RUNTIME, "runtime": RUNTIME, "driver": RUNTIME}
+_GPU_CATS = {"kernel": KERNEL, "gpu_memcpy": MEMCPY, "memcpy": MEMCPY, "gpu_memset": MEMSET,
+             "memset": MEMSET}
+# Category -> (group, kind); looked up as written first, lower-cased for older spellings ("Kernel").
+_CATEGORIES = {**{cat: ("host", kind) for cat, kind in _HOST_CATS.items()},
+               **{cat: ("gpu", kind) for cat, kind in _GPU_CATS.items()}}
+_UNIFIED_NAME = re.compile(r"unified memory|page ?fault", re.I)
+_UNIFIED_CAT = re.compile(r"uvm|unified", re.I)
+# Column specs: name -> array typecode. Rows are added positionally, in this order.
+_HOST_COLUMNS = {"ts": "d", "dur": "d", "kind": "b", "name": "l", "thread": "l", "corr": "q", "shape": "l"}
+_GPU_COLUMNS = {"ts": "d", "dur": "d", "kind": "b", "name": "l", "device": "l", "stream": "q",
+                "corr": "q", "bytes": "q"}
+_FLOW_COLUMNS = {"corr": "q", "ts": "d", "thread": "l"}
+_MEMORY_COLUMNS = {"ts": "d", "allocated": "q", "reserved": "q", "device": "l"}
+_UNIFIED_COLUMNS = {"ts": "d", "dur": "d", "bytes": "q"}
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Named equal-length numpy columns, one row per event."""
+
+    data: dict[str, np.ndarray]
+
+    def __getattr__(self, key: str) -> np.ndarray:
+        if key.startswith("__") or key == "data":  # copy/pickle probe before `data` exists
+            raise AttributeError(key)
+        try:
+            return self.data[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __len__(self) -> int:
+        return len(next(iter(self.data.values())))
+
+
+@dataclass
+class Trace:
+    """One rank's parsed trace. Times are microseconds on the trace's clock.
+
+    `host` columns: ts, dur, kind (OP/ANNOTATION/RUNTIME), name (index into `names`), thread
+    (index into `threads`), corr (CUDA correlation id or -1), shape (index into `shapes` or -1).
+    `gpu` columns: ts, dur, kind (KERNEL/MEMCPY/MEMSET), name, device, stream, corr, bytes (-1 if
+    unknown), plus from linking: launch_ts (host time of the launching runtime call, NaN if
+    unknown), op (innermost `cpu_op` around the launch, -1) and gemm_op (innermost matmul-like op).
+    """
+
+    path: str
+    rank: int
+    world_size: int
+    device_name: str | None
+    device_memory_bytes: int | None
+    names: list[str]
+    threads: list[str]
+    shapes: list[str]  # JSON `[Input Dims, Input type]`
+    host: Columns
+    gpu: Columns
+    memory: Columns
+    unified: Columns
+    window: tuple[float, float]
+    num_python_events: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class _Rows:
+    """Typed columns being filled; `add` takes one value per column, in the spec's order."""
+
+    def __init__(self, spec: dict[str, str]) -> None:
+        self.columns = {key: array(typecode) for key, typecode in spec.items()}
+        self._appends = [column.append for column in self.columns.values()]
+
+    def add(self, *values: Any) -> None:
+        for append, value in zip(self._appends, values):
+            append(value)
+
+
+class _Builder:
+    """Accumulates compact rows while the document streams past."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, int] = {}
+        self.threads: dict[str, int] = {}
+        self.shapes: dict[str, int] = {}
+        self.host, self.gpu = _Rows(_HOST_COLUMNS), _Rows(_GPU_COLUMNS)
+        self.flows, self.memory = _Rows(_FLOW_COLUMNS), _Rows(_MEMORY_COLUMNS)
+        self.unified = _Rows(_UNIFIED_COLUMNS)
+        self.num_python = 0
+
+    def _intern(self, table: dict[str, int], key: str) -> int:
+        index = table.get(key)
+        if index is None:
+            index = table[key] = len(table)
+        return index
+
+    def add(self, event: Any) -> None:
+        if not isinstance(event, dict):
+            return
+        phase = event.get("ph")
+        if phase == "X":
+            self._add_complete(event)
+        elif phase == "s" and event.get("cat") == "ac2g":
+            self.flows.add(_int(event.get("id")), _float(event.get("ts")), self._thread(event))
+        elif phase == "i" and event.get("name") == "[memory]":
+            args = event.get("args") or {}
+            self.memory.add(_float(event.get("ts")), _int(args.get("Total Allocated"), 0),
+                            _int(args.get("Total Reserved"), 0), _int(args.get("Device Id")))
+
+    def _add_complete(self, event: dict[str, Any]) -> None:
+        cat = event.get("cat", "")
+        group, kind = _CATEGORIES.get(cat) or _CATEGORIES.get(str(cat).lower(), ("", 0))
+        name = str(event.get("name", ""))
+        args = event.get("args") or {}
+        if group == "host":
+            self.host.add(_float(event.get("ts")), _float(event.get("dur")), kind, self._intern(self.names, name),
+                          self._thread(event), _int(args.get("correlation")), self._shape(kind, args))
+        elif group == "gpu" and not _UNIFIED_NAME.search(name):
+            self.gpu.add(_float(event.get("ts")), _float(event.get("dur")), kind, self._intern(self.names, name),
+                         _int(args.get("device", event.get("pid")), 0), _int(args.get("stream", event.get("tid"))),
+                         _int(args.get("correlation")), _int(args.get("bytes")))
+        elif group == "gpu" or _UNIFIED_CAT.search(str(cat)) or _UNIFIED_NAME.search(name):
+            self.unified.add(_float(event.get("ts")), _float(event.get("dur")), _int(args.get("bytes")))
+        elif cat == "python_function":
+            self.num_python += 1
+
+    def _thread(self, event: dict[str, Any]) -> int:
+        return self._intern(self.threads, f"{event.get('pid')}/{event.get('tid')}")
+
+    def _shape(self, kind: int, args: dict[str, Any]) -> int:
+        dims = args.get("Input Dims")
+        if kind != OP or dims is None:
+            return -1
+        return self._intern(self.shapes, json.dumps([dims, args.get("Input type", [])]))
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _int(value: Any, default: int = -1) -> int:
+    """An integer field, or `default` when missing, malformed or outside int64 (traces are untrusted)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+    return number if -(2**63) <= number < 2**63 else default
+
+
+def _to_numpy(rows: _Rows) -> Columns:
+    """Numpy views of the filled arrays (no copy)."""
+    return Columns({key: np.frombuffer(col, dtype=col.typecode) if len(col)
+                    else np.zeros(0, dtype=col.typecode) for key, col in rows.columns.items()})
+
+
+def _open_text(path: Path):
+    """A text stream over a plain or gzip file (detected by its magic bytes, not its suffix)."""
+    with open(path, "rb") as raw:
+        magic = raw.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _read(path: Path) -> tuple[_Builder, dict[str, Any]]:
+    if not path.is_file():
+        raise TracetrainError(f"trace file not found: {path}")
+    builder = _Builder()
+    try:
+        with _open_text(path) as text:
+            others = read_trace_document(text, builder.add)
+    except (ValueError, OSError, EOFError, zlib.error) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise TracetrainError(f"{path}: not a readable JSON trace ({reason})") from None
+    if "traceEvents" not in others:
+        raise TracetrainError(f"{path}: no 'traceEvents' list; is this a PyTorch profiler trace?")
+    return builder, others
+
+
+def _device_info(others: dict[str, Any], device_name: str | None) -> tuple[str | None, int | None]:
+    """Device name (argument first, else the trace's deviceProperties) and memory in bytes."""
+    props = others.get("deviceProperties")
+    first = props[0] if isinstance(props, list) and props and isinstance(props[0], dict) else {}
+    memory = _int(first.get("totalGlobalMem"))
+    return device_name or first.get("name") or None, memory if memory > 0 else None
+
+
+def _window(host: Columns, gpu: Columns) -> tuple[float, float]:
+    """From the first to the last event of the profiled window (host and GPU, all kinds)."""
+    starts = np.concatenate([host.ts, gpu.ts])
+    ends = np.concatenate([host.ts + host.dur, gpu.ts + gpu.dur])
+    finite = np.isfinite(starts) & np.isfinite(ends)
+    if not finite.any():
+        return 0.0, 0.0
+    return float(starts[finite].min()), float(ends[finite].max())
+
+
+def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = None) -> Trace:
+    """Stream one trace file into a `Trace`. `rank` is used when the trace has no distributedInfo.
+
+    Raises TracetrainError naming the file when it is missing, not JSON, has no `traceEvents`, or has
+    no host or GPU events at all. A CPU-only trace (no GPU events) parses, with a note.
+    """
+    path = Path(path)
+    builder, others = _read(path)
+    host, gpu = _to_numpy(builder.host), _to_numpy(builder.gpu)
+    if len(host) == 0 and len(gpu) == 0:
+        raise TracetrainError(f"{path}: no profiler events (cpu_op, kernel, ...) in traceEvents")
+    info = others.get("distributedInfo") if isinstance(others.get("distributedInfo"), dict) else {}
+    name, memory = _device_info(others, device_name)
+    names = list(builder.names)
+    gpu_links = link_launches(host, gpu, _to_numpy(builder.flows), names)
+    trace = Trace(path=str(path), rank=_int(info.get("rank"), rank),
+                  world_size=_int(info.get("world_size"), 1), device_name=name,
+                  device_memory_bytes=memory, names=names, threads=list(builder.threads),
+                  shapes=list(builder.shapes), host=host, gpu=Columns({**gpu.data, **gpu_links}),
+                  memory=_to_numpy(builder.memory), unified=_to_numpy(builder.unified),
+                  window=_window(host, gpu), num_python_events=builder.num_python)
+    if len(gpu) == 0:
+        trace.notes.append(f"{path.name}: no GPU events (kernels, copies); was the profiler run with "
+                           "ProfilerActivity.CUDA on a GPU? GPU analyses are empty.")
+    return trace
