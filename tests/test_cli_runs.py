@@ -1,0 +1,107 @@
+"""End-to-end CLI runs beyond `train`: profile, eval, generate, export; fp16; TensorBoard; README sync."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracetrain.config import reference_markdown
+from tracetrain.train.step import StepContext, train_step
+
+from test_train import SMALL, _model_and_opt, _rows, read_metrics, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    run_cli("train", *SMALL, "--train.steps=40", f"--train.output_dir={out}", "--train.run_name=base",
+            "--logging.tensorboard=true")
+    return out / "base"
+
+
+def test_tensorboard_events_written(trained):
+    assert list((trained / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_eval_reports_loss_and_exact_match(trained):
+    proc = run_cli("eval", str(trained))
+    result = json.loads(proc.stdout)
+    summary = json.loads((trained / "summary.json").read_text())
+    assert result["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    assert 0.0 <= result["exact_match"] <= 1.0 and result["exact_match_n"] == 8
+
+
+def test_generate_applies_template_and_is_deterministic(trained):
+    a = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
+    b = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
+    assert a == b and json.loads(a)["prompt"] == "reverse: abc"
+    sampled = run_cli("generate", str(trained), "--prompt", "upper: xyz", "--temperature", "1.0",
+                      "--top-p", "0.9", "--seed", "3").stdout
+    assert "completion" in json.loads(sampled)
+
+
+def test_export_hf_loads_in_transformers(trained, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run_cli("export", str(trained), "--hf", str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    from tracetrain.inference import load_trained
+    ours = load_trained(trained, "cpu").model
+    tokens = torch.randint(0, 259, (2, 30))
+    with torch.no_grad():
+        # Export is bf16 by default: compare within bf16 rounding of the weights.
+        assert (ours(tokens) - hf(tokens).logits.float()).abs().max().item() < 0.1
+    proc = run_cli("export", str(trained), "--peft", str(tmp_path / "peft"), check=False)
+    assert proc.returncode == 2 and "full fine-tune" in proc.stderr
+
+
+def test_profile_writes_trace_and_reports(tmp_path):
+    proc = run_cli("profile", *SMALL, f"--train.output_dir={tmp_path}", "--train.run_name=p",
+                   "--profile.start_step=3", "--profile.num_steps=2")
+    prof = tmp_path / "p" / "profile"
+    assert (prof / "rank0.json.gz").is_file() and (prof / "report.html").is_file()
+    report = json.loads((prof / "report.json").read_text())
+    steps, _ = read_metrics(tmp_path / "p")
+    assert len(steps) == 4  # the run stops right after the profiled window
+    assert "report html" in proc.stdout
+    text = json.dumps(report)
+    for phase in ("forward", "backward", "optimizer", "data_wait"):
+        assert phase in text
+
+
+def test_profiler_off_adds_nothing(tmp_path):
+    from tracetrain.config import ProfileSection
+    from tracetrain.profile.capture import ProfileCapture
+    cap = ProfileCapture(ProfileSection(enabled=False), tmp_path, torch.device("cpu"))
+    assert cap.profiler is None and cap.phase("forward") is cap.phase("backward")
+    assert not (tmp_path / "profile").exists()
+
+
+def test_fp16_overflow_is_skipped_and_scale_lowered():
+    model, opt = _model_and_opt()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)  # overflows fp16 (max 65504)
+    ctx = StepContext(torch.device("cpu"), torch.float16, 1.0, True, False, scaler=scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = train_step(model, opt, [_rows(2)], ctx)
+    assert not out.finite.item() and not out.diverged.item()  # an overflow is routine, not divergence
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scaler.get_scale() < 2.0**30
+    for _ in range(40):  # the scale comes down until steps apply
+        out = train_step(model, opt, [_rows(2)], ctx)
+        if out.finite.item():
+            break
+    assert out.finite.item()
+
+
+def test_fp16_run_resumes_with_scaler_state(tmp_path):
+    run_cli("train", *SMALL, "--train.steps=6", "--train.precision=fp16", f"--train.output_dir={tmp_path}",
+            "--train.run_name=h", "--train.eval_generate=0")
+    state = torch.load(tmp_path / "h" / "checkpoints" / "step_00000006" / "trainer_state.pt", weights_only=True)
+    assert state["counters"]["scaler"]["scale"] > 0
+
+
+def test_readme_config_reference_is_current():
+    readme = (REPO / "README.md").read_text()
+    assert reference_markdown().strip() in readme, "regenerate with: tracetrain config --reference"
