@@ -56,6 +56,9 @@ class DataSection:
     context_field: str = fld("context", "JSONL field holding optional context ('' = none).")
     response_field: str = fld("response", "JSONL field holding the target response / answer.")
     train_on_prompt: bool = fld(False, "Also compute loss on prompt tokens (default: response only).")
+    tokenize: str = fld("ahead", "Tokenise all data before training ('ahead'), or each row as the loader asks for it "
+                                 "('on_the_fly': no start-up cost, work moves into data.num_workers; needs pack = false).",
+                        choices=("ahead", "on_the_fly"))
     skip_bad_lines: bool = fld(False, "Skip malformed JSONL lines (and report how many) instead of failing.")
     synthetic_examples: int = fld(20000, "Number of generated examples for the built-in synthetic task.", gt=0)
     num_workers: int = fld(0, "DataLoader worker processes.", ge=0)
@@ -245,6 +248,9 @@ def from_dict(raw: dict[str, Any], where: str = "") -> Config:
 def _check_cross_fields(cfg: Config, where: str) -> None:
     if cfg.data.kind in ("instruction", "text") and not cfg.data.path:
         raise ConfigError(f"{where}config key 'data.path' is required when data.kind = '{cfg.data.kind}'")
+    if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind == "text"):
+        raise ConfigError(f"{where}config key 'data.tokenize': 'on_the_fly' needs data.pack = false and "
+                          "instruction or synthetic data (packing must know every length ahead of time)")
     if cfg.data.num_workers == 0 and cfg.data.prefetch_factor != 2:
         raise ConfigError(f"{where}config key 'data.prefetch_factor' needs data.num_workers > 0")
     dev = cfg.train.device

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -151,6 +151,8 @@ def datasets_from_examples(train_examples: list[Example], eval_examples: list[Ex
                            data: DataSection, stats: DataStats,
                            source: str) -> tuple[PackedDataset, PackedDataset]:
     """Tokenise, shuffle (seeded) and pack both splits; `source` names the data in errors."""
+    if data.tokenize == "on_the_fly":
+        return _on_the_fly_train(train_examples, eval_examples, tok, data, stats)
     train_docs, train_kept = tokenize_examples(train_examples, tok, data.seq_len, data.train_on_prompt, stats)
     eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
     if not train_docs:
@@ -166,6 +168,19 @@ def datasets_from_examples(train_examples: list[Example], eval_examples: list[Ex
     stats.train_examples, stats.eval_examples = len(train_kept), len(eval_kept)
     fill_row_stats(stats, train, eval_)
     return train, eval_
+
+
+def _on_the_fly_train(train_examples: list[Example], eval_examples: list[Example], tok: Tokenizer,
+                      data: DataSection, stats: DataStats) -> tuple[Any, PackedDataset]:
+    """Training rows tokenised by the loader; the (small) eval split is still tokenised ahead."""
+    from tracetrain.data.on_the_fly import OnTheFlyDataset
+    order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
+    train = OnTheFlyDataset([train_examples[i] for i in order], tok, data.seq_len, data.train_on_prompt)
+    eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
+    eval_rows = (pack_documents(eval_docs, data.seq_len, tok.pad_id, False) if eval_docs
+                 else empty_rows(data.seq_len))
+    stats.train_examples, stats.eval_examples = len(train), len(eval_kept)
+    return train, PackedDataset(eval_rows, examples=eval_kept, name="eval")
 
 
 def build_instruction_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
