@@ -1,0 +1,62 @@
+"""The seed experiments, captured by `tracetrain profile` on an H100 (torch 2.11, commit a5896a2) and
+committed as golden traces; the analyzer's diagnoses of them are asserted here.
+
+- llama2_7b_lora: LoRA r=16 q/k/v/o, batch 4 x 2048 packed, bf16 (benchmarks/gpu_profile.sh step 2)
+- loader_workers{0,4}: small preset on GSM8K, tokenised on the fly, batch 64 x 256 (step 3)
+"""
+
+from pathlib import Path
+
+import pytest
+
+from tracetrain.profile.analyze import analyze, compare, render_json
+
+H100 = Path(__file__).parent / "data" / "traces" / "h100"
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return {name: analyze([str(H100 / f"{name}.json.gz")])
+            for name in ("loader_workers0", "loader_workers4", "llama2_7b_lora")}
+
+
+def _advice(report) -> set[str]:
+    return {a["rule"] for a in render_json(report)["advice"]}
+
+
+def _rank0(report) -> dict:
+    return render_json(report)["ranks"][0]
+
+
+def test_data_loader_blamed_with_no_workers(reports):
+    r = _rank0(reports["loader_workers0"])
+    util = r["utilisation"]
+    assert util["idle_us"]["data_loader"] / util["steps_us"] > 0.2
+    assert "data_loader" in _advice(reports["loader_workers0"])
+
+
+def test_data_loader_not_blamed_with_workers(reports):
+    util = _rank0(reports["loader_workers4"])["utilisation"]
+    assert util["busy_fraction"] > 0.9
+    assert util["idle_us"]["data_loader"] / util["steps_us"] < 0.01
+    assert "data_loader" not in _advice(reports["loader_workers4"])
+
+
+def test_compare_shows_the_workers_win(reports):
+    diff = render_json(compare(reports["loader_workers0"], reports["loader_workers4"]))
+    text = str(diff)
+    assert "data_loader" in text
+    a, b = (_rank0(reports[k])["utilisation"]["mean_step_us"] for k in ("loader_workers0", "loader_workers4"))
+    assert b < 0.75 * a  # the same GPU work, a quarter or more of the step time gone
+
+
+def test_lora_7b_breakdown(reports):
+    r = _rank0(reports["llama2_7b_lora"])
+    assert r["utilisation"]["busy_fraction"] > 0.95
+    rows = {row["category"]: row for row in r["bound"]["rows"]}
+    assert rows["gemm"]["share"] > 0.35 and rows["gemm"]["verdict"] == "compute-bound"
+    assert rows["gemm"]["flop_efficiency"] > 0.6  # bf16 GEMMs near the H100's dense peak
+    copies = sum(rows[c]["share"] for c in ("memcpy_h2d", "memcpy_d2h") if c in rows)
+    assert copies < 0.01
+    assert r["kernels"]["top"][0]["category"] == "gemm"
+    assert "data_loader" not in _advice(reports["llama2_7b_lora"])
