@@ -108,6 +108,8 @@ class LoraSection:
                              "Linear layers to adapt, by name ('all-linear' = every projection).")
     base_dtype: str = fld("auto", "dtype of frozen base weights ('auto' = bf16 on GPU, fp32 on CPU).",
                           choices=("auto", "fp32", "bf16"))
+    adapter_dtype: str = fld("fp32", "dtype of the trained adapter weights (and their optimizer states).",
+                             choices=("fp32", "bf16"))
 
 
 @dataclass

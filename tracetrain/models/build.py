@@ -78,7 +78,8 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
         lc = cfg.lora
         try:
             apply_lora(model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
-                       base_dtype=base_dtype)
+                       base_dtype=base_dtype,
+                       adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32)
         except ValueError as e:
             raise ConfigError(f"config key 'lora.targets': {e}") from None
     return model
