@@ -40,6 +40,9 @@ class ModelSection:
     ffn_dim: int | None = fld(None, "Override the preset's SwiGLU hidden size.", gt=0)
     vocab_size: int | None = fld(None, "Override the preset's vocabulary size (embedding rows).", gt=0)
     init_std: float = fld(0.02, "Standard deviation of the random weight init.", gt=0)
+    num_experts: int = fld(0, "Mixture-of-experts: experts per block (0 = dense SwiGLU MLP).", ge=0)
+    experts_top_k: int = fld(2, "MoE: experts each token is routed to.", gt=0)
+    moe_aux_loss_coef: float = fld(0.01, "MoE: weight of the load-balancing loss.", ge=0)
 
 
 @dataclass
@@ -161,6 +164,27 @@ class ProfileSection:
 
 
 @dataclass
+class ParallelSection:
+    dp_replicate: int = fld(1, "Data-parallel replicas (DDP-style, or the replicate axis of HSDP).", gt=0)
+    dp_shard: int = fld(1, "Data-parallel shards (ZeRO / FSDP axis).", gt=0)
+    tp: int = fld(1, "Tensor-parallel degree (column/row-wise projections).", gt=0)
+    pp: int = fld(1, "Pipeline-parallel stages.", gt=0)
+    cp: int = fld(1, "Context-parallel degree (sequence split across GPUs, ring attention).", gt=0)
+    ep: int = fld(1, "Expert-parallel degree (MoE experts sharded; needs model.num_experts > 0).", gt=0)
+    zero_stage: int = fld(3, "With dp_shard > 1: 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP).",
+                          ge=1, le=3)
+    reshard_after_forward: bool = fld(True, "ZeRO-3: free gathered parameters after forward (less memory, "
+                                            "one more all-gather in backward).")
+    sequence_parallel: bool = fld(True, "With tp > 1: shard norms and residuals along the sequence too.")
+    loss_parallel: bool = fld(True, "With tp > 1: compute the loss on vocabulary-sharded logits.")
+    pp_schedule: str = fld("1f1b", "Pipeline schedule.", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    pp_microbatches: int = fld(0, "Micro-batches per pipeline step (0 = number of stages).", ge=0)
+    pp_stages_per_rank: int = fld(2, "Virtual stages per rank for interleaved_1f1b.", gt=0)
+    fsdp_cpu_offload: bool = fld(False, "Keep FSDP-sharded parameters, gradients and optimizer states in CPU memory.")
+    timeout_s: int = fld(600, "End the whole job with an error when a collective waits longer than this.", gt=0)
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -171,6 +195,7 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
     memory: MemorySection = field(default_factory=MemorySection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
 
 # ----------------------------------------------------------------------------------------------------
