@@ -129,3 +129,8 @@ def test_cli_user_errors_are_one_line(tmp_path):
     proc = run_cli("train", "--data.kind=instruction", f"--data.path={tmp_path / 'nope.jsonl'}", check=False)
     assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_unimplemented_switches_are_refused_not_ignored():
+    proc = run_cli("train", "--parallel.tp=2", check=False)
+    assert proc.returncode == 2 and "parallel.tp" in proc.stderr and "not supported" in proc.stderr

@@ -10,16 +10,28 @@ checkpoints, so their q/k weights load without a permutation.
 Precision, recomputation, LoRA, compile and parallelism are applied from outside (`apply_*`
 transforms); nothing here knows about them. Packed sequences are handled by `document_ids`: tokens
 attend only to earlier tokens of the same document (a block-diagonal causal mask).
+
+Seams for speed transforms (tracetrain/kernels, tracetrain/models/attention.py), so that no model code
+branches on an optimisation: `Transformer.mask_fn` turns document ids into whatever the attention
+backend needs (a dense bool mask by default, a FlexAttention BlockMask after `apply_attention`),
+`Attention.attn_core` is the attention kernel behind the projections (SDPA by default), and
+`Attention.rope_fn` applies the rotary embedding to q and k together (a fused kernel can replace it).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tracetrain.models.attention import SDPACore
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass
@@ -85,6 +97,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of queries and keys: the default `Attention.rope_fn`."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future."""
     seq = document_ids.shape[1]
@@ -115,20 +133,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.rope_fn = apply_rope_qk   # (q, k, cos, sin) -> (q, k); a fused kernel may replace it
+        self.attn_core: nn.Module = SDPACore()  # (q, k, v, mask) -> (batch, heads, seq, head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
         b, s, _ = x.shape  # (batch, seq, dim)
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope_fn(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # (batch, kv_heads, cached + seq, head_dim)
-        # With no mask and no cache, is_causal lets SDPA pick the flash kernel on the GPU.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
-            enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.attn_core(q, k, v, mask)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -152,7 +169,7 @@ class TransformerBlock(nn.Module):
         self.mlp = FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -169,6 +186,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
+        # (batch, seq) document ids -> the attention mask every block receives; built once per batch.
+        self.mask_fn = document_causal_mask
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -212,7 +231,7 @@ class Transformer(nn.Module):
             start = cache.length if cache is not None else 0
             position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
         cos, sin = self.rope(position_ids)
-        mask = document_causal_mask(document_ids) if document_ids is not None else None
+        mask = self.mask_fn(document_ids) if document_ids is not None else None
         if cache is not None:
             mask = cache.attention_mask(s)
         h = self.embed_tokens(tokens)  # (batch, seq, dim)

@@ -34,7 +34,7 @@ from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.optim import build_optimizer, build_scheduler
 from tracetrain.train.resume import ResumePoint
-from tracetrain.train.runtime import resolve_device, resolve_precision
+from tracetrain.train.runtime import refuse_unimplemented, resolve_device, resolve_precision
 from tracetrain.train.step import StepContext, train_step
 
 
@@ -72,6 +72,7 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
           reporter: Reporter | None = None) -> TrainResult:
     """Train as `cfg` says, writing into `run_dir` (created by the caller; see `prepare_run_dir`)."""
     reporter = reporter or Reporter(cfg.logging.progress)
+    refuse_unimplemented(cfg)
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
     autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
