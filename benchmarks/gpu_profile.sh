@@ -1,15 +1,7 @@
 #!/usr/bin/env bash
 # Device call: throughput next to the peers, and the profiling seed experiments, all with tracetrain
 # itself. Run from the repository root with .carry and .whl carried; results land in $OUT.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD
-tt() { python3 -m tracetrain.cli "$@"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source benchmarks/gpu_env.sh
 D=.carry/data; R=/tmp/runs; rm -rf $R
 COMMON=(--logging.progress=false --train.output_dir=$R --logging.log_interval=5)
 
