@@ -135,3 +135,17 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     # Temporary folders of interrupted saves are never taken for checkpoints.
     (tmp_path / "checkpoints" / ".tmp-step_00000009-1").mkdir()
     assert len(list_checkpoints(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("extra", [["--memory.optimizer_offload=true"], ["--train.precision=fp16"]],
+                         ids=["optimizer-offload", "fp16"])
+def test_resume_from_a_middle_checkpoint_recomputes_identical_losses(tmp_path, extra):
+    args = ["--train.steps=12", "--train.micro_batch_size=4", "--data.synthetic_examples=300", "--data.seq_len=64",
+            "--model.n_layers=2", "--logging.log_interval=1", "--train.eval_interval=0", "--train.eval_generate=0",
+            "--train.eval_batches=1", "--checkpoint.interval=6", "--checkpoint.keep_last=3", *extra]
+    run_cli("train", *args, f"--train.output_dir={tmp_path}", "--train.run_name=r")
+    reference = _losses(tmp_path / "r")
+    import shutil
+    shutil.rmtree(tmp_path / "r" / "checkpoints" / "step_00000012")  # as if it died after step 6's save
+    run_cli("train", "--resume", str(tmp_path / "r"))
+    assert _losses(tmp_path / "r") == reference

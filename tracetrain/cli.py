@@ -42,7 +42,7 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     cfg = loaded.cfg
     _, eval_ds, _ = build_datasets(cfg.data, loaded.tokenizer)
     import torch
-    ctx = StepContext(loaded.device, torch.bfloat16 if loaded.precision == "bf16" else None, 0.0,
+    ctx = StepContext(loaded.device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision), 0.0,
                       cfg.data.pack, False)
     result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
     result.update(exact_match_eval(loaded.model, loaded.tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, None))
@@ -70,7 +70,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     ids = [[tok.bos_id] + tok.encode(t) for t in texts]
     outs = generate(loaded.model, ids, a.max_new_tokens, tok.eos_id, tok.pad_id, temperature=a.temperature,
                     top_k=a.top_k, top_p=a.top_p, generator=g,
-                    dtype=torch.bfloat16 if loaded.precision == "bf16" else torch.float32)
+                    dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision))
     for prompt, out in zip(prompts, outs):
         print(json.dumps({"prompt": prompt, "completion": tok.decode(out)}))
     return 0
@@ -125,6 +125,33 @@ def cmd_analyze(a: argparse.Namespace, overrides: list[str]) -> int:
     from rich.console import Console
     console = Console()
     render_terminal(result, console if console.is_terminal else Console(width=160))
+    if a.html:
+        Path(a.html).write_text(render_html(result))
+        print(f"HTML report: {a.html}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(render_json(result), indent=2))
+        print(f"JSON report: {a.json}")
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.config import load_config
+    from tracetrain.plan import plan, plan_input_from_config, plan_to_config_overrides, render_html, render_json, \
+        render_terminal, search
+
+    cfg = load_config(a.config, overrides)
+    inp = plan_input_from_config(cfg, num_gpus=a.gpus, gpu=a.gpu)
+    changes = {k: v for k, v in (("gpu_memory_gib", a.gpu_memory_gib), ("host_memory_gib", a.host_memory_gib),
+                                 ("gpus_per_node", a.gpus_per_node)) if v is not None}
+    inp = inp.replace(**changes) if changes else inp
+    result = search(inp, a.gpus, a.top) if a.search else plan(inp)
+    from rich.console import Console
+    console = Console()
+    render_terminal(result, console if console.is_terminal else Console(width=160))
+    if a.search:
+        if not result:
+            raise TracetrainError(f"no layout of {a.gpus} GPU(s) fits; try more GPUs, recomputation or offload")
+        print("overrides for the top row: " + " ".join(plan_to_config_overrides(result[0])))
     if a.html:
         Path(a.html).write_text(render_html(result))
         print(f"HTML report: {a.html}")
@@ -199,6 +226,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     an.add_argument("--json", metavar="FILE", help="write the report as JSON")
     an.add_argument("--device-name", help="GPU name for peak FLOP/s (default: from the trace)")
     handlers["analyze"] = cmd_analyze
+
+    pl = sub.add_parser("plan", help="predict memory per GPU and step time before running; search layouts",
+                        epilog=EPILOG_OVERRIDES)
+    pl.add_argument("--config", help="TOML config file (the run to plan)")
+    pl.add_argument("--gpus", type=int, default=1, help="number of GPUs")
+    pl.add_argument("--gpu", help="GPU type: h100-sxm, h100-pcie, h100-nvl, h200, gh200, a100, l40s "
+                                  "(default: the visible GPU, else h100-sxm)")
+    pl.add_argument("--search", action="store_true", help="enumerate layouts and settings, rank those that fit")
+    pl.add_argument("--top", type=int, default=10, help="rows to show with --search")
+    pl.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
+    pl.add_argument("--host-memory-gib", type=float, help="CPU memory per node (for offload)")
+    pl.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    pl.add_argument("--html", metavar="FILE", help="write the interactive HTML planner page")
+    pl.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    handlers["plan"] = cmd_plan
 
     sub.add_parser("presets", help="list model presets with parameter counts")
     handlers["presets"] = cmd_presets

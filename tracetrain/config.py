@@ -278,6 +278,13 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
     if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind == "text"):
         raise ConfigError(f"{where}config key 'data.tokenize': 'on_the_fly' needs data.pack = false and "
                           "instruction or synthetic data (packing must know every length ahead of time)")
+    mem = cfg.memory
+    if mem.optimizer_offload and (cfg.train.mode == "lora" or cfg.train.precision == "fp16"):
+        raise ConfigError(f"{where}config key 'memory.optimizer_offload' works with full fine-tuning in bf16 or "
+                          "fp32 (LoRA optimizer states are tiny; fp16 loss scaling is not supported with it)")
+    if mem.optimizer_offload and mem.unified_memory == "optimizer":
+        raise ConfigError(f"{where}config keys 'memory.optimizer_offload' and memory.unified_memory = 'optimizer' "
+                          "both place optimizer states; choose one")
     if cfg.data.num_workers == 0 and cfg.data.prefetch_factor != 2:
         raise ConfigError(f"{where}config key 'data.prefetch_factor' needs data.num_workers > 0")
     dev = cfg.train.device

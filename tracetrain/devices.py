@@ -14,19 +14,21 @@ class DeviceSpec:
     bf16_tflops: float        # dense (no sparsity)
     fp8_tflops: float
     fp32_tflops: float        # plain (non-tensor-core) fp32
-    memory_gib: float
+    memory_gib: float         # as the driver reports it (nvidia-smi's total), in GiB
     hbm_tb_s: float
 
 
 # Matched in order against torch.cuda.get_device_name(); more specific names first.
 DEVICES: list[tuple[str, DeviceSpec]] = [
-    ("GH200", DeviceSpec("GH200", 989.4, 1978.9, 66.9, 96.0, 4.0)),
-    ("H200", DeviceSpec("H200 SXM", 989.4, 1978.9, 66.9, 141.0 * 1e9 / 2**30, 4.8)),
-    ("H100 PCIe", DeviceSpec("H100 PCIe", 756.0, 1513.0, 51.2, 80.0 * 1e9 / 2**30, 2.0)),
-    ("H100 NVL", DeviceSpec("H100 NVL", 835.0, 1670.0, 60.0, 94.0 * 1e9 / 2**30, 3.9)),
-    ("H100", DeviceSpec("H100 SXM", 989.4, 1978.9, 66.9, 80.0 * 1e9 / 2**30, 3.35)),
-    ("A100", DeviceSpec("A100", 312.0, 0.0, 19.5, 80.0 * 1e9 / 2**30, 2.0)),
-    ("L40S", DeviceSpec("L40S", 362.1, 733.0, 91.6, 48.0 * 1e9 / 2**30, 0.864)),
+    # Memory: H100 SXM and H200 as read by nvidia-smi on the machines used here (81,559 and 143,771 MiB);
+    # the others from their marketed size in GiB, which their drivers report approximately.
+    ("GH200", DeviceSpec("GH200", 989.4, 1978.9, 66.9, 95.0, 4.0)),
+    ("H200", DeviceSpec("H200 SXM", 989.4, 1978.9, 66.9, 143771 / 1024, 4.8)),
+    ("H100 PCIe", DeviceSpec("H100 PCIe", 756.0, 1513.0, 51.2, 79.6, 2.0)),
+    ("H100 NVL", DeviceSpec("H100 NVL", 835.0, 1670.0, 60.0, 93.6, 3.9)),
+    ("H100", DeviceSpec("H100 SXM", 989.4, 1978.9, 66.9, 81559 / 1024, 3.35)),
+    ("A100", DeviceSpec("A100", 312.0, 0.0, 19.5, 79.2, 2.0)),
+    ("L40S", DeviceSpec("L40S", 362.1, 733.0, 91.6, 44.4, 0.864)),
 ]
 
 

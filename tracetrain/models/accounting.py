@@ -9,7 +9,9 @@ FLOP conventions (stated in the README):
 - Full training: 3x forward (the usual 6N + attention). LoRA: frozen weights need no weight gradient,
   so 4 FLOPs per frozen weight and token, 6 per adapter weight, attention 3x forward.
 - Model FLOPs (MFU) count only the math the algorithm needs; hardware FLOPs (HFU) add what activation
-  recomputation repeats: one more forward for full recomputation, the attention forward for selective.
+  recomputation repeats: one more forward for full recomputation. Selective recomputation (as in
+  tracetrain.memory.recompute) keeps every matmul and attention output and recomputes only norms and
+  elementwise ops, whose FLOPs are negligible next to the matmuls: it adds no counted FLOPs.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def training_flops_per_token(args: ModelArgs, seq_len: int, *, mode: Literal["fu
         model = 6.0 * n + 3.0 * attn
     else:
         model = 4.0 * n + 6.0 * num_lora_params + 3.0 * attn
-    extra = {"none": 0.0, "selective": attn, "full": forward}[recompute]
+    extra = {"none": 0.0, "selective": 0.0, "full": forward}[recompute]
     return TokenFlops(model=model, hardware=model + extra)
 
 

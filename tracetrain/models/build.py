@@ -68,8 +68,13 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
     """The model for `cfg`, with weights loaded and transforms applied (see module docstring)."""
     args = model_args_from_config(cfg)
     # A LoRA base is frozen: allocate it in its final dtype at once (a 7B base never exists in fp32).
-    lora_base = base_dtype if cfg.train.mode == "lora" and base_dtype is not None else torch.float32
-    model = materialize(args, device, cfg.train.seed, lora_base)
+    # With optimizer offload the fp32 master copy lives on the host: the GPU holds bf16 weights only.
+    dtype = torch.float32
+    if cfg.train.mode == "lora" and base_dtype is not None:
+        dtype = base_dtype
+    elif cfg.memory.optimizer_offload:
+        dtype = torch.bfloat16
+    model = materialize(args, device, cfg.train.seed, dtype)
     if cfg.model.init_from:
         from tracetrain.models.hf import load_hf_weights
         load_hf_weights(model, cfg.model.init_from)

@@ -142,8 +142,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                 raise CheckpointError(f"{path / 'model.safetensors'}: tensor {name} has shape "
                                       f"{tuple(weights[name].shape)}, the model expects {tuple(target.shape)}")
             target.copy_(weights[name])
-    device = next(model.parameters()).device
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    # Load on the CPU, memory-mapped: load_state_dict moves each state to its parameter's device, and an
+    # offloaded optimizer's states (81 GB for 7B) must never pass through the GPU.
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True))
     raw = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     set_rng_state(raw["rng"])
     return TrainState(step=raw["step"], scheduler=raw["scheduler"], loader=raw["loader"], counters=raw["counters"])

@@ -37,7 +37,7 @@ def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str,
         chunk = examples[i:i + batch_size]
         prompts = [[tokenizer.bos_id] + tokenizer.encode(p) for p, _ in chunk]
         outs = generate(model, prompts, max_new, tokenizer.eos_id, tokenizer.pad_id,
-                        dtype=ctx.autocast_dtype or torch.float32)
+                        dtype=ctx.autocast_dtype)  # None: the model's own dtype
         for (prompt, reference), ids in zip(chunk, outs):
             prediction = tokenizer.decode(ids)
             ok = exact_match(prediction, reference, cfg.data.kind)

@@ -94,7 +94,7 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
         model = build_model(cfg, device, base_dtype=base_dtype)
     args = model.args
     check_vocab(tokenizer, args.vocab_size)
-    optimizer = build_optimizer(model, cfg.optim, device)
+    optimizer = build_optimizer(model, cfg.optim, device, cfg.memory)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     loader = build_loader(train_ds, cfg.train.micro_batch_size, cfg.data, shuffle=True, seed=cfg.data.seed)
 
@@ -111,6 +111,10 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
         resume.truncate_metrics(run_dir, start_step)
         reporter.note(f"resumed from {resume.checkpoint} at step {start_step}")
 
+    if cfg.memory.unified_memory != "none":
+        from tracetrain.memory.unified import apply_unified_memory
+        target = model if cfg.memory.unified_memory == "model" else optimizer
+        apply_unified_memory(target, cfg.memory.unified_memory, coherent_memory=cfg.memory.coherent_memory)
     flops = training_flops_per_token(args, cfg.data.seq_len, mode=cfg.train.mode,
                                      num_lora_params=_count_lora(model) if is_lora else 0)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

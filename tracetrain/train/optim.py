@@ -7,10 +7,11 @@ import math
 import torch
 from torch import nn
 
-from tracetrain.config import OptimSection
+from tracetrain.config import MemorySection, OptimSection
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device,
+                    memory: MemorySection | None = None) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; norms, biases and other 1-D tensors get no weight decay.
 
     The fused kernel (one launch for all parameters, and it honours `found_inf` so a non-finite step
@@ -21,6 +22,12 @@ def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if memory is not None and memory.optimizer_offload:
+        # fp32 master weights and moments live in host memory; gradients stream there during
+        # backward (hooks on the Parameter objects: build this after every transform that swaps them).
+        from tracetrain.memory.optimizer_offload import CPUOffloadAdamW
+        return CPUOffloadAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                               eps=cfg.eps, weight_decay=cfg.weight_decay, threads=memory.offload_threads)
     fused = cfg.fused == "on" or (cfg.fused == "auto" and device.type == "cuda")
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=fused or None, foreach=None if fused else True)

@@ -78,11 +78,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             (scaler.scale(loss) if scaler else loss).backward()  # .grad accumulates across micro-batches
         total += loss.detach()
 
+    max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
+    if hasattr(optimizer, "step_with_clip"):
+        with ctx.phase("optimizer"):
+            # CPU optimizer offload: gradients already streamed to host buffers during backward; the
+            # norm, clipping and AdamW run on the CPU and the new weights stream back. Waiting for the
+            # gradients to arrive is a host sync, and a necessary one.
+            grad_norm, applied = optimizer.step_with_clip(max_norm)
+            finite = torch.isfinite(total) & applied.to(ctx.device)
+            optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss=total, grad_norm=grad_norm.to(ctx.device), finite=finite, diverged=~finite)
+
     with ctx.phase("optimizer"):
         if scaler:
             scaler.unscale_(optimizer)  # clip and measure the true gradient norm
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)
         if scaler:

@@ -1,0 +1,138 @@
+"""Memory model: exact bytes of weights, gradients and AdamW states against a real model and optimizer,
+sharding arithmetic, phases, and the two H200 calibration points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tracetrain.config import OptimSection
+from tracetrain.models.accounting import block_params, num_params
+from tracetrain.models.build import materialize
+from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.lora import apply_lora
+from tracetrain.models.presets import get_preset
+from tracetrain.plan import PlanInput, plan
+from tracetrain.plan.memory import GIB, plan_memory, stage_model
+from tracetrain.plan.params import stage_params
+from tracetrain.train.optim import build_optimizer
+
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=96)
+
+
+def real_static_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of parameters, .grad and optimizer state after one real backward and optimizer step."""
+    opt = build_optimizer(model, OptimSection(), torch.device("cpu"))
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    params = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
+    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.ndim > 0]
+    return {"weights": sum(p.numel() * p.element_size() for p in params),
+            "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "AdamW states": sum(t.numel() * t.element_size() for t in states)}  # the 0-d `step` counters aside
+
+
+def planned_static_bytes(inp: PlanInput) -> dict[str, float]:
+    items = stage_model(inp, 0).items
+    return {k: items[k].const for k in ("weights", "gradients", "AdamW states")}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_full_fp32_params_grads_states_are_exact(tied: bool) -> None:
+    args = ModelArgs(**{**TINY.__dict__, "tie_embeddings": tied, "rope_scaling": {}})
+    real = real_static_bytes(materialize(args, torch.device("cpu"), 0))
+    assert planned_static_bytes(PlanInput(model=args, mode="full")) == real
+    assert real["weights"] == 4 * num_params(args)
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"), ("all-linear",)])
+def test_lora_bf16_base_fp32_adapters_are_exact(targets: tuple[str, ...]) -> None:
+    model = materialize(TINY, torch.device("cpu"), 0)
+    apply_lora(model, 8, 16.0, 0.0, list(targets), base_dtype=torch.bfloat16)
+    real = real_static_bytes(model)
+    inp = PlanInput(model=TINY, mode="lora", lora_rank=8, lora_base_dtype="bf16",
+                    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+                    if targets == ("all-linear",) else targets)
+    assert planned_static_bytes(inp) == real
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tensor_parallel_block_params_match_module_shapes(tp: int) -> None:
+    """Column-wise (q/k/v/gate/up) and row-wise (o/down) splits hold 1/tp of each weight; norms are
+    replicated; embedding and lm_head split by vocabulary."""
+    args = get_preset("llama3-8b")
+    with torch.device("meta"):
+        block = Transformer(ModelArgs(**{**args.__dict__, "n_layers": 1})).layers[0]
+    per_rank = sum(m.weight.numel() / tp for m in block.modules() if isinstance(m, torch.nn.Linear))
+    per_rank += block.input_layernorm.weight.numel() + block.post_attention_layernorm.weight.numel()
+    sp = stage_params(PlanInput(model=args, tp=tp, num_gpus=tp), 0)
+    assert sp.block == per_rank
+    assert sp.embedding == args.vocab_size * args.dim / tp
+    sharded = block_params(args) - 2 * args.dim
+    assert sp.block == sharded / tp + 2 * args.dim
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_pipeline_stages_partition_the_model(pp: int) -> None:
+    args = get_preset("llama3.2-1b")  # tied: with pp > 1 the last stage holds its own lm_head copy
+    inp = PlanInput(model=args, pp=pp, num_gpus=pp, grad_accum=pp)
+    total = sum(stage_params(inp, s).total for s in range(pp))
+    extra = args.vocab_size * args.dim if pp > 1 else 0
+    assert total == num_params(args) + extra
+
+
+def test_zero_stages_shard_states_then_grads_then_weights() -> None:
+    args = get_preset("llama3-8b")
+    base = PlanInput(model=args, num_gpus=8, dp_shard=8, micro_batch=1, seq_len=1024)
+    n = num_params(args)
+    for stage, sharded in ((1, {"AdamW states"}), (2, {"AdamW states", "gradients"}),
+                           (3, {"AdamW states", "gradients", "weights"})):
+        items = stage_model(base.replace(zero_stage=stage), 0).items
+        full = {"weights": 4 * n, "gradients": 4 * n, "AdamW states": 8 * n}
+        for name, whole in full.items():
+            assert items[name].const == pytest.approx(whole / 8 if name in sharded else whole)
+
+
+def test_peak_is_the_largest_phase_not_the_sum() -> None:
+    p = plan(PlanInput(model=get_preset("llama3.2-1b"), micro_batch=4, seq_len=2048, gpu="h200"))
+    assert p.memory.peak_phase == "backward start"
+    assert p.memory.peak_bytes == max(p.memory.phases.values())
+    every_item = sum(p.memory.breakdown.values()) + 4 * num_params(get_preset("llama3.2-1b"))  # + grads
+    assert p.memory.peak_bytes < every_item
+
+
+def test_grad_accumulation_keeps_grads_through_the_forward() -> None:
+    one = plan_memory(PlanInput(model=get_preset("llama3.2-1b"), micro_batch=4, seq_len=2048, gpu="h200"))
+    two = plan_memory(PlanInput(model=get_preset("llama3.2-1b"), micro_batch=4, seq_len=2048, gpu="h200",
+                                grad_accum=2))
+    assert two.peak_bytes - one.peak_bytes == pytest.approx(4 * num_params(get_preset("llama3.2-1b")))
+
+
+def test_recompute_and_offload_reduce_activations() -> None:
+    base = PlanInput(model=get_preset("llama2-7b"), mode="lora", micro_batch=4, seq_len=2048, gpu="h100")
+    peaks = [plan_memory(base.replace(recompute=r)).peak_bytes for r in ("none", "selective", "full")]
+    assert peaks[0] > peaks[1] > peaks[2]
+    off = plan_memory(base.replace(activation_offload="streamed"))
+    assert off.peak_bytes < peaks[0] and off.cpu_bytes["offloaded activations"] > 20 * GIB
+
+
+def test_calibration_llama32_1b_full_h200() -> None:
+    """Measured on one H200 (benchmarks/results/train_speed_NVIDIA-H200.json): 43.84 GiB allocated."""
+    p = plan(PlanInput(model=get_preset("llama3.2-1b"), mode="full", micro_batch=4, seq_len=2048, gpu="h200"))
+    assert p.peak_gib == pytest.approx(43.84, rel=0.03)
+
+
+def test_calibration_llama2_7b_lora_h200() -> None:
+    """Measured 55.96 GiB at commit e703ed8, whose LoRALinear cast every adapter input to fp32 first, so
+    under autocast each of q/k/v/o kept its own bf16 copy of its input (4 x 2 bytes x d per token and
+    block). Since 79cd64d q/k/v share the norm output and o_proj reuses the attention output: 6d bytes
+    per token and block less, which this test adds back to compare with that measurement."""
+    args = get_preset("llama2-7b")
+    p = plan(PlanInput(model=args, mode="lora", micro_batch=4, seq_len=2048, gpu="h200"))
+    legacy_copies = 6 * args.dim * 4 * 2048 * args.n_layers
+    assert (p.memory.peak_bytes + legacy_copies) / GIB == pytest.approx(55.96, rel=0.03)
+    assert p.peak_gib == pytest.approx(49.9, rel=0.01)

@@ -1,0 +1,236 @@
+"""Saved activations of one micro-batch, derived op by op from `tracetrain/models/llama.py` and
+`models/lora.py`, as bytes per token (multiply by T = micro_batch * seq_len / cp tokens).
+
+Notation: d = dim, kv = n_kv_heads * head_dim, f = ffn_dim, h = n_heads, V = vocab_size, r = LoRA rank,
+and four dtype widths in bytes (`Numerics`):
+  c  compute: 2 under bf16/fp16/fp8 autocast, else the weights' width
+  w  weights as the forward reads them: 4 for tracetrain's fp32 full-FT params, 2 for a bf16 LoRA base
+     or for bf16 copies made by FSDP mixed precision / optimizer offload
+  x  residual stream: max(w, c) under autocast (fp32 weights give an fp32 embedding output, and
+     fp32 + bf16 residual adds stay fp32), w without autocast
+  a  LoRA adapter input: c under autocast, else 4 (LoRALinear casts x to its fp32 adapters)
+
+Three autograd facts decide what is kept (all checked against the real model in tests/test_plan_activations.py):
+  * an operand is saved only if the *other* operand needs a gradient (mul, mm): a frozen matmul keeps
+    its weight but not its input; `x.float() * cos` keeps only cos (so RoPE keeps nothing per layer);
+  * autocast caches its bf16 cast of a weight that requires grad, but casts an activation anew for
+    each linear: q, k and v each keep their own bf16 copy of an fp32 norm output;
+  * SDPA (flash, CUDA and CPU) keeps q, k, v, its output and an fp32 logsumexp (b, h, s); o_proj's
+    input is a view of that output. With GQA, k and v are kept at n_kv_heads.
+
+Per block, bytes per token (full fine-tuning; [LoRA]):
+  RMSNorm x 2        2 * (4d + 4)             fp32 copy of the input (kept by pow) and rstd
+                     2 * x*d                  normalised input kept by `weight * h` [0: weight frozen]
+  q/k/v input        3*c*d if x != c else c*d [adapters' input: n_adapted*a*d if x != a else a*d]
+  q, k after RoPE    c*(d + kv);  v: c*kv
+  attention          c*d + 4h                 output, logsumexp
+  gate/up input      as q/k/v with 2 linears
+  SwiGLU             3*c*f                    gate (silu input), silu output, up
+  down input         c*f                      [only if down_proj is adapted]
+  LoRA               n_adapted * a*r          lora_A output, kept by lora_B
+The first block of a LoRA model gets an input that needs no gradient, so its first RMSNorm keeps nothing.
+Outside the blocks: cos/sin 8*head_dim, token ids 8 [0], final norm 4d+4+x*d [4d+4], lm_head input c*d [0].
+
+Loss (`F.cross_entropy(logits.float())` in train/step.py), per token, in V units: the bf16 logits (c),
+their fp32 copy (4) and log_softmax's saved fp32 output (4) coexist at the end of the forward (the copy
+dies with cross_entropy, the logits when loss_sum returns); the backward then starts with the saved
+log-probs (4), nll_loss's fp32 gradient (4) and log_softmax's fp32 input gradient (4): 12V, before the
+cast back to bf16. So the largest loss buffer is 12*V bytes per token, at the start of the backward.
+
+Compared with Megatron-LM's 34*s*b*h bytes per layer (bf16, MHA, f = 4d, dropout masks, unfused
+softmax term 5*a*s^2*b dropped by flash attention): tracetrain's fp32-weight path keeps ~63d for a
+Llama-3.2-1B block (fp32 norms 16d, per-linear casts 10d, SwiGLU 4*(f=4d) = 32d), about 1.85x; a bf16
+LoRA base with q/k/v/o adapters keeps 18d + 6f, close to 34d at f = 2.7d.
+
+Recomputation (tracetrain.memory, planned): "full" keeps only each checkpointed block's input (x*d),
+"selective" keeps the block input plus the outputs of every matmul and of SDPA (c*(3d + 2kv + 2f) +
+c*d + 4h, all else recomputed); either way one block's full set is live again while it is recomputed.
+Each item carries how tensor parallelism divides it: "tp" (heads / ffn sharded), "sp" (sequence-sharded
+only with sequence parallelism) or "rep" (whole on every rank: a column-parallel linear keeps its
+all-gathered input under DTensor SP, where Megatron keeps the shard and gathers again in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tracetrain.models.llama import ModelArgs
+from tracetrain.plan.inputs import PlanInput
+
+Split = Literal["tp", "sp", "rep"]
+Backend = Literal["flash", "efficient", "math"]
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Dtype widths in bytes and what trains (see the module docstring)."""
+
+    full: bool
+    autocast: bool
+    c: int
+    w: int
+    x: int
+    a: int
+    targets: frozenset[str]
+    rank: int
+
+
+def numerics(inp: PlanInput) -> Numerics:
+    full = inp.mode == "full"
+    autocast = inp.precision != "fp32"
+    if full:
+        # FSDP mixed precision and optimizer offload hand the forward bf16 weights; else fp32 params.
+        low = autocast and ((inp.dp_shard > 1 and inp.zero_stage == 3) or inp.optimizer_offload)
+        w = 2 if low or inp.param_dtype == "bf16" else 4
+    else:
+        w = 2 if inp.lora_base_dtype == "bf16" else 4
+    c = 2 if autocast else w
+    x = max(w, c) if autocast else w
+    a = c if autocast else 4
+    return Numerics(full, autocast, c, w, x, a, frozenset(() if full else inp.lora_targets), inp.lora_rank)
+
+
+@dataclass(frozen=True)
+class Affine:
+    """`const + tokens * (per_token + per_token_seq * seq)` bytes. Every memory item has this form:
+    linear in the tokens of a micro-batch, and in the sequence length only for the math attention
+    path's score matrix. The HTML page's slider model relies on it."""
+
+    const: float = 0.0
+    per_token: float = 0.0
+    per_token_seq: float = 0.0
+
+    def at(self, tokens: float, seq: float) -> float:
+        return self.const + tokens * (self.per_token + self.per_token_seq * seq)
+
+    def __add__(self, o: "Affine") -> "Affine":
+        return Affine(self.const + o.const, self.per_token + o.per_token, self.per_token_seq + o.per_token_seq)
+
+    def __sub__(self, o: "Affine") -> "Affine":
+        return self + o * -1.0
+
+    def __mul__(self, k: float) -> "Affine":
+        return Affine(self.const * k, self.per_token * k, self.per_token_seq * k)
+
+
+@dataclass(frozen=True)
+class Item:
+    """`per_token` (+ `per_token_seq` x seq) bytes of one kind of saved tensor; `split` says how tensor
+    parallelism divides it."""
+
+    name: str
+    per_token: float
+    split: Split = "rep"
+    per_token_seq: float = 0.0
+
+    def at(self, seq: float) -> float:
+        return self.per_token + self.per_token_seq * seq
+
+
+def _input_copies(nm: Numerics, linears: tuple[str, ...], width: int) -> float:
+    """Bytes per token kept for the shared input of `linears` (see the module docstring)."""
+    if nm.full:
+        return len(linears) * nm.c * width if nm.x != nm.c else nm.c * width
+    adapted = sum(n in nm.targets for n in linears)
+    if not adapted:
+        return 0.0
+    return adapted * nm.a * width if nm.x != nm.a else nm.a * width
+
+
+def attention_backend(args: ModelArgs, nm: Numerics) -> Backend:
+    """The SDPA kernel CUDA picks for this model (no mask, is_causal): flash for bf16/fp16; fp32 is
+    not flash's: memory-efficient attention takes it, but not with GQA (`enable_gqa`), where SDPA
+    falls back to the math path, which materialises the fp32 score matrix. (The CPU flash kernel
+    takes every case.)"""
+    if nm.c == 2:
+        return "flash"
+    return "efficient" if args.n_kv_heads == args.n_heads else "math"
+
+
+def _attention_items(args: ModelArgs, nm: Numerics, backend: Backend) -> list[Item]:
+    d, kv, h = args.dim, args.n_kv_heads * args.head_dim, args.n_heads
+    if backend == "math":  # q * scale, k and v repeated to n_heads, softmax output (b, h, s, s), output
+        return [Item("q, k, v (k/v repeated to all heads)", 3 * nm.c * d, "tp"),
+                Item("attention probabilities (math SDPA)", 0.0, "tp", per_token_seq=4 * h),
+                Item("attention out", nm.c * d, "tp")]
+    return [Item("q, k after RoPE", nm.c * (d + kv), "tp"), Item("v", nm.c * kv, "tp"),
+            Item("attention out + logsumexp", nm.c * d + 4 * h, "tp")]
+
+
+def block_items(args: ModelArgs, nm: Numerics, *, first_lora_block: bool = False, moe_factor: float = 1.0,
+                backend: Backend = "flash") -> list[Item]:
+    """Saved tensors of one transformer block with no recomputation, bytes per token.
+    `moe_factor` scales the MLP items (top_k for a MoE block: every token visits top_k experts)."""
+    d, f = args.dim, args.ffn_dim
+    norms = 1 if first_lora_block else 2
+    items = [Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp")]
+    if nm.full:
+        items.append(Item("norm: normalised (weight grad)", 2 * nm.x * d, "sp"))
+    items.append(Item("q/k/v input", _input_copies(nm, QKV, d)))
+    items += _attention_items(args, nm, backend)
+    if "o_proj" in nm.targets and nm.a != nm.c:
+        items.append(Item("o_proj adapter input copy", nm.a * d, "tp"))
+    items += [Item("gate/up input", _input_copies(nm, GATE_UP, d)),
+              Item("SwiGLU gate, silu, up", 3 * nm.c * f * moe_factor, "tp")]
+    if nm.full or "down_proj" in nm.targets:
+        items.append(Item("down input", (nm.c if nm.full else nm.a) * f * moe_factor, "tp"))
+    if nm.targets:
+        items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
+    return [i for i in items if i.per_token or i.per_token_seq]
+
+
+def selective_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
+    """Selective recomputation keeps the block input and every matmul / SDPA output."""
+    d, kv, f, h = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, args.n_heads
+    items = [Item("block input", nm.x * d, "sp"),
+             Item("q/k/v outputs", nm.c * (d + 2 * kv), "tp"),
+             Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
+             Item("o/down outputs (partial sums)", 2 * nm.c * d),
+             Item("gate/up outputs", 2 * nm.c * f * moe_factor, "tp")]
+    if nm.targets:
+        outs = {"q_proj": d, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
+        items.append(Item("LoRA A/B outputs", sum(nm.a * (nm.rank + outs[t]) for t in nm.targets)))
+    return items
+
+
+def full_recompute_items(args: ModelArgs, nm: Numerics) -> list[Item]:
+    return [Item("block input", nm.x * args.dim, "sp")]
+
+
+def outside_items(args: ModelArgs, nm: Numerics, *, first_stage: bool, last_stage: bool) -> list[Item]:
+    """Saved tensors outside the blocks: rotary tables, token ids, final norm, lm_head input."""
+    d = args.dim
+    items = [Item("RoPE cos/sin", 2 * 4 * args.head_dim)]
+    if first_stage and nm.full:
+        items.append(Item("token ids", 8))
+    if last_stage:
+        items.append(Item("final norm", 4 * d + 4 + (nm.x * d if nm.full else 0), "sp"))
+        if nm.full:
+            items.append(Item("lm_head input", nm.c * d))
+    return items
+
+
+def loss_forward_per_token(args: ModelArgs, nm: Numerics) -> float:
+    """Logits, their fp32 copy and the saved log-probs, alive together during cross_entropy."""
+    return args.vocab_size * (nm.c + (4 if nm.c != 4 else 0) + 4)
+
+
+def loss_backward_per_token(args: ModelArgs) -> float:
+    """Saved log-probs + nll_loss's gradient + log_softmax's input gradient, all fp32."""
+    return 12.0 * args.vocab_size
+
+
+def loss_saved_per_token(args: ModelArgs) -> float:
+    """What a micro-batch keeps between its forward and backward: the fp32 log-probs."""
+    return 4.0 * args.vocab_size
+
+
+def shard(items: list[Item], tp: int, sequence_parallel: bool) -> Affine:
+    """Sum of `items` on one tensor-parallel rank, as bytes per token (const = 0)."""
+    total = Affine()
+    for i in items:
+        div = tp if i.split == "tp" or (i.split == "sp" and sequence_parallel) else 1
+        total += Affine(0.0, i.per_token / div, i.per_token_seq / div)
+    return total

@@ -1,0 +1,250 @@
+"""What the planner is asked about: `PlanInput` (model, batch, precision, memory options, parallel layout),
+the GPU and link tables it looks hardware up in, and `plan_input_from_config` to build one from a run's
+config tree.
+
+GPU figures come from `tracetrain.devices.DEVICES` (one table); this module only maps short CLI-friendly
+names ("h100-sxm", "h200", ...) onto its rows and adds what that table does not hold: the links between
+GPUs and to the host (`LINKS`). Every hardware number can be overridden on the `PlanInput`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from tracetrain.config import Config
+from tracetrain.devices import DEVICES, DeviceSpec
+from tracetrain.models.llama import ModelArgs
+
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Recompute = Literal["none", "selective", "full"]
+ActOffload = Literal["none", "save_on_cpu", "streamed"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
+# Short names -> the `devices.DEVICES` key that names the same GPU.
+GPU_NAMES: dict[str, str] = {
+    "h100-sxm": "H100", "h100": "H100", "h100-pcie": "H100 PCIe", "h100-nvl": "H100 NVL",
+    "h200": "H200", "gh200": "GH200", "a100": "A100", "l40s": "L40S",
+}
+
+
+@dataclass(frozen=True)
+class Links:
+    """Achievable per-GPU, per-direction bandwidths in GB/s (1e9 bytes/s), from vendor datasheets.
+
+    `intra_node`: GPU-to-GPU inside a node (NVLink 4 on H100/H200 SXM: 900 GB/s bidirectional = 450 per
+    direction). `inter_node`: one 400 Gb/s InfiniBand NDR NIC per GPU = 50 GB/s. `host`: GPU <-> pinned
+    CPU memory (PCIe Gen5 x16 ~55 GB/s measured per direction; NVLink-C2C on GH200 450).
+    """
+
+    intra_node_gb_s: float
+    inter_node_gb_s: float
+    host_gb_s: float
+
+
+LINKS: dict[str, Links] = {
+    "H100": Links(450.0, 50.0, 55.0),
+    "H200": Links(450.0, 50.0, 55.0),
+    "GH200": Links(450.0, 50.0, 450.0),
+    "H100 NVL": Links(300.0, 50.0, 55.0),    # NVLink bridge pairs; PCIe between pairs
+    "H100 PCIe": Links(55.0, 50.0, 55.0),    # no NVLink: peers talk over PCIe Gen5
+    "A100": Links(300.0, 25.0, 25.0),        # NVLink 3, HDR 200 Gb/s, PCIe Gen4
+    "L40S": Links(25.0, 25.0, 25.0),         # PCIe Gen4 only
+}
+
+
+def device_spec(gpu: str) -> tuple[DeviceSpec, Links]:
+    """The `DeviceSpec` and `Links` for a short name ("h100-sxm") or a device-table name ("NVIDIA H200")."""
+    key = GPU_NAMES.get(gpu.lower())
+    candidates = [(k, s) for k, s in DEVICES if (key == k if key else k.lower() in gpu.lower())]
+    if not candidates:
+        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_NAMES)}")
+    k, spec = candidates[0]
+    return spec, LINKS[k]
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One training run to plan: everything the memory and time models need, nothing else.
+
+    Sizes are per micro-batch and per data-parallel rank: `micro_batch` sequences of `seq_len` tokens,
+    `grad_accum` micro-batches per optimizer step (with pp > 1 they are the pipeline's micro-batches
+    unless `pp_microbatches` is set).
+    """
+
+    model: ModelArgs
+    seq_len: int = 2048
+    micro_batch: int = 1
+    grad_accum: int = 1
+    num_gpus: int = 1
+    gpu: str = "h100-sxm"
+    gpu_memory_gib: float | None = None     # override the device table's memory
+    peak_tflops: float | None = None        # override the dense peak for `precision`
+    hbm_tb_s: float | None = None           # override HBM bandwidth
+    intra_node_gb_s: float | None = None    # override `Links`
+    inter_node_gb_s: float | None = None
+    host_gb_s: float | None = None
+    gpus_per_node: int = 8
+    host_memory_gib: float = 1024.0         # CPU memory per node (offloaded states must fit there)
+    cpu_adam_gb_s: float = 150.0            # CPU memory bandwidth an offloaded AdamW gets, per node
+    # numerics
+    precision: Precision = "bf16"           # autocast dtype of the compute; fp32 = no autocast
+    param_dtype: Literal["fp32", "bf16"] = "fp32"   # storage of trainable weights (tracetrain full FT: fp32)
+    mode: Literal["full", "lora"] = "full"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_base_dtype: Literal["fp32", "bf16"] = "bf16"
+    fused_adamw: bool = True                # fused kernel (no full-size temporaries) vs foreach
+    # memory options (MemorySection)
+    recompute: Recompute = "none"
+    recompute_every: int = 1
+    activation_offload: ActOffload = "none"
+    optimizer_offload: bool = False
+    unified_memory: Literal["none", "optimizer", "model"] = "none"
+    expandable_segments: bool = True
+    # parallel layout
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero_stage: Literal[1, 2, 3] = 3        # what dp_shard shards: 1 optimizer, 2 + grads, 3 + params
+    reshard_after_forward: bool = True      # ZeRO-3: gather weights again in backward
+    fsdp_cpu_offload: bool = False          # ZeRO-3 shards (weights, grads, AdamW) live in host memory
+    tp: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True              # vocabulary-sharded logits and loss with tp > 1
+    pp: int = 1
+    pp_schedule: Schedule = "1f1b"
+    pp_microbatches: int = 0                # 0 = grad_accum
+    pp_virtual_stages: int = 1              # model chunks per rank (interleaved_1f1b)
+    cp: int = 1
+    ep: int = 1
+    num_experts: int = 0                    # 0 = dense MLP
+    top_k: int = 1
+
+    def replace(self, **changes: object) -> "PlanInput":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def gpus_on_node(self) -> int:
+        """GPUs of this run sharing one node's CPU memory and bandwidth."""
+        return min(self.num_gpus, self.gpus_per_node)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.pp_microbatches or self.grad_accum
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks."""
+        return self.micro_batch * self.num_microbatches * self.dp
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the value and what is allowed."""
+        m = self.model
+        layout = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        if layout != self.num_gpus:
+            raise ValueError(f"layout dp_replicate*dp_shard*tp*pp*cp = {layout} but num_gpus = {self.num_gpus}")
+        if m.n_heads % self.tp or m.n_kv_heads % self.tp:
+            raise ValueError(f"tp = {self.tp} must divide n_heads {m.n_heads} and n_kv_heads {m.n_kv_heads}")
+        if self.pp > m.n_layers or m.n_layers % (self.pp * self.pp_virtual_stages):
+            raise ValueError(f"pp = {self.pp} x virtual stages {self.pp_virtual_stages} must divide "
+                             f"n_layers {m.n_layers}")
+        if self.seq_len % (2 * self.cp) and self.cp > 1:
+            raise ValueError(f"seq_len {self.seq_len} must be divisible by 2*cp = {2 * self.cp} (load-balanced ring)")
+        if self.num_experts and (self.num_experts % self.ep or self.top_k > self.num_experts):
+            raise ValueError(f"ep = {self.ep} must divide num_experts {self.num_experts}, top_k <= num_experts")
+        if not self.num_experts and self.ep > 1:
+            raise ValueError("ep > 1 needs num_experts > 0 (a MoE model)")
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"ep = {self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp}")
+        if self.fsdp_cpu_offload and (self.zero_stage != 3 or self.optimizer_offload):
+            raise ValueError("fsdp_cpu_offload needs zero_stage 3 and excludes optimizer_offload")
+        for name in ("micro_batch", "grad_accum", "seq_len", "recompute_every", "lora_rank", "pp_virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
+        if self.pp_schedule == "interleaved_1f1b" and self.pp_virtual_stages < 2 and self.pp > 1:
+            raise ValueError("pp_schedule 'interleaved_1f1b' needs pp_virtual_stages >= 2")
+        if self.pp > 1 and self.num_microbatches < self.pp and self.pp_schedule != "gpipe":
+            raise ValueError(f"pipeline micro-batches {self.num_microbatches} < pp {self.pp}: the schedule "
+                             "cannot fill the pipeline (raise grad_accum or pp_microbatches)")
+
+    def hardware(self) -> "Hardware":
+        spec, links = device_spec(self.gpu)
+        peak = self.peak_tflops if self.peak_tflops else {
+            "fp32": spec.fp32_tflops, "bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops,
+            "fp8": spec.fp8_tflops}[self.precision]
+        return Hardware(
+            name=spec.name,
+            memory_bytes=(self.gpu_memory_gib or spec.memory_gib) * 2**30,
+            peak_flops=peak * 1e12,
+            bf16_flops=(self.peak_tflops if self.peak_tflops and self.precision in ("bf16", "fp16")
+                        else spec.bf16_tflops) * 1e12,
+            hbm_bytes_s=(self.hbm_tb_s or spec.hbm_tb_s) * 1e12,
+            intra_node_bytes_s=(self.intra_node_gb_s or links.intra_node_gb_s) * 1e9,
+            inter_node_bytes_s=(self.inter_node_gb_s or links.inter_node_gb_s) * 1e9,
+            host_bytes_s=(self.host_gb_s or links.host_gb_s) * 1e9,
+            cpu_bytes_s=self.cpu_adam_gb_s * 1e9 / self.gpus_on_node,
+            host_memory_bytes=self.host_memory_gib * 2**30)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Resolved hardware numbers, SI units (bytes, FLOP/s, bytes/s)."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: float        # dense peak for the GEMMs' precision
+    bf16_flops: float        # attention runs in bf16 even under fp8 GEMMs
+    hbm_bytes_s: float
+    intra_node_bytes_s: float
+    inter_node_bytes_s: float
+    host_bytes_s: float
+    cpu_bytes_s: float       # CPU memory bandwidth per GPU (the node's, shared)
+    host_memory_bytes: float  # per node
+
+
+def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = None) -> PlanInput:
+    """The `PlanInput` a `tracetrain train` run of `cfg` would be: 'auto' choices resolve as on a GPU
+    (bf16, bf16 LoRA base, fused AdamW). The layout is the config's [parallel] section; when it names
+    a single GPU but `num_gpus` > 1, the extra GPUs are planned as FSDP (ZeRO-3) shards."""
+    from tracetrain.models.build import model_args_from_config
+    from tracetrain.models.lora import resolve_targets
+
+    t, mem, par = cfg.train, cfg.memory, cfg.parallel
+    precision = "bf16" if t.precision == "auto" else t.precision
+    if gpu is None:
+        gpu = _visible_gpu() or "h100-sxm"
+    layout = {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp, "cp": par.cp}
+    if math.prod(layout.values()) == 1:
+        layout["dp_shard"] = num_gpus
+    elif num_gpus not in (1, math.prod(layout.values())):
+        raise ValueError(f"num_gpus = {num_gpus} but the config's [parallel] layout uses {math.prod(layout.values())}")
+    interleaved = par.pp_schedule == "interleaved_1f1b"
+    return PlanInput(
+        model=model_args_from_config(cfg), seq_len=cfg.data.seq_len, micro_batch=t.micro_batch_size,
+        grad_accum=t.grad_accum_steps, num_gpus=math.prod(layout.values()), gpu=gpu,
+        precision=precision,  # type: ignore[arg-type]
+        mode=t.mode,  # type: ignore[arg-type]
+        lora_rank=cfg.lora.rank, lora_targets=tuple(resolve_targets(cfg.lora.targets)),
+        lora_base_dtype="bf16" if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype,  # type: ignore[arg-type]
+        fused_adamw=cfg.optim.fused != "off",
+        peak_tflops=cfg.logging.peak_tflops or None,
+        recompute=mem.recompute, recompute_every=mem.recompute_every,  # type: ignore[arg-type]
+        activation_offload=mem.activation_offload, optimizer_offload=mem.optimizer_offload,  # type: ignore[arg-type]
+        unified_memory=mem.unified_memory, expandable_segments=mem.expandable_segments,  # type: ignore[arg-type]
+        num_experts=cfg.model.num_experts, top_k=cfg.model.experts_top_k if cfg.model.num_experts else 1,
+        ep=par.ep, zero_stage=par.zero_stage, reshard_after_forward=par.reshard_after_forward,  # type: ignore[arg-type]
+        fsdp_cpu_offload=par.fsdp_cpu_offload, sequence_parallel=par.sequence_parallel,
+        loss_parallel=par.loss_parallel, pp_schedule=par.pp_schedule,  # type: ignore[arg-type]
+        pp_microbatches=(par.pp_microbatches or par.pp) if par.pp > 1 else 0,
+        pp_virtual_stages=par.pp_stages_per_rank if interleaved else 1, **layout)
+
+
+def _visible_gpu() -> str | None:
+    import torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

@@ -1,0 +1,306 @@
+"""Per-GPU memory of a training step: what each item holds, in bytes, at each phase of the step, and
+the peak, which is the largest phase and not the sum of every item's maximum.
+
+Static items (P = parameters on this GPU after tp/pp/ep, see params.py; fsdp = dp_shard * cp;
+ZeRO stage z shards optimizer states (z >= 1), gradients (z >= 2) and weights (z = 3) over fsdp):
+  weights            4P for tracetrain's fp32 full-FT params; LoRA: frozen base at its dtype (2 for bf16)
+                     + 4 per fp32 adapter; with optimizer offload the GPU keeps 2-byte bf16 weights
+  gradients          4 per trainable param; optimizer offload (tracetrain.memory.optimizer_offload)
+                     copies each bf16 grad out as soon as it is complete: one weight's worth on the GPU
+  AdamW states       8 per trainable param (exp_avg + exp_avg_sq, fp32); +4 fp32 master if param_dtype=bf16;
+                     optimizer offload keeps 18 bytes/param on the host (bf16 staging, fp32 grad, master,
+                     moments)
+  AdamW temporaries  0 for the fused kernel; foreach keeps one fp32 temporary per param (sqrt(exp_avg_sq))
+  autocast copies    2 per weight that autocast casts (params.cast_params): alive from the forward until
+                     each layer's backward; 0 with FSDP mixed precision (bf16 shards are gathered instead)
+  FSDP buffers       (ZeRO-3) two blocks' gathered bf16 weights (current + prefetch; all blocks when
+                     reshard_after_forward is off), one block's unsharded fp32 grads before
+                     reduce-scatter, the gathered lm_head near the loss. fsdp_cpu_offload moves the
+                     shards (weights, grads, AdamW states: 16 bytes per trainable param) to the host
+Per-micro-batch items (activations.py, bytes per token x tokens T = micro_batch * seq_len / cp, divided
+by tp as each item's split says): block activations x blocks x micro-batches in flight, outside-block
+items, the loss buffers.
+
+Phases (the peak is the largest; every one is affine in T, which the HTML slider model relies on):
+  forward end       static + autocast copies of every weight (the cache lives until autocast exits)
+                    + all activations [+ gradients of earlier micro-batches when accumulating]
+  loss forward      static + kept copies + activations + logits, fp32 copy, log-probs (c+4+4)V per token
+  backward start    static + kept copies + activations + 12V per token (log-probs, two fp32 grads)
+  recompute         (recompute != none) activations + one block rematerialised with its weight copies
+  backward end      static + all gradients (+ a tied embedding's dense gradient before it is added)
+  optimizer step    static + all gradients + optimizer temporaries
+Gradients exist at the forward only from the second micro-batch of a step on (zero_grad sets them to
+None), which is why a single-micro-batch step peaks at backward start with no gradients at all.
+
+Pipeline stages hold micro-batches in flight: GPipe all m, 1F1B pp - stage, interleaved (Megatron)
+2(pp - 1 - stage) + (v - 1)pp + 1 model chunks of L/(pp v) blocks. The plan reports the worst stage.
+Activation offload (tracetrain.memory.activation_offload) moves block activations and the autocast
+weight copies they keep to pinned host memory: "streamed" keeps two blocks on the GPU (the last block,
+never offloaded, and one in transfer), "save_on_cpu" one block, and also copies the saved parameters
+(a LoRA base's frozen weights) every step; outside-block tensors and the loss buffers stay.
+
+The allocator's peak (torch.cuda.max_memory_allocated) is what the phases model (measured within 0.5%
+on 19 single-GPU configurations, benchmarks/plan_accuracy.py). The device must also hold the CUDA
+context and what the caching allocator reserves beyond the allocated bytes; the host (per node) must
+hold every GPU's offloaded bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tracetrain.plan import activations as act
+from tracetrain.plan.activations import Affine
+from tracetrain.plan.inputs import PlanInput
+from tracetrain.plan.params import StageParams, cast_params, stage_params
+
+GIB = 2**30
+# CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers live outside torch's allocator: ~0.5 GiB of
+# context on Hopper with lazy module loading plus workspaces; more with NCCL communicators.
+CUDA_CONTEXT_BYTES = 0.6 * GIB
+NCCL_BUFFERS_BYTES = 0.5 * GIB
+# Reserved / allocated at the peak: blocks the caching allocator holds but cannot reuse. With
+# expandable segments (tracetrain's default) a few percent; with fixed segments ~10-15% is common.
+FRAGMENTATION = {True: 0.04, False: 0.12}
+
+
+@dataclass
+class MemoryModel:
+    """Items of one GPU (the worst pipeline stage) and which items each phase holds."""
+
+    stage: int
+    items: dict[str, Affine]
+    phases: dict[str, list[str]]
+    cpu: dict[str, Affine] = field(default_factory=dict)
+    managed: dict[str, Affine] = field(default_factory=dict)
+
+    def phase_bytes(self, phase: str, tokens: float, seq: float) -> float:
+        return sum(self.items[n].at(tokens, seq) for n in self.phases[phase])
+
+    def peak(self, tokens: float, seq: float) -> tuple[str, float]:
+        return max(((p, self.phase_bytes(p, tokens, seq)) for p in self.phases), key=lambda kv: kv[1])
+
+
+def in_flight(inp: PlanInput, stage: int) -> float:
+    """Micro-batches (in units of this stage's blocks) whose activations a stage holds at once."""
+    m, pp, v = inp.num_microbatches, inp.pp, inp.pp_virtual_stages
+    if pp == 1:
+        return 1.0
+    if inp.pp_schedule == "gpipe":
+        return float(m)
+    if inp.pp_schedule == "1f1b" or v == 1:
+        return float(min(m, pp - stage))
+    chunks = 2 * (pp - 1 - stage) + (v - 1) * pp + 1
+    return min(chunks, m * v) / v
+
+
+def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str, Affine], dict[str, Affine]]:
+    """GPU items that do not depend on the batch, and the host copies optimizer offload keeps."""
+    fsdp = inp.dp_shard * inp.cp
+    z = inp.zero_stage if fsdp > 1 else 0
+    sh_p, sh_g, sh_o = (fsdp if z == 3 else 1), (fsdp if z >= 2 else 1), (fsdp if z >= 1 else 1)
+    train = sp.total if inp.mode == "full" else sp.adapters
+    frozen = sp.total - train
+    frozen_bytes = frozen * nm.w / sh_p
+    cpu: dict[str, Affine] = {}
+    if inp.optimizer_offload:
+        # tracetrain.memory.optimizer_offload: bf16 weights on the GPU, each gradient copied out and
+        # freed as soon as it is accumulated (one weight's worth alive), 18 bytes/param on the host.
+        largest = max(inp.model.vocab_size * inp.model.dim / inp.tp, inp.model.dim * inp.model.ffn_dim / inp.tp)
+        items = {"weights": Affine(frozen_bytes + train * nm.c / sh_p),
+                 "gradients": Affine(min(train, largest) * nm.c),
+                 "AdamW states": Affine(), "AdamW temporaries": Affine()}
+        cpu["optimizer (bf16 staging, fp32 grads, master, moments)"] = Affine(train * 18 / sh_o)
+        return items, cpu
+    if inp.fsdp_cpu_offload:
+        # FSDP2 CPUOffloadPolicy: sharded fp32 weights, grads and AdamW states stay in host memory; the
+        # GPU only ever holds gathered blocks (the "FSDP buffers" items).
+        cpu["FSDP shards (weights, grads, AdamW)"] = Affine((frozen * nm.w + train * 16) / fsdp)
+        return {"weights": Affine(), "gradients": Affine(), "AdamW states": Affine(),
+                "AdamW temporaries": Affine()}, cpu
+    train_w = 2 if inp.param_dtype == "bf16" else 4
+    master = 4 if inp.param_dtype == "bf16" else 0
+    items = {"weights": Affine(frozen_bytes + train * train_w / sh_p),
+             "gradients": Affine(train * train_w / sh_g),
+             "AdamW states": Affine(train * (8 + master) / sh_o),
+             "AdamW temporaries": Affine(0.0 if inp.fused_adamw else train * 4 / sh_o)}
+    return items, cpu
+
+
+def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Affine]) -> dict[str, Affine]:
+    """Activation items of one GPU: kept block activations x micro-batches in flight, what offload
+    leaves on the GPU, the recompute working set (all per token of the micro-batch, cp-split)."""
+    args, tp, sp_on = inp.model, inp.tp, inp.sequence_parallel
+    first, last = stage == 0, stage == inp.pp - 1
+    moe = float(inp.top_k) if inp.num_experts else 1.0
+    backend = act.attention_backend(args, nm)
+    blk_none = act.shard(act.block_items(args, nm, moe_factor=moe, backend=backend), tp, sp_on)
+    blk_first = act.shard(act.block_items(args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe,
+                                          backend=backend), tp, sp_on)
+    kept = {"none": blk_none, "selective": act.shard(act.selective_items(args, nm, moe), tp, sp_on),
+            "full": act.shard(act.full_recompute_items(args, nm), tp, sp_on)}[inp.recompute]
+    n = inp.model.n_layers // inp.pp
+    n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)
+    per_mb = kept * n_ckpt + blk_none * (n - n_ckpt)
+    if first and n_ckpt == 0 and inp.mode == "lora":
+        per_mb += blk_first - blk_none  # block 0 (checkpointed whenever anything is) gets no input grad
+    outside = act.shard(act.outside_items(args, nm, first_stage=first, last_stage=last), tp, sp_on)
+    k = in_flight(inp, stage)
+    blocks = per_mb * k
+    if inp.activation_offload != "none" and n * k > 2:
+        # streamed: the last block is never offloaded and one more is in transfer; save_on_cpu: one block.
+        biggest = blk_none if n_ckpt < n else kept
+        on_gpu = biggest * (2 if inp.activation_offload == "streamed" else 1)
+        cpu["offloaded activations"] = (blocks - on_gpu) * (1 / inp.cp)
+        blocks = on_gpu
+    return {"activations": (blocks + outside * k) * (1 / inp.cp),
+            "recompute working set": blk_none * (1 / inp.cp)}
+
+
+def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
+    """The memory items and phases of one GPU of pipeline stage `stage`."""
+    args, nm = inp.model, act.numerics(inp)
+    sp = stage_params(inp, stage)
+    first, last = stage == 0, stage == inp.pp - 1
+    items, cpu = _static(inp, sp, nm)
+    items.update(_activations(inp, stage, nm, cpu))
+    n = sp.num_blocks
+    n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)
+    k = in_flight(inp, stage)
+
+    # Autocast weight copies: all of them during the forward, those that saved tensors keep afterwards.
+    cast_block, cast_outside = cast_params(inp, sp, autocast=nm.autocast, weight_bytes=nm.w)
+    zero3 = inp.dp_shard * inp.cp > 1 and inp.zero_stage == 3
+    if zero3:  # FSDP mixed precision gathers bf16 weights: autocast has nothing to cast
+        cast_block = cast_outside = 0.0
+    per_block_cast = 2 * cast_block
+    casts_all = n * per_block_cast + 2 * cast_outside
+    casts_kept = casts_all - n_ckpt * per_block_cast
+    if inp.activation_offload != "none" and n * k > 2:
+        # Copies are not parameters: offload moves them with the activations (but the last block's).
+        on_gpu = per_block_cast * (1 if inp.activation_offload == "save_on_cpu" else 2) + 2 * cast_outside
+        cpu["offloaded weight copies"] = Affine(max(0.0, casts_kept - on_gpu) * k)
+        casts_kept = min(casts_kept, on_gpu)
+        if inp.activation_offload == "save_on_cpu" and inp.mode == "lora" and nm.w == nm.c:
+            # save_on_cpu copies saved parameters too: a LoRA base's frozen weights, kept by each mm.
+            cpu["saved parameters (save_on_cpu)"] = Affine(sp.num_blocks * sp.block_linear * nm.w * k)
+    items["autocast copies (all)"] = Affine(casts_all)
+    items["autocast copies (kept)"] = Affine(casts_kept)
+    items["autocast copies (1 block)"] = Affine(per_block_cast)
+    loss_div = (inp.tp if inp.loss_parallel else 1) * inp.cp
+    if last:
+        items["logits + fp32 copy"] = Affine(0.0, act.loss_forward_per_token(args, nm) / loss_div)
+        items["loss gradients"] = Affine(0.0, act.loss_backward_per_token(args) / loss_div)
+        items["log-probs in flight"] = Affine(0.0, act.loss_saved_per_token(args) * (k - 1) / loss_div)
+    else:
+        items["log-probs in flight"] = Affine()
+    if zero3:
+        head_gather = args.vocab_size * args.dim / inp.tp * 2 if last else 0.0
+        # Gathered bf16 blocks: the current one and a prefetched one; without resharding after forward
+        # every block stays gathered until its backward.
+        gathered = (2 if inp.reshard_after_forward else n) * sp.block * 2
+        items["FSDP gathered weights"] = Affine(gathered)
+        items["FSDP gathered weights + grads"] = Affine(gathered + sp.block * 4 + head_gather)
+    # Tied embeddings: lm_head's grad is .grad already when the embedding's dense grad arrives to be
+    # added (untied, AccumulateGrad just adopts it).
+    tied = first and last and args.tie_embeddings and inp.mode == "full"
+    emb_grad = args.vocab_size * args.dim / inp.tp * 4 if tied else 0.0
+    items["embedding grad (dense)"] = Affine(emb_grad)
+    items["NCCL buffers"] = Affine(NCCL_BUFFERS_BYTES if inp.num_gpus > 1 else 0.0)
+    phases = _phases(inp, last, zero3)
+    managed: dict[str, Affine] = {}
+    if inp.unified_memory != "none":
+        for name in ["AdamW states"] + (["weights"] if inp.unified_memory == "model" else []):
+            managed[name], items[name] = items[name], Affine()
+    return MemoryModel(stage, items, phases, cpu, managed)
+
+
+def _phases(inp: PlanInput, last: bool, zero3: bool) -> dict[str, list[str]]:
+    """Which items each phase of the step holds (module docstring)."""
+    static = ["weights", "AdamW states", "NCCL buffers"]
+    early = static + (["gradients"] if inp.num_microbatches > 1 else [])
+    fs_fwd = ["FSDP gathered weights"] if zero3 else []
+    fs_bwd = ["FSDP gathered weights + grads"] if zero3 else []
+    kept = ["autocast copies (kept)", "activations", "log-probs in flight"]
+    phases = {"forward end": early + fs_fwd + ["autocast copies (all)", "activations", "log-probs in flight"]}
+    if last:
+        phases["loss forward"] = early + fs_bwd + kept + ["logits + fp32 copy"]
+        phases["backward start"] = early + fs_bwd + kept + ["loss gradients"]
+    if inp.recompute != "none":
+        phases["recompute"] = early + fs_bwd + kept + ["autocast copies (1 block)", "recompute working set"]
+    phases["backward end"] = static + fs_bwd + ["gradients", "embedding grad (dense)"]
+    phases["optimizer step"] = static + ["gradients", "AdamW temporaries"]
+    return phases
+
+
+def memory_model(inp: PlanInput, tokens: float, seq: float) -> MemoryModel:
+    """The stage with the highest peak (first and last are the candidates; with pp = 1 they coincide)."""
+    models = [stage_model(inp, s) for s in sorted({0, inp.pp - 1})]
+    return max(models, key=lambda m: m.peak(tokens, seq)[1])
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes on one GPU at its peak phase, and what the device must hold on top."""
+
+    stage: int
+    peak_phase: str
+    peak_bytes: float                    # comparable to torch.cuda.max_memory_allocated
+    breakdown: dict[str, float]          # items of the peak phase
+    phases: dict[str, float]
+    fragmentation_bytes: float
+    context_bytes: float
+    required_bytes: float                # peak + fragmentation + context
+    capacity_bytes: float
+    cpu_bytes: dict[str, float]          # per GPU
+    managed_bytes: dict[str, float]
+    host_bytes_per_node: float           # cpu + managed bytes of every GPU on one node
+    host_capacity_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.capacity_bytes and self.host_bytes_per_node <= self.host_capacity_bytes
+
+    @property
+    def spare_bytes(self) -> float:
+        return self.capacity_bytes - self.required_bytes
+
+
+def tokens_per_microbatch(inp: PlanInput) -> float:
+    """Tokens of one micro-batch before the cp split (the affine models divide by cp themselves)."""
+    return float(inp.micro_batch * inp.seq_len)
+
+
+def plan_memory(inp: PlanInput) -> MemoryPlan:
+    tokens, seq = tokens_per_microbatch(inp), inp.seq_len
+    mm = memory_model(inp, tokens, seq)
+    phase, peak = mm.peak(tokens, seq)
+    frag = FRAGMENTATION[inp.expandable_segments] * peak
+    host = sum(v.at(tokens, seq) for v in [*mm.cpu.values(), *mm.managed.values()]) * inp.gpus_on_node
+    hw = inp.hardware()
+    return MemoryPlan(
+        stage=mm.stage, peak_phase=phase, peak_bytes=peak,
+        breakdown=_merge({n: mm.items[n].at(tokens, seq) for n in mm.phases[phase]}),
+        phases={p: mm.phase_bytes(p, tokens, seq) for p in mm.phases},
+        fragmentation_bytes=frag, context_bytes=CUDA_CONTEXT_BYTES, required_bytes=peak + frag + CUDA_CONTEXT_BYTES,
+        capacity_bytes=hw.memory_bytes,
+        cpu_bytes={k: v.at(tokens, seq) for k, v in mm.cpu.items()},
+        managed_bytes={k: v.at(tokens, seq) for k, v in mm.managed.items()},
+        host_bytes_per_node=host, host_capacity_bytes=hw.host_memory_bytes)
+
+
+DISPLAY = {"autocast copies (all)": "autocast bf16 weight copies", "autocast copies (kept)": "autocast bf16 weight copies",
+           "autocast copies (1 block)": "autocast bf16 weight copies", "log-probs in flight": "logits / loss",
+           "logits + fp32 copy": "logits / loss", "loss gradients": "logits / loss",
+           "recompute working set": "activations", "FSDP gathered weights": "FSDP buffers",
+           "FSDP gathered weights + grads": "FSDP buffers"}
+
+
+def _merge(items: dict[str, float]) -> dict[str, float]:
+    """Fold the phase-specific item names into the display rows (and drop empty ones)."""
+    out: dict[str, float] = {}
+    for name, value in items.items():
+        key = DISPLAY.get(name, name)
+        out[key] = out.get(key, 0.0) + value
+    return {k: v for k, v in out.items() if v > 0}

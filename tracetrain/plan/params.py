@@ -1,0 +1,106 @@
+"""Parameters held by one GPU: how tensor, pipeline and expert parallelism split the model, and how
+many of those weights autocast copies to bf16. Counts (not bytes); `memory.py` turns them into bytes.
+
+Tensor parallelism (Megatron/torchtitan plan): q/k/v/gate/up column-wise, o/down row-wise, the
+embedding and lm_head by vocabulary; RMSNorm weights are replicated. So a block holds
+(block_params - 2d) / tp + 2d parameters per rank, the embedding and head V*d/tp each.
+Pipeline parallelism: L/pp blocks per stage, the embedding on the first stage, final norm and
+lm_head on the last (tied embeddings: the last stage holds its own copy of the tied matrix).
+MoE (no MoE model exists in tracetrain yet): a block's MLP becomes `num_experts` SwiGLU experts of
+ffn_dim plus a d x E router; experts are split over ep (and tp) ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracetrain.models.accounting import block_params, lora_params, num_params
+from tracetrain.plan.inputs import PlanInput
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter counts on one GPU of pipeline stage `stage`, before data-parallel sharding."""
+
+    stage: int
+    num_blocks: int
+    block: float            # one block, after tp/ep
+    embedding: float        # 0 unless first stage
+    head: float             # lm_head (+ final norm) on the last stage; 0 elsewhere
+    adapters: float         # LoRA adapters on this stage (replicated across tp)
+    block_linear: float     # matmul weights of one block (what autocast casts), after tp/ep
+    first_block_qkv: float  # q/k/v weights of block 0 (a LoRA base there casts but keeps nothing)
+
+    @property
+    def total(self) -> float:
+        return self.num_blocks * self.block + self.embedding + self.head + self.adapters
+
+
+def mlp_params(inp: PlanInput) -> int:
+    """SwiGLU parameters of one block: 3*d*f dense, or E experts + a d x E router."""
+    a = inp.model
+    dense = 3 * a.dim * a.ffn_dim
+    return dense * inp.num_experts + a.dim * inp.num_experts if inp.num_experts else dense
+
+
+def total_params(inp: PlanInput) -> int:
+    """Model parameters (accounting.num_params, plus the extra experts of a MoE variant)."""
+    a = inp.model
+    return num_params(a) + a.n_layers * (mlp_params(inp) - 3 * a.dim * a.ffn_dim)
+
+
+def trainable_params(inp: PlanInput) -> int:
+    if inp.mode == "full":
+        return total_params(inp)
+    return lora_params(inp.model, inp.lora_rank, list(inp.lora_targets))
+
+
+def stage_params(inp: PlanInput, stage: int) -> StageParams:
+    a, tp = inp.model, inp.tp
+    d, kv = a.dim, a.n_kv_heads * a.head_dim
+    attn = block_params(a) - 3 * d * a.ffn_dim - 2 * d          # projections (+ q/k/v bias)
+    mlp = mlp_params(inp)
+    if inp.num_experts:
+        router = d * inp.num_experts
+        mlp_local = (mlp - router) / (inp.ep * tp) + router
+    else:
+        mlp_local = mlp / tp
+    block = attn / tp + mlp_local + 2 * d
+    block_linear = (2 * d * d + 2 * d * kv) / tp + mlp_local - (d * inp.num_experts if inp.num_experts else 0)
+    first, last = stage == 0, stage == inp.pp - 1
+    vd = a.vocab_size * d / tp
+    embedding = vd if first else 0.0
+    head = 0.0
+    if last:
+        separate = not a.tie_embeddings or inp.pp > 1
+        head = (vd if separate else 0.0) + d
+    num_blocks = a.n_layers // inp.pp
+    adapters = 0.0
+    if inp.mode == "lora":
+        adapters = lora_params(a, inp.lora_rank, list(inp.lora_targets)) * num_blocks / a.n_layers
+    return StageParams(stage, num_blocks, block, embedding, head, adapters, block_linear,
+                       (d * d + 2 * d * kv) / tp if first else 0.0)
+
+
+def cast_params(inp: PlanInput, sp: StageParams, *, autocast: bool, weight_bytes: int) -> tuple[float, float]:
+    """Weights whose bf16 autocast copy is kept from forward to backward on this stage, as
+    (per block, outside the blocks): total = num_blocks * per_block + outside.
+
+    Full FT with fp32 params: every linear weight, lm_head included (cached once per forward).
+    LoRA: the adapters (fp32, cached) and, with an fp32 base, every frozen linear whose input needs
+    a gradient: all but block 0's q/k/v (and those adapters' lora_A, whose input needs none either).
+    """
+    if not autocast or (weight_bytes == 2 and inp.mode == "full"):
+        return 0.0, 0.0
+    a = inp.model
+    head_linear = a.vocab_size * a.dim / inp.tp if sp.stage == inp.pp - 1 else 0.0
+    if inp.mode == "full":
+        return sp.block_linear, head_linear
+    adapters_per_block = sp.adapters / max(1, sp.num_blocks)
+    first_qkv_adapters = 0.0
+    if sp.stage == 0:
+        first_qkv_adapters = sum(inp.lora_rank * a.dim for t in ("q_proj", "k_proj", "v_proj")
+                                 if t in inp.lora_targets)
+    if weight_bytes == 4:
+        return sp.block_linear + adapters_per_block, head_linear - sp.first_block_qkv - first_qkv_adapters
+    return adapters_per_block, -first_qkv_adapters

@@ -1,0 +1,168 @@
+"""Memory-bound work of one micro-batch: HBM bytes read + written by every op that is not a matmul or
+attention, derived op by op from `models/llama.py`, `models/lora.py` and `train/step.py` (the same walk
+as activations.py; the notation d, kv, f, V, c, w, x, a is defined there). Bytes per token unless said.
+
+Forward, per block:
+  RMSNorm x 2          pow 8d + mean 4d + (x * rstd) 8d + (weight * h) 2x*d, + 2(x+4)d when x != 4 (float() and back)
+  input casts          (x + c)d for each linear whose input autocast casts (x != c), per linear
+  RoPE on q (w = d) and k (w = kv)   40w fp32 work + 18w of casts when c = 2
+  residual adds x 2    (2x + c)d
+  SwiGLU               silu 2c*f + mul 3c*f
+  LoRA per adapter     (* scaling) 2a*o + (out + update) 3c*o, o = output width
+Backward, per block (only what needs a gradient runs):
+  RMSNorm x 2          68d of fp32 work + 2x*d (grad * weight) + 4x*d weight grad [full only]
+                       + 2(x+4)d of casts when x != 4; the residual's two grads add: 3x*d
+  input grads          each cast linear casts its input grad back (c + x)d; n consumers of a tensor add
+                       their n - 1 extra grads (3g*width each, g the grad's dtype)
+  RoPE                 28w + 3c*w (add of the two halves) + 18w of casts when c = 2
+  SwiGLU               mul backward 6c*f + silu backward 3c*f
+  LoRA per adapter     (* scaling) 2a*o
+Outside the blocks: embedding 2x*d, final RMSNorm, lm_head input cast, loss forward (c+4)V + 8V
+(fp32 copy, log_softmax), loss backward 4V + 12V + (4+c)V (nll grad, log_softmax grad, cast back).
+
+Per step and parameter (not per token): autocast weight casts 6 bytes per cast weight and forward,
+fp32 weight-grad casts 6 (bf16 -> fp32), accumulation into .grad 12 from the second micro-batch on,
+fused AdamW 28 (read p, g, m, v; write p, m, v), foreach AdamW ~80 (eight passes), grad-norm clipping 12.
+The test in tests/test_plan_time.py checks the per-token totals against every aten op of a real
+forward + backward on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracetrain.models.llama import ModelArgs
+from tracetrain.plan.activations import GATE_UP, QKV, Numerics
+
+OUT_WIDTH = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """HBM bytes per token and kernel launches per micro-batch of some memory-bound work."""
+
+    bytes_per_token: float
+    kernels: float
+
+    def __add__(self, o: "Traffic") -> "Traffic":
+        return Traffic(self.bytes_per_token + o.bytes_per_token, self.kernels + o.kernels)
+
+    def __mul__(self, k: float) -> "Traffic":
+        return Traffic(self.bytes_per_token * k, self.kernels * k)
+
+
+def _widths(args: ModelArgs) -> dict[str, int]:
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    return {"q_proj": d, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
+
+
+def _inputs(args: ModelArgs) -> dict[str, int]:
+    d, f = args.dim, args.ffn_dim
+    return {n: (f if n == "down_proj" else d) for n in OUT_WIDTH}
+
+
+def norm_forward(d: int, nm: Numerics) -> Traffic:
+    casts = 2 * (nm.x + 4) * d if nm.x != 4 else 0
+    return Traffic(20 * d + 2 * nm.x * d + casts, 7 + (2 if nm.x != 4 else 0))
+
+
+def norm_backward(d: int, nm: Numerics) -> Traffic:
+    casts = 2 * (nm.x + 4) * d if nm.x != 4 else 0
+    weight_grad = 4 * nm.x * d if nm.full else 0
+    return Traffic(68 * d + 2 * nm.x * d + weight_grad + casts,
+                   11 + (2 if nm.full else 0) + (2 if nm.x != 4 else 0))
+
+
+def rope(width: int, nm: Numerics, backward: bool) -> Traffic:
+    casts = 18 * width if nm.c != 4 else 0
+    if backward:
+        return Traffic(28 * width + 3 * nm.c * width + casts, 5 + (3 if nm.c != 4 else 0))
+    return Traffic(40 * width + casts, 5 + (3 if nm.c != 4 else 0))
+
+
+def _consumers(nm: Numerics, linears: tuple[str, ...]) -> list[int]:
+    """For each consumer of a shared input: the dtype width it casts the input to (0 = no cast)."""
+    out = []
+    for name in linears:
+        out.append(nm.c if (nm.autocast and nm.x != nm.c) else 0)  # the linear itself (base when LoRA)
+        if name in nm.targets:
+            out.append(nm.a if nm.x != nm.a else 0)                 # its adapter's lora_A
+    return out
+
+
+def input_casts(nm: Numerics, linears: tuple[str, ...], width: int, src: int, backward: bool) -> Traffic:
+    """Casts of a shared input (dtype `src`) for its consumers, and in backward the casts back plus
+    the sum of the consumers' input gradients."""
+    casts = [c for c in _consumers(nm, linears) if c]
+    if not backward:
+        return Traffic(sum((src + c) * width for c in casts), len(casts))
+    n = len(_consumers(nm, linears))
+    grad = src if casts else nm.c
+    return Traffic(sum((c + src) * width for c in casts) + (n - 1) * 3 * grad * width, len(casts) + n - 1)
+
+
+def lora(args: ModelArgs, nm: Numerics, backward: bool) -> Traffic:
+    widths = _widths(args)
+    total = Traffic(0.0, 0)
+    for name in nm.targets:
+        o = widths[name]
+        cast = (nm.a + nm.c) * o if nm.a != nm.c else 0
+        if backward:
+            total += Traffic(2 * nm.a * o + cast, 1 + (1 if cast else 0))
+        else:
+            total += Traffic(2 * nm.a * o + cast + 3 * nm.c * o, 2 + (1 if cast else 0))
+    return total
+
+
+def block_forward(args: ModelArgs, nm: Numerics) -> Traffic:
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    t = norm_forward(d, nm) * 2
+    t += input_casts(nm, QKV, d, nm.x, False) + input_casts(nm, GATE_UP, d, nm.x, False)
+    t += input_casts(nm, ("o_proj",), d, nm.c, False) + input_casts(nm, ("down_proj",), f, nm.c, False)
+    t += rope(d, nm, False) + rope(kv, nm, False)
+    t += Traffic(2 * (2 * nm.x + nm.c) * d, 2)
+    t += Traffic(5 * nm.c * f, 2)
+    return t + lora(args, nm, False)
+
+
+def block_backward(args: ModelArgs, nm: Numerics, *, first_lora_block: bool = False) -> Traffic:
+    """Backward of one block; in block 0 of a LoRA model the first norm and the q/k/v input
+    gradients do not run (its input needs no gradient)."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    t = norm_backward(d, nm) * (1 if first_lora_block else 2)
+    if not first_lora_block:
+        t += input_casts(nm, QKV, d, nm.x, True)
+    t += input_casts(nm, GATE_UP, d, nm.x, True)
+    t += input_casts(nm, ("o_proj",), d, nm.c, True) + input_casts(nm, ("down_proj",), f, nm.c, True)
+    t += rope(d, nm, True) + rope(kv, nm, True)
+    t += Traffic(3 * nm.x * d * (1 if first_lora_block else 2), 1 if first_lora_block else 2)
+    t += Traffic(9 * nm.c * f, 3)
+    return t + lora(args, nm, True)
+
+
+def outside_forward(args: ModelArgs, nm: Numerics, *, first: bool, last: bool) -> Traffic:
+    d, v = args.dim, args.vocab_size
+    t = Traffic(28 * args.head_dim, 6)  # rotary tables
+    if first:
+        t += Traffic(2 * nm.x * d + 8, 1)
+    if last:
+        t += norm_forward(d, nm)
+        if nm.autocast and nm.x != nm.c:
+            t += Traffic((nm.x + nm.c) * d, 1)
+        t += Traffic((nm.c + 4) * v * (nm.c != 4) + 8 * v, 2 + (nm.c != 4))
+    return t
+
+
+def outside_backward(args: ModelArgs, nm: Numerics, *, last: bool) -> Traffic:
+    d, v = args.dim, args.vocab_size
+    if not last:
+        return Traffic(0.0, 0)
+    t = Traffic(4 * v + 12 * v + (4 + nm.c) * v * (nm.c != 4), 2 + (nm.c != 4))
+    if nm.autocast and nm.x != nm.c:
+        t += Traffic((nm.c + nm.x) * d, 1)
+    return t + norm_backward(d, nm)
+
+
+def adamw_bytes_per_param(fused: bool) -> float:
+    """HBM bytes per fp32 trainable parameter of one AdamW step (+ clip_grad_norm_'s norm and scale)."""
+    return (28.0 if fused else 80.0) + 12.0
