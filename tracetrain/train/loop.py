@@ -32,6 +32,7 @@ from tracetrain.train.checkpoint import TrainState, load_checkpoint, save_checkp
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
+from tracetrain.train.oom import configure_allocator, explain_oom, preflight
 from tracetrain.train.optim import build_optimizer, build_scheduler
 from tracetrain.train.resume import ResumePoint
 from tracetrain.train.runtime import refuse_unimplemented, resolve_device, resolve_precision
@@ -75,6 +76,7 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
     refuse_unimplemented(cfg)
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
+    configure_allocator(cfg.memory, device)
     autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     torch.manual_seed(cfg.train.seed)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -129,6 +131,7 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
                       use_document_mask=cfg.data.pack, fused_skip=bool(optimizer.defaults.get("fused")),
                       scaler=scaler, phase=prof.phase)
     reporter.model_summary(args, model, cfg, device_name, precision, flops.model)
+    preflight(cfg, device, reporter.note)
     config_toml = to_toml(cfg)
 
     def checkpoint(step: int) -> Path:
@@ -145,36 +148,40 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
     interrupted_at: Path | None = None
     model.train()
     try:
-        with reporter.progress(cfg.train.steps, start_step) as bar:
-            metrics.restart_window()
-            for step in range(start_step, cfg.train.steps):
-                prof.step_begin(step)
-                t0 = time.perf_counter()
-                with prof.phase("data_wait"):
-                    micro_batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-                data_wait_s = time.perf_counter() - t0
-                lr = scheduler.get_last_lr()[0]
-                out = train_step(model, optimizer, micro_batches, ctx)
-                scheduler.step()
-                prof.step_end(step)
-                metrics.record(step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens_per_step,
-                               data_wait_s)
-                done = step + 1
-                if done % cfg.logging.log_interval == 0 or done == cfg.train.steps or stop.signal:
-                    rec = metrics.flush()
-                    bar.update(done, rec)
-                if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
-                    with prof.phase("eval"):
-                        ev = run_eval(model, eval_ds, cfg, ctx)
-                    metrics.log_eval(done, ev)
-                    reporter.eval_line(done, ev)
-                    metrics.restart_window()
-                if stop.signal:
-                    interrupted_at = checkpoint(done)
-                    break
-                if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < cfg.train.steps:
-                    checkpoint(done)
-                    metrics.restart_window()
+        try:
+            with reporter.progress(cfg.train.steps, start_step) as bar:
+                metrics.restart_window()
+                for step in range(start_step, cfg.train.steps):
+                    prof.step_begin(step)
+                    t0 = time.perf_counter()
+                    with prof.phase("data_wait"):
+                        micro_batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
+                    data_wait_s = time.perf_counter() - t0
+                    lr = scheduler.get_last_lr()[0]
+                    out = train_step(model, optimizer, micro_batches, ctx)
+                    scheduler.step()
+                    prof.step_end(step)
+                    metrics.record(step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens_per_step,
+                                   data_wait_s)
+                    done = step + 1
+                    if done % cfg.logging.log_interval == 0 or done == cfg.train.steps or stop.signal:
+                        rec = metrics.flush()
+                        bar.update(done, rec)
+                    if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
+                        with prof.phase("eval"):
+                            ev = run_eval(model, eval_ds, cfg, ctx)
+                        metrics.log_eval(done, ev)
+                        reporter.eval_line(done, ev)
+                        metrics.restart_window()
+                    if stop.signal:
+                        interrupted_at = checkpoint(done)
+                        break
+                    if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < cfg.train.steps:
+                        checkpoint(done)
+                        metrics.restart_window()
+        except torch.OutOfMemoryError as e:
+            # At the step boundary: snapshot the allocator and say which switches would fit.
+            raise explain_oom(e, cfg, device, run_dir, step) from None
         summary_extra = prof.finish(reporter.note)
         if interrupted_at is not None:
             reporter.note(f"{stop.signal} received: saved checkpoint {interrupted_at} at step {step + 1}; "
