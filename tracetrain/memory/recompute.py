@@ -52,17 +52,25 @@ _SAVED_OP_NAMES: tuple[str, ...] = (
 
 
 @functools.cache
-def saved_ops() -> frozenset[torch._ops.OpOverload]:
-    """The default overloads of `_SAVED_OP_NAMES` that this torch build has."""
-    ops = set()
+def saved_ops() -> frozenset[object]:
+    """The default overloads of `_SAVED_OP_NAMES` that this torch build has, and FlexAttention.
+
+    The FlexAttention operator reaches the policy only where the block is compiled (`apply_compile`:
+    the policy becomes the partitioner's save/recompute tags); an eager block calls an opaquely
+    compiled flex_attention, which checkpoint can only rerun.
+    """
+    ops: set[object] = set()
     for name in _SAVED_OP_NAMES:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None and hasattr(packet, "default"):
             ops.add(packet.default)
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    if flex is not None:
+        ops.add(flex)
     return frozenset(ops)
 
 
-def _selective_policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _selective_policy(ctx: Any, op: object, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     # MUST_SAVE (not PREFER_SAVE): under torch.compile the partitioner must not override the choice.
     return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -7,7 +7,10 @@ place and in a fixed order:
 1. weights: random init, or a Hugging Face checkpoint (`model.init_from`)
 2. LoRA (`train.mode = "lora"`): wraps target projections and freezes the rest; it comes before any
    wrapping transform so that later ones (recomputation, compile, sharding) see the final modules.
-   Later issues add recomputation -> compile -> parallelism after it, in that order.
+3. Activation recomputation (`memory.recompute`): checkpoints whole blocks, or (selective) keeps only
+   matmul and attention outputs. After LoRA, so adapters are recomputed too; before compile and
+   sharding, which must see the checkpointed blocks. (Activation offload hooks are attached by the
+   trainer, which owns the forward context they run in.)
 """
 
 from __future__ import annotations
@@ -87,4 +90,7 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
                        adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32)
         except ValueError as e:
             raise ConfigError(f"config key 'lora.targets': {e}") from None
+    if cfg.memory.recompute != "none":
+        from tracetrain.memory.recompute import apply_recompute
+        apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)
     return model

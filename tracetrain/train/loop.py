@@ -127,9 +127,11 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
     metrics = MetricsLogger(run_dir, device, flops.model, peak, cfg.train.max_bad_steps, cfg.logging.tensorboard)
     metrics.skipped_steps = counters.get("skipped_steps", 0)
     prof = ProfileCapture(cfg.profile, run_dir, device)
+    from tracetrain.memory import apply_activation_offload
+    offload = apply_activation_offload(model, cfg.memory.activation_offload)
     ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
                       use_document_mask=cfg.data.pack, fused_skip=bool(optimizer.defaults.get("fused")),
-                      scaler=scaler, phase=prof.phase)
+                      scaler=scaler, phase=prof.phase, activation_offload=offload)
     reporter.model_summary(args, model, cfg, device_name, precision, flops.model)
     preflight(cfg, device, reporter.note)
     config_toml = to_toml(cfg)

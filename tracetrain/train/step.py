@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ class StepContext:
     use_document_mask: bool              # packed rows: attention must not cross documents
     fused_skip: bool                     # optimizer honours `found_inf` on the device (fused AdamW)
     scaler: torch.amp.GradScaler | None = None   # fp16 only: dynamic loss scaling
+    activation_offload: Any = None       # tracetrain.memory.ActivationOffload: saved activations -> host
     # Named ranges for the profiler / NVTX (tracetrain/forward, ...); a no-op unless profiling.
     phase: Callable[[str], contextlib.AbstractContextManager] = field(
         default=lambda name: contextlib.nullcontext())
@@ -55,7 +57,9 @@ def autocast(ctx: StepContext) -> contextlib.AbstractContextManager:
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext) -> torch.Tensor:
     """Summed cross-entropy over target tokens of one micro-batch (labels are pre-shifted)."""
     doc = batch["document_ids"] if ctx.use_document_mask else None
-    with autocast(ctx):
+    # Activation offload hooks only the model's forward: the logits feed the loss straight away.
+    offload = ctx.activation_offload.forward_context() if ctx.activation_offload else contextlib.nullcontext()
+    with autocast(ctx), offload:
         logits = model(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, vocab)
     # Loss in float32 whatever the compute precision: bf16 log-softmax over a large vocab is lossy.
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
