@@ -60,3 +60,20 @@ def test_lora_7b_breakdown(reports):
     assert copies < 0.01
     assert r["kernels"]["top"][0]["category"] == "gemm"
     assert "data_loader" not in _advice(reports["llama2_7b_lora"])
+
+
+def test_no_category_exceeds_the_memory_bandwidth(reports):
+    """Regression: reductions were charged an output as large as their input (133% of HBM)."""
+    for name, report in reports.items():
+        for row in _rank0(report)["bound"]["rows"]:
+            if row["bandwidth_efficiency"] is not None:
+                assert row["bandwidth_efficiency"] <= 1.0, (name, row["category"], row["bandwidth_efficiency"])
+
+
+def test_analyzing_a_profile_folder_skips_the_report(tmp_path):
+    """Regression: `tracetrain analyze RUN/profile/` picked up report.json as a trace."""
+    import json
+    import shutil
+    shutil.copy(H100 / "loader_workers4.json.gz", tmp_path / "rank0.json.gz")
+    (tmp_path / "report.json").write_text(json.dumps(render_json(analyze([str(tmp_path / "rank0.json.gz")]))))
+    assert len(render_json(analyze([str(tmp_path)]))["ranks"]) == 1

@@ -172,21 +172,35 @@ def _fp32_by_name(trace: Trace, rows: np.ndarray) -> float:
     return float(trace.gpu.dur[rows][fp32[inverse]].sum()) if len(rows) else 0.0
 
 
+# Ops whose output is far smaller than their input (a reduction over at least one dimension): their
+# traffic is the inputs read; counting an output as large as the largest input would double it.
+_REDUCING_OP = re.compile(r"\b(?:aten::)?(?:mean|sum|norm|linalg_vector_norm|amax|amin|max|min|argmax|argmin|"
+                          r"var|std|prod|all|any|nll_loss\w*|_foreach_norm)\b")
+
+
+def op_bytes_estimate(name: str, sizes: list[int]) -> int:
+    """Bytes an op moves: its inputs, plus an output as large as the largest input unless it reduces."""
+    if not sizes:
+        return 0
+    return sum(sizes) if _REDUCING_OP.search(name) else sum(sizes) + max(sizes)
+
+
 def streamed_bytes(trace: Trace, rows: np.ndarray) -> tuple[float, float]:
     """(bytes, µs) over the kernels in `rows` whose launching op's inputs give a byte estimate."""
     ops, inverse = np.unique(trace.gpu.op[rows], return_inverse=True)
     op_time = np.bincount(inverse, weights=trace.gpu.dur[rows], minlength=len(ops))
-    op_bytes: dict[int, int] = {}  # by recorded shape: training repeats the same shapes every step
+    op_bytes: dict[tuple[int, int], int] = {}  # by (shape, op): training repeats them every step
     total_bytes = total_us = 0.0
     for i, op in enumerate(ops.tolist()):
         shape_id = int(trace.host.shape[op]) if op >= 0 else -1
         if shape_id < 0:
             continue
-        if shape_id not in op_bytes:
+        key = (shape_id, int(trace.host.name[op]))
+        if key not in op_bytes:
             sizes = [n * size for n, size in _tensors(*json.loads(trace.shapes[shape_id]))]
-            op_bytes[shape_id] = sum(sizes) + max(sizes) if sizes else 0
-        if op_bytes[shape_id]:
-            total_bytes += op_bytes[shape_id]
+            op_bytes[key] = op_bytes_estimate(trace.names[trace.host.name[op]], sizes)
+        if op_bytes[key]:
+            total_bytes += op_bytes[key]
             total_us += op_time[i]
     return total_bytes, total_us
 

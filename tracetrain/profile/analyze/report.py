@@ -95,7 +95,9 @@ def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
     files: list[Path] = []
     for item in map(Path, items):
         if item.is_dir():
-            found = sorted(p for p in item.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+            # Skip the analyzer's own output (report.json) written beside the traces by `tracetrain profile`.
+            found = sorted(p for p in item.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES)
+                           and not p.name.startswith("report"))
             if not found:
                 raise TracetrainError(f"{item}: directory has no .json or .json.gz trace files")
             files.extend(found)
