@@ -65,3 +65,52 @@ def run_peer(peer_script: Path, args: list[str]) -> dict | None:
             return json.loads(line)
     tail = (proc.stderr or proc.stdout)[-600:]
     return {"error": "out of memory" if "OutOfMemory" in tail else tail}
+
+
+def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict:
+    """Build model, optimizer and transforms exactly as `tracetrain train` does for `cfg`, then time
+    `train_step` on random full-length rows (median over `steps` after `warmup`). Peak memory counts
+    the steps only (the stats are reset after the build)."""
+    import gc
+
+    from tracetrain.memory import apply_activation_offload
+    from tracetrain.models.accounting import training_flops_per_token
+    from tracetrain.models.build import build_model
+    from tracetrain.devices import peak_flops
+    from tracetrain.train.optim import build_optimizer
+    from tracetrain.train.step import StepContext, train_step
+
+    device = torch.device("cuda")
+    precision = "fp16" if cfg.train.precision == "fp16" else "bf16"
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    model = build_model(cfg, device, base_dtype=torch.bfloat16 if cfg.train.mode == "lora" else None)
+    opt = build_optimizer(model, cfg.optim, device, cfg.memory)
+    offload = apply_activation_offload(model, cfg.memory.activation_offload)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    ctx = StepContext(device, dtype, 1.0, use_document_mask=False, fused_skip=bool(opt.defaults.get("fused")),
+                      scaler=scaler, activation_offload=offload)
+    tokens = torch.randint(0, model.args.vocab_size, (batch, seq + 1))
+    rows = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(seq).expand(batch, -1).contiguous(),
+            "document_ids": torch.zeros(batch, seq, dtype=torch.long)}
+    rows = {k: v.pin_memory() for k, v in rows.items()}
+    micro = [rows] * cfg.train.grad_accum_steps
+    torch.cuda.reset_peak_memory_stats()
+    times = time_steps(lambda: train_step(model, opt, micro, ctx), warmup, steps)
+    step_s = median(times)
+    tokens_per_s = batch * seq * cfg.train.grad_accum_steps / step_s
+    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.train.mode == "lora" else 0
+    flops = training_flops_per_token(model.args, seq, mode=cfg.train.mode, num_lora_params=n_lora,
+                                     recompute=cfg.memory.recompute)
+    peak = peak_flops(torch.cuda.get_device_name(0), "bf16")
+    result = {"batch": batch, "seq": seq, "grad_accum": cfg.train.grad_accum_steps, "step_s_median": step_s,
+              "step_s_all": times, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops.model / 1e12,
+              "hw_tflops": tokens_per_s * flops.hardware / 1e12,
+              "mfu": tokens_per_s * flops.model / peak if peak else None,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if hasattr(opt, "close"):
+        opt.close()
+    del model, opt, micro, rows, offload
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result

@@ -11,22 +11,14 @@ a subprocess after ours, on the same GPU. Prints a table; writes benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, median, run_peer, time_steps, write_result  # noqa: E402
+from common import bench_train_step, environment, run_peer, write_result  # noqa: E402
 
 from tracetrain.config import load_config  # noqa: E402
-from tracetrain.devices import peak_flops  # noqa: E402
-from tracetrain.models.accounting import training_flops_per_token  # noqa: E402
-from tracetrain.models.build import build_model  # noqa: E402
-from tracetrain.train.optim import build_optimizer  # noqa: E402
-from tracetrain.train.step import StepContext, train_step  # noqa: E402
 
 CASES = {
     "llama3.2-1b-full": dict(preset="llama3.2-1b", mode="full", batch=4, seq=2048,
@@ -39,31 +31,7 @@ CASES = {
 def bench_case(name: str, spec: dict, warmup: int, steps: int) -> dict:
     cfg = load_config(None, [f"--model.preset={spec['preset']}", f"--train.mode={spec['mode']}",
                              f"--data.seq_len={spec['seq']}", "--data.pack=false", "--train.precision=bf16"])
-    device = torch.device("cuda")
-    model = build_model(cfg, device, base_dtype=torch.bfloat16 if spec["mode"] == "lora" else None)
-    opt = build_optimizer(model, cfg.optim, device)
-    torch.cuda.reset_peak_memory_stats()  # the peer's peak also excludes nothing but its own steps
-    ctx = StepContext(device, torch.bfloat16, 1.0, use_document_mask=False, fused_skip=True)
-    vocab = model.args.vocab_size
-    tokens = torch.randint(0, vocab, (spec["batch"], spec["seq"] + 1))
-    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-             "position_ids": torch.arange(spec["seq"]).expand(spec["batch"], -1).contiguous(),
-             "document_ids": torch.zeros(spec["batch"], spec["seq"], dtype=torch.long)}
-    batch = {k: v.pin_memory() for k, v in batch.items()}
-    times = time_steps(lambda: train_step(model, opt, [batch], ctx), warmup, steps)
-    step_s = median(times)
-    tokens_per_s = spec["batch"] * spec["seq"] / step_s
-    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if spec["mode"] == "lora" else 0
-    flops = training_flops_per_token(model.args, spec["seq"], mode=spec["mode"], num_lora_params=n_lora)
-    peak = peak_flops(torch.cuda.get_device_name(0), "bf16")
-    result = {"case": name, "system": "tracetrain", "batch": spec["batch"], "seq": spec["seq"],
-              "step_s_median": step_s, "step_s_all": times, "tokens_per_s": tokens_per_s,
-              "tflops": tokens_per_s * flops.model / 1e12, "mfu": tokens_per_s * flops.model / peak if peak else None,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    del model, opt, batch
-    gc.collect()
-    torch.cuda.empty_cache()
-    return result
+    return {"case": name, "system": "tracetrain", **bench_train_step(cfg, spec["batch"], spec["seq"], warmup, steps)}
 
 
 def main() -> None:
