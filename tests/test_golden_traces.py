@@ -77,3 +77,17 @@ def test_analyzing_a_profile_folder_skips_the_report(tmp_path):
     shutil.copy(H100 / "loader_workers4.json.gz", tmp_path / "rank0.json.gz")
     (tmp_path / "report.json").write_text(json.dumps(render_json(analyze([str(tmp_path / "rank0.json.gz")]))))
     assert len(render_json(analyze([str(tmp_path)]))["ranks"]) == 1
+
+
+def test_activation_offload_and_unified_memory_seen_in_traces():
+    """Seed experiments 3 and 4: llama3.2-1b full FT, 4 x 2048, H100 (benchmarks/gpu_memory.sh, 44c8af2)."""
+    base, offload, unified = (_rank0(analyze([str(H100 / f"llama32_1b_full{s}.json.gz")]))
+                              for s in ("", "_offload", "_unified"))
+    # Offload: the copies dominate (PCIe-bound), the step is >3x longer, the peak much lower.
+    assert base["offload"]["copy_fraction"] < 0.01 < 0.5 < offload["offload"]["copy_fraction"]
+    assert offload["offload"]["d2h_bytes"] > 30e9 and offload["offload"]["h2d_bytes"] > 30e9
+    assert offload["utilisation"]["mean_step_us"] > 3 * base["utilisation"]["mean_step_us"]
+    assert offload["memory"]["peak_allocated_bytes"] < 0.7 * base["memory"]["peak_allocated_bytes"]
+    # Unified memory for the optimizer states: same speed; the states leave the caching allocator's books.
+    assert abs(unified["utilisation"]["mean_step_us"] / base["utilisation"]["mean_step_us"] - 1) < 0.05
+    assert base["memory"]["peak_allocated_bytes"] - unified["memory"]["peak_allocated_bytes"] > 8 * 2**30
