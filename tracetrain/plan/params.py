@@ -87,8 +87,9 @@ def cast_params(inp: PlanInput, sp: StageParams, *, autocast: bool, weight_bytes
     (per block, outside the blocks): total = num_blocks * per_block + outside.
 
     Full FT with fp32 params: every linear weight, lm_head included (cached once per forward).
-    LoRA: the adapters (fp32, cached) and, with an fp32 base, every frozen linear whose input needs
-    a gradient: all but block 0's q/k/v (and those adapters' lora_A, whose input needs none either).
+    LoRA: the adapters (fp32, cached) and, with a base autocast must cast (fp32, or the bf16 base under
+    fp16 autocast), every frozen linear whose input needs a gradient: all but block 0's q/k/v (and
+    those adapters' lora_A, whose input needs none either).
     """
     if not autocast or (weight_bytes == 2 and inp.mode == "full"):
         return 0.0, 0.0
@@ -101,6 +102,7 @@ def cast_params(inp: PlanInput, sp: StageParams, *, autocast: bool, weight_bytes
     if sp.stage == 0:
         first_qkv_adapters = sum(inp.lora_rank * a.dim for t in ("q_proj", "k_proj", "v_proj")
                                  if t in inp.lora_targets)
-    if weight_bytes == 4:
+    # A 2-byte LoRA base is bf16 (there is no fp16 base option): fp16 autocast casts and caches it.
+    if weight_bytes == 4 or inp.precision == "fp16":
         return sp.block_linear + adapters_per_block, head_linear - sp.first_block_qkv - first_qkv_adapters
     return adapters_per_block, -first_qkv_adapters
