@@ -68,21 +68,50 @@ class FlexCore(nn.Module):
         return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, q_blocks, kv_blocks) bool -> BlockMask's (count, indices) layout with a heads dim of 1."""
+    counts = blocks.sum(-1, dtype=torch.int32)  # (batch, q_blocks)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts.unsqueeze(1), indices.unsqueeze(1)
+
+
 def document_causal_block_mask(document_ids: torch.Tensor, block_size: int = 128):
     """(batch, seq) document ids -> a FlexAttention BlockMask: same document and not in the future.
 
-    Built once per batch (not per layer). Padding (document id -1) attends causally to other padding,
-    as in the dense mask, which keeps every query row non-empty.
+    Built once per batch (not per layer), from per-tile document ranges with a few tensor ops: no
+    (batch, seq, seq) mask and no Python-level mask evaluation (`create_block_mask` costs ~15 ms of
+    host time per batch at 4 x 2048, measured on an H100, a stall at the start of every step).
+    A (query tile, key tile) pair is skipped when their document-id ranges do not overlap or the key
+    tile is in the future; it is "full" (no mask function applied) when both tiles hold one and the
+    same document and the key tile is strictly earlier; otherwise the mask function decides per token.
+    Range overlap is necessary for sharing a document whatever the order of ids, so the result is
+    exact for any ids (and as sparse as possible for packed rows, whose ids increase along the row).
+    Padding (id -1) attends causally to other padding, as in the dense mask; it is mapped to the
+    largest id for the ranges, since it sits at the end of a packed row.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
     batch, seq = document_ids.shape
+    if seq % block_size:
+        raise ValueError(f"sequence length {seq} is not a multiple of the attention block size {block_size}")
+    num_blocks = seq // block_size
 
     def document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                         kv_idx: torch.Tensor) -> torch.Tensor:
         return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    return create_block_mask(document_causal, batch, None, seq, seq, device=document_ids.device,
-                             BLOCK_SIZE=block_size)
+    ids = torch.where(document_ids < 0, torch.iinfo(document_ids.dtype).max, document_ids)
+    tiles = ids.view(batch, num_blocks, block_size)
+    lo, hi = tiles.amin(-1), tiles.amax(-1)  # (batch, blocks): document range of each tile
+    q_lo, q_hi, k_lo, k_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
+    causal = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=ids.device).tril()
+    visible = (q_lo <= k_hi) & (k_lo <= q_hi) & causal          # (batch, q_blocks, kv_blocks)
+    one_doc = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    full = one_doc & causal.tril(-1)
+    partial = visible & ~full
+    kv_num_blocks, kv_indices = _ordered(partial)
+    full_num_blocks, full_indices = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num_blocks, full_indices,
+                                    BLOCK_SIZE=block_size, mask_mod=document_causal, seq_lengths=(seq, seq))
 
 
 def resolve_attention(backend: AttentionBackend, device: torch.device, packed: bool) -> str:
