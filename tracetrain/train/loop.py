@@ -65,144 +65,182 @@ class _StopFlag:
             signal.signal(s, handler)
 
 
-def _count_lora(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
           reporter: Reporter | None = None) -> TrainResult:
     """Train as `cfg` says, writing into `run_dir` (created by the caller; see `prepare_run_dir`)."""
     reporter = reporter or Reporter(cfg.logging.progress)
     refuse_unimplemented(cfg)
-    device = resolve_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
-    configure_allocator(cfg.memory, device)
-    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    torch.manual_seed(cfg.train.seed)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    with reporter.status("reading and packing data"):
-        train_ds, eval_ds, stats = build_datasets(cfg.data, tokenizer)
-    (run_dir / "data_stats.json").write_text(json.dumps(_as_dict(stats), indent=2))
-    reporter.data_stats(stats)
-
-    is_lora = cfg.train.mode == "lora"
-    # LoRA checkpoints hold only the adapters when the frozen base can be reloaded from its source;
-    # a randomly initialised base (benchmarks, tests) is saved whole.
-    adapters_only = is_lora and bool(cfg.model.init_from)
-    base_dtype = _lora_base_dtype(cfg, device) if is_lora else None
-    with reporter.status(f"building model on {device}"):
-        model = build_model(cfg, device, base_dtype=base_dtype)
-    args = model.args
-    check_vocab(tokenizer, args.vocab_size)
-    optimizer = build_optimizer(model, cfg.optim, device, cfg.memory)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    loader = build_loader(train_ds, cfg.train.micro_batch_size, cfg.data, shuffle=True, seed=cfg.data.seed)
-
-    start_step, counters = 0, {"skipped_steps": 0}
-    # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    run = _Run(cfg, run_dir, reporter)
     if resume is not None:
-        state = load_checkpoint(resume.checkpoint, model, optimizer, lora=adapters_only)
-        scheduler.load_state_dict(state.scheduler)
-        if scaler is not None and state.counters.get("scaler"):
-            scaler.load_state_dict(state.counters["scaler"])
-        loader.load_state_dict(state.loader)
-        start_step, counters = state.step, state.counters
-        resume.truncate_metrics(run_dir, start_step)
-        reporter.note(f"resumed from {resume.checkpoint} at step {start_step}")
-
-    if cfg.memory.unified_memory != "none":
-        from tracetrain.memory.unified import apply_unified_memory
-        target = model if cfg.memory.unified_memory == "model" else optimizer
-        apply_unified_memory(target, cfg.memory.unified_memory, coherent_memory=cfg.memory.coherent_memory)
-    flops = training_flops_per_token(args, cfg.data.seq_len, mode=cfg.train.mode,
-                                     num_lora_params=_count_lora(model) if is_lora else 0)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = peak_flops(device_name, precision, cfg.logging.peak_tflops) if device.type == "cuda" else None
-    if device.type == "cuda" and peak is None:
-        reporter.note(f"MFU not reported: {device_name!r} is not in the device table; "
-                      "set logging.peak_tflops to its dense peak")
-    metrics = MetricsLogger(run_dir, device, flops.model, peak, cfg.train.max_bad_steps, cfg.logging.tensorboard)
-    metrics.skipped_steps = counters.get("skipped_steps", 0)
-    prof = ProfileCapture(cfg.profile, run_dir, device)
-    from tracetrain.memory import apply_activation_offload
-    offload = apply_activation_offload(model, cfg.memory.activation_offload)
-    ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
-                      use_document_mask=cfg.data.pack, fused_skip=bool(optimizer.defaults.get("fused")),
-                      scaler=scaler, phase=prof.phase, activation_offload=offload)
-    reporter.model_summary(args, model, cfg, device_name, precision, flops.model)
-    preflight(cfg, device, reporter.note)
-    config_toml = to_toml(cfg)
-
-    def checkpoint(step: int) -> Path:
-        counters = {"skipped_steps": metrics.skipped_steps, "scaler": scaler.state_dict() if scaler else {}}
-        state = TrainState(step=step, scheduler=scheduler.state_dict(), loader=loader.state_dict(),
-                           counters=counters)
-        with reporter.status(f"saving checkpoint at step {step}"), prof.phase("checkpoint"):
-            return save_checkpoint(run_dir, model, optimizer, state, config_toml, lora=adapters_only,
-                                   keep_last=cfg.checkpoint.keep_last)
-
+        run.restore(resume)
+    run.announce()
     stop = _StopFlag()
-    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
-    step = start_step
-    interrupted_at: Path | None = None
-    model.train()
     try:
         try:
-            with reporter.progress(cfg.train.steps, start_step) as bar:
-                metrics.restart_window()
-                for step in range(start_step, cfg.train.steps):
-                    prof.step_begin(step)
-                    t0 = time.perf_counter()
-                    with prof.phase("data_wait"):
-                        micro_batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-                    data_wait_s = time.perf_counter() - t0
-                    lr = scheduler.get_last_lr()[0]
-                    out = train_step(model, optimizer, micro_batches, ctx)
-                    scheduler.step()
-                    prof.step_end(step)
-                    metrics.record(step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens_per_step,
-                                   data_wait_s)
-                    done = step + 1
-                    if done % cfg.logging.log_interval == 0 or done == cfg.train.steps or stop.signal:
-                        rec = metrics.flush()
-                        bar.update(done, rec)
-                    if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
-                        with prof.phase("eval"):
-                            ev = run_eval(model, eval_ds, cfg, ctx)
-                        metrics.log_eval(done, ev)
-                        reporter.eval_line(done, ev)
-                        metrics.restart_window()
-                    if stop.signal:
-                        interrupted_at = checkpoint(done)
-                        break
-                    if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < cfg.train.steps:
-                        checkpoint(done)
-                        metrics.restart_window()
+            interrupted_at = run.run_steps(stop)
         except torch.OutOfMemoryError as e:
             # At the step boundary: snapshot the allocator and say which switches would fit.
-            raise explain_oom(e, cfg, device, run_dir, step) from None
-        summary_extra = prof.finish(reporter.note)
-        if interrupted_at is not None:
-            reporter.note(f"{stop.signal} received: saved checkpoint {interrupted_at} at step {step + 1}; "
-                          f"continue with: tracetrain train --resume {run_dir}")
-            summary = {"interrupted": True, "signal": stop.signal, "step": step + 1,
-                       "checkpoint": str(interrupted_at)}
-        else:
-            summary = final_evaluation(model, tokenizer, eval_ds, cfg, ctx, run_dir, reporter)
-            summary.update(_throughput_summary(metrics, cfg, step + 1))
-            if cfg.checkpoint.save_final:
-                summary["checkpoint"] = str(checkpoint(cfg.train.steps))
-        summary.update(summary_extra)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        reporter.summary(summary, run_dir)
+            raise explain_oom(e, cfg, run.device, run_dir, run.step) from None
+        summary = run.finish(interrupted_at, stop.signal)
         return TrainResult(run_dir=run_dir, summary=summary)
     finally:
         stop.restore()
-        metrics.close()
-        prof.finish(lambda _: None)  # stops a profiler left running by an exception
+        run.metrics.close()
+        run.prof.finish(lambda _: None)  # stops a profiler left running by an exception
+
+
+class _Run:
+    """Everything one training run holds, built from the config in a fixed order."""
+
+    def __init__(self, cfg: Config, run_dir: Path, reporter: Reporter) -> None:
+        self.cfg, self.run_dir, self.reporter = cfg, run_dir, reporter
+        self.device = resolve_device(cfg.train.device)
+        self.precision = resolve_precision(cfg.train.precision, self.device)
+        configure_allocator(cfg.memory, self.device)
+        torch.manual_seed(cfg.train.seed)
+        self.config_toml = to_toml(cfg)
+        (run_dir / "config.toml").write_text(self.config_toml)
+        self._build_data()
+        self._build_model_and_optimizer()
+        self._build_instruments()
+        self.start_step = self.step = self.done = 0  # done: steps completed so far
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        with self.reporter.status("reading and packing data"):
+            self.train_ds, self.eval_ds, stats = build_datasets(cfg.data, self.tokenizer)
+        (self.run_dir / "data_stats.json").write_text(json.dumps(_as_dict(stats), indent=2))
+        self.reporter.data_stats(stats)
+        self.loader = build_loader(self.train_ds, cfg.train.micro_batch_size, cfg.data, shuffle=True,
+                                   seed=cfg.data.seed)
+
+    def _build_model_and_optimizer(self) -> None:
+        cfg, device = self.cfg, self.device
+        is_lora = cfg.train.mode == "lora"
+        # LoRA checkpoints hold only the adapters when the frozen base can be reloaded from its source;
+        # a randomly initialised base (benchmarks, tests) is saved whole.
+        self.adapters_only = is_lora and bool(cfg.model.init_from)
+        with self.reporter.status(f"building model on {device}"):
+            self.model = build_model(cfg, device, base_dtype=_lora_base_dtype(cfg, device) if is_lora else None)
+        check_vocab(self.tokenizer, self.model.args.vocab_size)
+        self.optimizer = build_optimizer(self.model, cfg.optim, device, cfg.memory)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
+        self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16" else None
+        if cfg.memory.unified_memory != "none":
+            from tracetrain.memory.unified import apply_unified_memory
+            target = self.model if cfg.memory.unified_memory == "model" else self.optimizer
+            apply_unified_memory(target, cfg.memory.unified_memory, coherent_memory=cfg.memory.coherent_memory)
+
+    def _build_instruments(self) -> None:
+        cfg, device = self.cfg, self.device
+        num_lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if cfg.train.mode == "lora" else 0
+        self.flops = training_flops_per_token(self.model.args, cfg.data.seq_len, mode=cfg.train.mode,
+                                              num_lora_params=num_lora)
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = peak_flops(self.device_name, self.precision, cfg.logging.peak_tflops) if device.type == "cuda" else None
+        if device.type == "cuda" and peak is None:
+            self.reporter.note(f"MFU not reported: {self.device_name!r} is not in the device table; "
+                               "set logging.peak_tflops to its dense peak")
+        self.metrics = MetricsLogger(self.run_dir, device, self.flops.model, peak, cfg.train.max_bad_steps,
+                                     cfg.logging.tensorboard)
+        self.prof = ProfileCapture(cfg.profile, self.run_dir, device)
+        from tracetrain.memory import apply_activation_offload
+        offload = apply_activation_offload(self.model, cfg.memory.activation_offload)
+        autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+        self.ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
+                               use_document_mask=cfg.data.pack,
+                               fused_skip=bool(self.optimizer.defaults.get("fused")), scaler=self.scaler,
+                               phase=self.prof.phase, activation_offload=offload)
+
+    def restore(self, resume: ResumePoint) -> None:
+        """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters."""
+        state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
+        self.scheduler.load_state_dict(state.scheduler)
+        if self.scaler is not None and state.counters.get("scaler"):
+            self.scaler.load_state_dict(state.counters["scaler"])
+        self.loader.load_state_dict(state.loader)
+        self.start_step = self.step = self.done = state.step
+        self.metrics.skipped_steps = state.counters.get("skipped_steps", 0)
+        resume.truncate_metrics(self.run_dir, self.start_step)
+        self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
+
+    def announce(self) -> None:
+        self.reporter.model_summary(self.model.args, self.model, self.cfg, self.device_name, self.precision,
+                                    self.flops.model)
+        preflight(self.cfg, self.device, self.reporter.note)
+
+    def checkpoint(self, step: int) -> Path:
+        counters = {"skipped_steps": self.metrics.skipped_steps,
+                    "scaler": self.scaler.state_dict() if self.scaler else {}}
+        state = TrainState(step=step, scheduler=self.scheduler.state_dict(), loader=self.loader.state_dict(),
+                           counters=counters)
+        with self.reporter.status(f"saving checkpoint at step {step}"), self.prof.phase("checkpoint"):
+            return save_checkpoint(self.run_dir, self.model, self.optimizer, state, self.config_toml,
+                                   lora=self.adapters_only, keep_last=self.cfg.checkpoint.keep_last)
+
+    def one_step(self, step: int) -> None:
+        """Fetch the micro-batches, train, and hand the (still on-device) results to the metrics."""
+        cfg = self.cfg
+        self.prof.step_begin(step)
+        t0 = time.perf_counter()
+        with self.prof.phase("data_wait"):
+            micro_batches = [next(self.loader) for _ in range(cfg.train.grad_accum_steps)]
+        data_wait_s = time.perf_counter() - t0
+        lr = self.scheduler.get_last_lr()[0]
+        out = train_step(self.model, self.optimizer, micro_batches, self.ctx)
+        self.scheduler.step()
+        self.prof.step_end(step)
+        tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+        self.metrics.record(step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens, data_wait_s)
+        self.done = step + 1
+
+    def run_steps(self, stop: _StopFlag) -> Path | None:
+        """The loop; returns the checkpoint written on SIGINT/SIGTERM, if one arrived."""
+        cfg, total = self.cfg, self.cfg.train.steps
+        self.model.train()
+        with self.reporter.progress(total, self.start_step) as bar:
+            self.metrics.restart_window()
+            for self.step in range(self.start_step, total):
+                self.one_step(self.step)
+                done = self.done
+                if done % cfg.logging.log_interval == 0 or done == total or stop.signal:
+                    bar.update(done, self.metrics.flush())  # the interval's one host sync
+                if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < total:
+                    self.evaluate(done)
+                if stop.signal:
+                    return self.checkpoint(done)
+                if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < total:
+                    self.checkpoint(done)
+                    self.metrics.restart_window()
+        return None
+
+    def evaluate(self, done: int) -> None:
+        with self.prof.phase("eval"):
+            values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx)
+        self.metrics.log_eval(done, values)
+        self.reporter.eval_line(done, values)
+        self.metrics.restart_window()
+
+    def finish(self, interrupted_at: Path | None, signal_name: str | None) -> dict[str, Any]:
+        """Final evaluation and checkpoint (or the interruption record); summary.json."""
+        extra = self.prof.finish(self.reporter.note)
+        done = self.done
+        if interrupted_at is not None:
+            self.reporter.note(f"{signal_name} received: saved checkpoint {interrupted_at} at step {done}; "
+                               f"continue with: tracetrain train --resume {self.run_dir}")
+            summary = {"interrupted": True, "signal": signal_name, "step": done, "checkpoint": str(interrupted_at)}
+        else:
+            summary = final_evaluation(self.model, self.tokenizer, self.eval_ds, self.cfg, self.ctx, self.run_dir,
+                                       self.reporter)
+            summary.update(_throughput_summary(self.metrics, self.cfg, done))
+            if self.cfg.checkpoint.save_final:
+                summary["checkpoint"] = str(self.checkpoint(self.cfg.train.steps))
+        summary.update(extra)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.reporter.summary(summary, self.run_dir)
+        return summary
 
 
 def _lora_base_dtype(cfg: Config, device: torch.device) -> torch.dtype:
