@@ -219,8 +219,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     pr.add_argument("--full-run", action="store_true", help="keep training after the window (default: stop)")
     handlers["profile"] = cmd_profile
 
-    an = sub.add_parser("analyze", help="explain where time goes in PyTorch profiler traces")
-    an.add_argument("paths", nargs="+", help="trace files (.json / .json.gz; one per rank) or a folder of them")
+    an = sub.add_parser("analyze", help="explain where time goes in PyTorch profiler traces or Nsight Systems "
+                                        "SQLite exports")
+    an.add_argument("paths", nargs="+", help="trace files (Kineto .json / .json.gz, one per rank; or an "
+                                             "`nsys export --type sqlite` file) or a folder of them")
     an.add_argument("--compare", nargs="+", metavar="PATH", help="second set of traces to compare against")
     an.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     an.add_argument("--json", metavar="FILE", help="write the report as JSON")

@@ -1,7 +1,8 @@
 """Trace analysis: where does training time go?
 
-A facade over stateless analyzers. `analyze` parses one PyTorch-profiler (Kineto) trace per rank and
-runs each analyzer, every one answering one question with a table:
+A facade over stateless analyzers. `analyze` parses one PyTorch-profiler (Kineto) trace per rank, or
+an Nsight Systems SQLite export (nsys.py; one rank per process in it), and runs each analyzer, every
+one answering one question with a table:
 
 | module          | question                                                                 |
 |-----------------|--------------------------------------------------------------------------|

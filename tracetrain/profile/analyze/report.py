@@ -18,10 +18,10 @@ from tracetrain.profile.analyze.comm import (CommRow, MemoryTimeline, OffloadRow
                                              memory_timeline, offload)
 from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
 from tracetrain.profile.analyze.phases import PhaseRow, phases
-from tracetrain.profile.analyze.trace import Trace, parse_trace
+from tracetrain.profile.analyze.trace import Trace, read_traces
 from tracetrain.profile.analyze.utilisation import Utilisation, utilisation
 
-TRACE_SUFFIXES = (".json", ".json.gz")
+TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".sqlite3")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ def analyze_trace(trace: Trace) -> RankReport:
 
 
 def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
-    """The trace files named: files as given, directories expanded to their `*.json[.gz]` files."""
+    """The trace files named: files as given, directories expanded to their `*.json[.gz]` and
+    `*.sqlite[3]` (Nsight Systems export) files."""
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
     files: list[Path] = []
     for item in map(Path, items):
@@ -99,7 +100,7 @@ def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
             found = sorted(p for p in item.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES)
                            and not p.name.startswith("report"))
             if not found:
-                raise TracetrainError(f"{item}: directory has no .json or .json.gz trace files")
+                raise TracetrainError(f"{item}: directory has no .json, .json.gz or .sqlite trace files")
             files.extend(found)
         else:
             files.append(item)
@@ -109,14 +110,16 @@ def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
 
 
 def analyze(paths: Sequence[str | Path] | str | Path, *, device_name: str | None = None) -> Report:
-    """Analyse one trace, or one trace per rank of a run (files, or directories of them).
+    """Analyse one trace, or one trace per rank of a run (files, or directories of them). A Kineto JSON
+    trace is one rank; an Nsight Systems SQLite export is one rank per process that ran GPU work.
 
     `device_name` (e.g. "H100 SXM") overrides the device the trace names, for peak FLOP/s and
     bandwidth. Raises TracetrainError, naming the file, for a missing or malformed trace.
     """
     ranks = []
-    for index, path in enumerate(trace_files(paths)):
-        ranks.append(analyze_trace(parse_trace(path, rank=index, device_name=device_name)))
+    for path in trace_files(paths):
+        for trace in read_traces(path, rank=len(ranks), device_name=device_name):
+            ranks.append(analyze_trace(trace))
     ranks.sort(key=lambda r: r.rank)
     notes = [f"{r.source}: {note}" if len(ranks) > 1 else note for r in ranks for note in r.notes]
     if len({r.rank for r in ranks}) < len(ranks):

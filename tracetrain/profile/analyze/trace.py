@@ -16,6 +16,9 @@ events, `Trace` spans, `gpu_user_annotation`, is counted or ignored; unknown fie
 Older Kineto spellings (`Kernel`, `Memcpy`, `Runtime`, `Operator`) map to the same kinds. Each event
 becomes one row of typed numpy columns; names and recorded shapes are interned, so a trace of N
 events costs about 60 bytes per kept event, not the size of its JSON.
+
+An Nsight Systems SQLite export (told by its header, not its name) is read by `nsys.py` into the same
+`Trace`; `read_traces` dispatches between the two readers.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import re
 import zlib
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,8 @@ _GPU_CATS = {"kernel": KERNEL, "gpu_memcpy": MEMCPY, "memcpy": MEMCPY, "gpu_mems
 # Category -> (group, kind); looked up as written first, lower-cased for older spellings ("Kernel").
 _CATEGORIES = {**{cat: ("host", kind) for cat, kind in _HOST_CATS.items()},
                **{cat: ("gpu", kind) for cat, kind in _GPU_CATS.items()}}
+SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database (Nsight Systems export)
+_SQLITE_SUFFIXES = (".sqlite", ".sqlite3")
 _UNIFIED_NAME = re.compile(r"unified memory|page ?fault", re.I)
 _UNIFIED_CAT = re.compile(r"uvm|unified", re.I)
 # Column specs: name -> array typecode. Rows are added positionally, in this order.
@@ -238,13 +244,41 @@ def _window(host: Columns, gpu: Columns) -> tuple[float, float]:
     return float(starts[finite].min()), float(ends[finite].max())
 
 
+def read_traces(path: str | Path, *, rank: int = 0, device_name: str | None = None) -> Iterator[Trace]:
+    """Every rank's `Trace` in one file, parsed one at a time: a Kineto JSON trace holds one rank; an
+    Nsight Systems SQLite export (told by its header, not its name) holds one per GPU process."""
+    path = Path(path)
+    if not path.is_file():
+        raise TracetrainError(f"trace file not found: {path}")
+    if is_sqlite(path) or path.suffix in _SQLITE_SUFFIXES:
+        # Imported here: nsys.py builds on this module's columns. It raises, naming the file, for a
+        # `.sqlite` name without SQLite's header.
+        from tracetrain.profile.analyze.nsys import read_nsys
+        yield from read_nsys(path, rank=rank, device_name=device_name)
+    else:
+        yield parse_trace(path, rank=rank, device_name=device_name)
+
+
+def is_sqlite(path: str | Path) -> bool:
+    """Whether the file starts with SQLite's header (whatever its name)."""
+    with open(path, "rb") as raw:
+        return raw.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+
+
 def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = None) -> Trace:
     """Stream one trace file into a `Trace`. `rank` is used when the trace has no distributedInfo.
 
     Raises TracetrainError naming the file when it is missing, not JSON, has no `traceEvents`, or has
-    no host or GPU events at all. A CPU-only trace (no GPU events) parses, with a note.
+    no host or GPU events at all. A CPU-only trace (no GPU events) parses, with a note. An Nsight Systems
+    SQLite export of one GPU process parses too (`read_traces` reads one of several processes).
     """
     path = Path(path)
+    if path.is_file() and (is_sqlite(path) or path.suffix in _SQLITE_SUFFIXES):
+        traces = list(read_traces(path, rank=rank, device_name=device_name))
+        if len(traces) > 1:
+            raise TracetrainError(f"{path}: {len(traces)} GPU processes in one export; read them with "
+                                  "read_traces() or analyze()")
+        return traces[0]
     builder, others = _read(path)
     host, gpu = _to_numpy(builder.host), _to_numpy(builder.gpu)
     if len(host) == 0 and len(gpu) == 0:
