@@ -1,0 +1,221 @@
+"""Process-group start-up from torchrun's environment, per-rank logs, and a watchdog that ends the job.
+
+`init_distributed` reads what `torchrun` (or any launcher that sets RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT) exports, pins the rank to its GPU and creates the default process group with
+`parallel.timeout_s` as the collective timeout: NCCL on GPUs (with gloo alongside for CPU tensors,
+which DCP and CPU offload use), gloo on CPU.
+
+Failure handling. A rank that raises, dies or hangs must not leave the others waiting forever:
+- `failure_guard` wraps a rank's work. On an exception it posts "rank R failed: <error>" to the
+  rendezvous store (first failure wins) and re-raises, so this rank exits with its traceback.
+- `Watchdog` is a daemon thread on every rank. It polls the store once a second; when a peer posted a
+  failure it logs "stopping: rank R failed: ..." and ends this rank with `os._exit(1)`: the main
+  thread may be blocked inside a collective that will never complete. It also ends the rank, with a
+  stack dump, when the training loop made no `beat()` for `timeout_s` (a hang outside collectives),
+  and when the store itself disappears (the launcher or rank 0 died).
+- A rank stuck in a collective whose peer died without a word (kill -9) gets the collective timeout:
+  gloo raises (the guard then posts it), the NCCL watchdog aborts the process.
+torchrun additionally stops the surviving workers of a job when one of them exits with an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("tracetrain")
+
+_FAILURE_KEY = "tracetrain/failure"
+_FAILURE_COUNT_KEY = "tracetrain/failure_count"
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE as a launcher exported it (1 when started as a plain process)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_s: int, device_type: str) -> DistInfo:
+    """Join the job described by the launcher's environment; a plain process is a job of one.
+
+    `device_type` is "cuda" or "cpu". On CUDA each rank is pinned to GPU LOCAL_RANK before the
+    process group is created (NCCL binds communicators to the current device).
+    """
+    world_size = env_world_size()
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1:
+        return DistInfo(0, 1, 0, device)
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device_type == "cuda" else None)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def shutdown(watchdog: "Watchdog | None" = None) -> None:
+    """End the job cleanly: stop the watchdog, wait for every rank, destroy the process group.
+
+    The watchdog stops before the barrier, so that no rank mistakes rank 0's normal exit (which takes
+    the store with it when no agent hosts it) for a failure.
+    """
+    if watchdog is not None:
+        watchdog.stop()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def setup_rank_logging(run_dir: Path | None, rank: int, level: int = logging.INFO) -> logging.Logger:
+    """Log to RUN_DIR/logs/rank{R}.log on every rank; rank 0 also logs to the console (stderr).
+
+    Returns the "tracetrain" logger. Safe to call again (handlers are replaced, not added).
+    """
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
+    fmt = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    if run_dir is not None:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+        file_handler.setFormatter(fmt)
+        log.addHandler(file_handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(fmt)
+        log.addHandler(console)
+    log.setLevel(level)
+    log.propagate = False
+    return log
+
+
+def _flush_logs() -> None:
+    for handler in log.handlers:
+        handler.flush()
+
+
+class Watchdog:
+    """Ends this rank when a peer failed, the store vanished, or this rank stopped making progress."""
+
+    def __init__(self, rank: int, stall_s: float, poll_s: float = 1.0) -> None:
+        self.rank, self.stall_s, self.poll_s = rank, stall_s, poll_s
+        self.store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
+        self._last_beat = time.monotonic()
+        self._where = "start-up"
+        self._beating = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tracetrain-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat(self, where: str) -> None:
+        """The loop is alive at `where` (e.g. "step 12"). Stall detection starts with the first beat."""
+        self._last_beat, self._where, self._beating = time.monotonic(), where, True
+
+    def report(self, message: str) -> bool:
+        """Post this rank's failure for the others; False when another rank failed first."""
+        try:
+            first = self.store.add(_FAILURE_COUNT_KEY, 1) == 1
+            if first:
+                self.store.set(_FAILURE_KEY, message)
+            return first
+        except Exception:  # the store is gone: there is no one left to tell
+            return False
+
+    def peer_failure(self) -> str | None:
+        """The failure another rank posted, if any."""
+        try:
+            if self.store.check([_FAILURE_KEY]):
+                return self.store.get(_FAILURE_KEY).decode()
+        except Exception:
+            return None
+        return None
+
+    def _end(self, message: str, dump_stacks: bool = False) -> None:
+        log.error(message)
+        if dump_stacks:
+            for handler in log.handlers:
+                stream = getattr(handler, "stream", None)
+                if stream is not None:
+                    faulthandler.dump_traceback(file=stream, all_threads=True)
+        _flush_logs()
+        print(f"[tracetrain] {message}", file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread may sit in a collective that never returns
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                posted = self.store.get(_FAILURE_KEY).decode() if self.store.check([_FAILURE_KEY]) else None
+            except Exception as e:
+                if self._stop.is_set():
+                    return
+                self._end(f"rank {self.rank}: stopping: lost the rendezvous store ({type(e).__name__}); the "
+                          f"launcher or rank 0 has died (this rank last made progress at {self._where})")
+                return
+            stalled_s = time.monotonic() - self._last_beat
+            if posted is not None and not posted.startswith(f"rank {self.rank} "):
+                # Say where this rank was: when it is the one that hung, this is the diagnosis.
+                self._end(f"rank {self.rank}: stopping because {posted} (this rank last made progress "
+                          f"{stalled_s:.1f} s ago, at {self._where})", dump_stacks=stalled_s > 2 * self.poll_s)
+            if self._beating and stalled_s > self.stall_s:
+                message = (f"rank {self.rank} made no progress for {stalled_s:.0f} s (> parallel.timeout_s = "
+                           f"{self.stall_s:.0f}); last seen at {self._where}")
+                self.report(message)
+                self._end(message, dump_stacks=True)
+
+
+@contextmanager
+def failure_guard(watchdog: Watchdog | None, rank: int) -> Iterator[None]:
+    """Run a rank's work; on an error, tell the other ranks (via the store) before re-raising."""
+    try:
+        yield
+    except BaseException as e:
+        if watchdog is None:
+            raise
+        cause = watchdog.peer_failure()
+        if cause is not None and not cause.startswith(f"rank {rank} "):
+            log.error(f"rank {rank}: stopping because {cause} (this rank then saw {type(e).__name__}: {e})")
+        else:
+            watchdog.report(f"rank {rank} failed: {type(e).__name__}: {e}")
+            log.exception(f"rank {rank} failed")
+            # Linger for two polls: without an agent, rank 0's process hosts the store the others
+            # read this report from.
+            watchdog.stop()
+            time.sleep(2.5 * watchdog.poll_s)
+        watchdog.stop()
+        _flush_logs()
+        raise

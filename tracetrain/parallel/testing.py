@@ -1,0 +1,359 @@
+"""Test support for the parallel layouts: a tiny model, deterministic global batches, and the training
+step with the `ParallelModel` hooks wired in exactly as `train.step.train_step` should call them.
+
+`run_steps` is the reference integration for train_step (see docs/parallel.md, "Integration"); the
+multi-process tests run it for a layout and for a single process on the same global batches, and
+compare losses, gradients (gathered to full tensors) and parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tracetrain.config import Config, load_config
+from tracetrain.models.build import materialize, model_args_from_config
+from tracetrain.parallel.apply import ParallelModel
+from tracetrain.parallel.pipeline import pipeline_train_step
+from tracetrain.train.optim import build_optimizer
+from tracetrain.train.step import StepContext, StepOutput, autocast, to_device
+
+TINY = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_dim=128", "--model.vocab_size=128", "--data.seq_len=32", "--train.precision=fp32",
+        "--train.device=cpu", "--optim.warmup_steps=0", "--optim.schedule=constant", "--optim.lr=5e-2",
+        "--optim.fused=off", "--optim.eps=1.0"]
+
+
+def tiny_config(overrides: list[str]) -> Config:
+    return load_config(None, TINY + overrides)
+
+
+def build_tiny(cfg: Config) -> nn.Module:
+    """The plain model every rank builds identically (seeded), MoE applied when configured."""
+    model = materialize(model_args_from_config(cfg), torch.device("cpu"), cfg.train.seed)
+    if cfg.model.num_experts:
+        from tracetrain.models.moe import apply_moe
+        torch.manual_seed(cfg.train.seed + 1)
+        apply_moe(model, cfg.model.num_experts, cfg.model.experts_top_k, cfg.model.moe_aux_loss_coef)
+    return model
+
+
+def global_batches(cfg: Config, rows: int, num: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    """`num` global micro-batches of `rows` rows: two packed documents per row, ~30% ignored labels
+    (so data-parallel ranks hold different target counts)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq, vocab = cfg.data.seq_len, model_args_from_config(cfg).vocab_size
+    out = []
+    for _ in range(num):
+        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+        labels = torch.randint(0, vocab, (rows, seq), generator=gen)
+        labels[torch.rand(rows, seq, generator=gen) < 0.3] = -100
+        split = torch.randint(seq // 4, 3 * seq // 4, (rows,), generator=gen)
+        pos = torch.arange(seq).expand(rows, seq)
+        doc = (pos >= split[:, None]).long()
+        position_ids = torch.where(doc == 1, pos - split[:, None], pos)
+        out.append({"input_ids": ids, "labels": labels, "position_ids": position_ids.contiguous(),
+                    "document_ids": doc})
+    return out
+
+
+def step_context(cfg: Config) -> StepContext:
+    return StepContext(device=torch.device("cpu"), autocast_dtype=None, grad_clip=cfg.train.grad_clip,
+                       use_document_mask=cfg.data.pack, fused_skip=False)
+
+
+def run_step(par: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
+             ctx: StepContext) -> StepOutput:
+    """`train_step` with the ParallelModel hooks (the integration the trainer adopts)."""
+    if par.pipeline is not None:
+        return pipeline_train_step(par, optimizer, micro_batches, ctx)
+    model = par.module
+    batches = [par.shard_batch(mb) for mb in micro_batches]        # this rank's rows / sequence chunks
+    num_targets = par.global_num_targets(batches, ctx.device)      # all ranks' targets: exact normalisation
+    total = torch.zeros((), device=ctx.device)
+    for i, mb in enumerate(batches):
+        mb = to_device(mb, ctx.device)
+        with par.micro_batch(is_last=i == len(batches) - 1):       # grad sync choice + loss parallel
+            doc = mb["document_ids"] if ctx.use_document_mask else None
+            with autocast(ctx):
+                logits = model(mb["input_ids"], mb["position_ids"], doc)
+            loss = par.cross_entropy_sum(logits, mb["labels"]) / num_targets
+            loss.backward()
+        total += loss.detach()
+    total = par.reduce_loss(total)                                 # sum of every rank's share
+    max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
+    grad_norm = par.clip_grad_norm_(max_norm)
+    finite = torch.isfinite(total) & torch.isfinite(grad_norm)
+    if ctx.fused_skip:
+        optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]  # skipped on the device
+        optimizer.step()
+    elif bool(finite):  # host sync, only without the fused kernel (CPU)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss=total, grad_norm=grad_norm, finite=finite, diverged=~finite)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of the full tensor (collective for DTensors: every rank of its mesh must call)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+class GradCapture:
+    """Optimizer wrapper that records full gradients (after clipping) just before each update."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        self.optimizer, self.module = optimizer, module
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    def step(self) -> None:
+        self.grads.append({n: full(p.grad) for n, p in self.module.named_parameters() if p.grad is not None})
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def train_and_record(par: ParallelModel, cfg: Config, batches_per_step: list[list[dict[str, torch.Tensor]]]
+                     ) -> dict[str, object]:
+    """Run one step per entry of `batches_per_step`; losses, norms, full grads and final full params."""
+    optimizer = GradCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
+    ctx = step_context(cfg)
+    losses, norms = [], []
+    for micro_batches in batches_per_step:
+        out = run_step(par, optimizer, micro_batches, ctx)  # type: ignore[arg-type]
+        losses.append(float(out.loss))
+        norms.append(float(out.grad_norm))
+    params = {n: full(p) for n, p in par.module.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": optimizer.grads, "params": params}
+
+
+def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference over the tensors `got` holds (a pipeline rank holds a subset)."""
+    missing = set(got) - set(want)
+    assert not missing, f"unexpected tensors {sorted(missing)[:3]}"
+    return max((float((got[k] - want[k]).abs().max()) for k in got), default=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Multi-process layout checks (run in every rank by `launch_local`)
+
+def _layout_facts(par: ParallelModel) -> dict[str, object]:
+    """Evidence that the layout is really applied: placements and local shapes of some weights of
+    this rank's first block (rank 0), and how many blocks the rank holds."""
+    first = min(int(k) for part in par.parts for k in _layer_keys(part))
+    params = dict(par.module.named_parameters())
+    facts: dict[str, object] = {"num_layers_here": sum(len(part.layers) for part in par.parts)}
+    for short in ("self_attn.q_proj.weight", "mlp.experts.gate_proj", "input_layernorm.weight"):
+        p = params.get(f"layers.{first}.{short}")
+        if p is not None:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            facts[short] = {"placements": [str(x) for x in p.placements] if isinstance(p, DTensor) else [],
+                            "local_shape": list(local.shape)}
+    return facts
+
+
+def _layer_keys(part: nn.Module) -> list[str]:
+    layers = part.layers
+    return list(layers.keys()) if isinstance(layers, nn.ModuleDict) else [str(i) for i in range(len(layers))]
+
+
+def _accumulation_probe(par: ParallelModel, cfg: Config, batch: dict[str, torch.Tensor]) -> dict[str, dict[str, int]] | None:
+    """Collectives issued by a non-final ("first") and the final ("last") micro-batch of a step:
+    {"first": {"allgather_base": 6, ...}, "last": {...}} from the profiler's c10d op names."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if par.pipeline is not None:
+        return None
+    ctx = step_context(cfg)
+    mb = par.shard_batch(batch)
+    counts = {}
+    for is_last in (False, True):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with par.micro_batch(is_last=is_last):
+                logits = par.module(mb["input_ids"], mb["position_ids"],
+                                    mb["document_ids"] if ctx.use_document_mask else None)
+                par.cross_entropy_sum(logits, mb["labels"]).backward()
+        names = [e.name for e in prof.events()]
+        tag = "last" if is_last else "first"
+        counts[tag] = dict(Counter(n.split("::")[1].strip("_") for n in names if n.startswith("c10d::")))
+    for p in par.module.parameters():
+        p.grad = None
+    return counts
+
+
+def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> None:
+    """For each layout: 3 optimizer steps with the layout and in one process on the same global
+    batches; rank 0 writes {name: {loss, norm, grad, param (max abs diffs over all ranks), facts}}.
+
+    A layout is {"name", "overrides" (config CLI overrides), "accum" (micro-batches per step),
+    "split_reference" (the single-process reference accumulates the global batch row-chunk by
+    row-chunk, one per data-parallel rank: needed where per-micro-batch statistics (MoE load
+    balancing) enter the gradient)}.
+    """
+    import json
+
+    import torch.distributed as dist
+
+    from tracetrain.models.build import model_args_from_config
+    from tracetrain.models.moe import set_aux_loss_weight
+    from tracetrain.parallel import dist as tdist
+    from tracetrain.parallel.apply import parallelize
+    from tracetrain.parallel.mesh import build_mesh, validate_parallel
+
+    torch.set_num_threads(1)
+    info = tdist.init_distributed(timeout_s, "cpu")
+    results: dict[str, object] = {}
+    for layout in layouts:
+        cfg = tiny_config(layout["overrides"])
+        validate_parallel(cfg, model_args_from_config(cfg), info.world_size)
+        accum = layout.get("accum", 1)
+        steps = [global_batches(cfg, 4, accum, seed=s) for s in range(3)]
+        pm = build_mesh(cfg.parallel, "cpu")
+        dp = pm.size("dp")
+        ref_steps = steps
+        if layout.get("split_reference"):
+            ref_steps = [[{k: v.chunk(dp)[r] for k, v in mb.items()} for mb in step for r in range(dp)]
+                         for step in steps]
+        reference = ParallelModel(parts=[build_tiny(cfg)])
+        # MoE aux-loss weight: the mean over the step's micro-batches and data-parallel ranks.
+        set_aux_loss_weight(reference.module, cfg.model.moe_aux_loss_coef / len(ref_steps[0]))
+        ref = train_and_record(reference, cfg, ref_steps)
+        par = parallelize(build_tiny(cfg), pm, cfg, device=torch.device("cpu"))
+        set_aux_loss_weight(par.module, cfg.model.moe_aux_loss_coef / (accum * dp))
+        probe = _accumulation_probe(par, cfg, steps[0][0]) if accum > 1 else None
+        got = train_and_record(par, cfg, steps)
+        diffs = torch.tensor([max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
+                              max(abs(a - b) for a, b in zip(got["norms"], ref["norms"])),
+                              max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"])),
+                              max_diff(got["params"], ref["params"])])
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        num_grads = torch.tensor([len(got["grads"][0])])
+        dist.all_reduce(num_grads)
+        results[layout["name"]] = {"loss": float(diffs[0]), "norm": float(diffs[1]), "grad": float(diffs[2]),
+                                   "param": float(diffs[3]), "losses": got["losses"], "ref_losses": ref["losses"],
+                                   "num_grads_all_ranks": int(num_grads), "num_params": len(ref["params"]),
+                                   "accumulation_probe": probe, "facts": _layout_facts(par)}
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    tdist.shutdown()
+
+
+def failure_drill(mode: str, run_dir: str, timeout_s: int) -> None:
+    """A job whose rank 1 misbehaves at step 2 ("raise", "hang" or "exit"); rank 0 keeps issuing
+    collectives. Run as a plain process per rank (no launcher that would kill the others for us)."""
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from tracetrain.parallel import dist as tdist
+
+    info = tdist.init_distributed(timeout_s, "cpu")
+    log = tdist.setup_rank_logging(Path(run_dir), info.rank)
+    watchdog = tdist.Watchdog(info.rank, stall_s=timeout_s).start()
+    with tdist.failure_guard(watchdog, info.rank):
+        for step in range(100):
+            watchdog.beat(f"step {step}")
+            if info.rank == 1 and step == 2:
+                log.info(f"injecting a {mode} at step {step}")
+                if mode == "raise":
+                    raise ValueError("injected failure")
+                if mode == "hang":
+                    time.sleep(10_000)
+                if mode == "exit":
+                    os._exit(3)
+            value = torch.ones(1)
+            dist.all_reduce(value)
+            time.sleep(0.05)
+    tdist.shutdown(watchdog)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sharded checkpoints
+
+def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state dicts on every rank (collective; tiny models only)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    model_sd, optim_sd = get_state_dict(module, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+    model_sd = {k: full(v) for k, v in model_sd.items()}
+    optim_sd = {"state": {k: {n: full(t) if isinstance(t, torch.Tensor) else t for n, t in s.items()}
+                          for k, s in optim_sd["state"].items()}}
+    return model_sd, optim_sd
+
+
+def state_diff(a: tuple[dict, dict], b: tuple[dict, dict]) -> float:
+    """Largest absolute difference between two `full_state` results (model and optimizer)."""
+    diffs = [float((a[0][k] - b[0][k]).abs().max()) for k in b[0]]
+    for k, s in b[1]["state"].items():
+        diffs += [float((a[1]["state"][k][n] - t).abs().max()) for n, t in s.items()]
+    return max(diffs)
+
+
+def dcp_drill(run_dir: str) -> None:
+    """Save on dp_shard=4 after 2 of 4 steps; resume on the same layout, on dp_shard=2 x tp=2 and on
+    pp=2 x dp_shard=2. Rank 0 writes run_dir/dcp_results.json and the states the parent compares."""
+    import json
+    from pathlib import Path
+
+    from tracetrain.parallel import dist as tdist
+    from tracetrain.parallel.apply import parallelize
+    from tracetrain.parallel.checkpoint import load_sharded, save_sharded
+    from tracetrain.parallel.mesh import build_mesh
+
+    torch.set_num_threads(1)
+    out = Path(run_dir)
+    info = tdist.init_distributed(120, "cpu")
+    steps = [global_batches(tiny_config([]), 4, 1, seed=s) for s in range(4)]
+    ctx = step_context(tiny_config([]))
+
+    def setup(overrides: list[str], seed: int) -> tuple[ParallelModel, torch.optim.Optimizer]:
+        cfg = tiny_config(overrides + [f"--train.seed={seed}"])
+        par = parallelize(build_tiny(cfg), build_mesh(cfg.parallel, "cpu"), cfg, device=torch.device("cpu"))
+        return par, build_optimizer(par.module, cfg.optim, torch.device("cpu"))
+
+    par, opt = setup(["--parallel.dp_shard=4"], seed=0)
+    for batches in steps[:2]:
+        run_step(par, opt, batches, ctx)
+    path = save_sharded(out, 2, par.module, opt, {"step": 2, "rank": info.rank}, "# config\n", keep_last=2)
+    saved = full_state(par.module, opt)
+    for batches in steps[2:]:
+        run_step(par, opt, batches, ctx)
+    straight = full_state(par.module, opt)
+    results: dict[str, float] = {}
+    for name, overrides in (("same_layout", ["--parallel.dp_shard=4"]),
+                            ("fsdp2_tp2", ["--parallel.dp_shard=2", "--parallel.tp=2"]),
+                            ("pp2_fsdp2", ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"])):
+        par, opt = setup(overrides, seed=123)  # other initial weights: only the load can make them equal
+        trainer_state = load_sharded(path, par.module, opt)
+        results[f"{name}_loaded_vs_saved"] = _subset_diff(full_state(par.module, opt), saved)
+        for batches in steps[2:]:
+            run_step(par, opt, batches, ctx)
+        results[f"{name}_resumed_vs_straight"] = _subset_diff(full_state(par.module, opt), straight)
+        results[f"{name}_trainer_state_step"] = trainer_state["step"]
+    if info.rank == 0:
+        torch.save({"saved": saved, "straight": straight, "checkpoint": str(path)}, out / "dcp_reference.pt")
+        (out / "dcp_results.json").write_text(json.dumps(results))
+    tdist.shutdown()
+
+
+def _subset_diff(got: tuple[dict, dict], want: tuple[dict, dict]) -> float:
+    """`state_diff` over the entries `got` holds (a pipeline rank holds some layers), max over ranks."""
+    import torch.distributed as dist
+    sub = ({k: want[0][k] for k in got[0]}, {"state": {k: want[1]["state"][k] for k in got[1]["state"]}})
+    value = torch.tensor(state_diff(got, sub))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
