@@ -1,0 +1,580 @@
+"""Speed transforms on the GPU: kernel numerics, attention backends, and train_step variants vs the peers.
+
+One process, one table. Three parts, each optional:
+
+1. `--checks`: every Triton kernel against a float32 reference on real shapes (rel error printed, must
+   be <= 1e-2 in bf16), and its time next to the eager ops it replaces (triton.testing.do_bench median).
+2. `--attention`: fwd+bwd of the attention backends on 7B shapes with a packed document mask.
+3. `--runs case:data:variant,...`: tracetrain's real `train_step` (model built as `tracetrain train`
+   does, fused AdamW) on a packed batch (`data` = packed: several documents per row, document-masked)
+   or unpacked rows (`data` = unpacked: no mask, like the peers); median of >= 10 timed steps after
+   warm-up; loss of every step, and its largest difference from the eager variant's curve; Dynamo
+   graphs compiled after warm-up (must be 0). `--peer` adds the HF (+PEFT) peers, `--peer-liger` with Liger.
+
+Variants combine `attention` (sdpa | flex), `kernels` (fused RMSNorm/RoPE/SwiGLU), `compile` (regional,
+per block) and `fused_ce` (chunked lm_head + cross-entropy). The fused-CE variants run train_step
+with `step.loss_sum` swapped for `fused_step_loss_sum` below, which is the integration proposed for
+step.py (docs/speed.md); nothing else in the step differs.
+
+  python3 benchmarks/speed.py --checks --attention --runs 7b-lora:packed:eager,7b-lora:packed:compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, median, run_peer, write_result  # noqa: E402
+
+import tracetrain.train.step as step_module  # noqa: E402
+from tracetrain.config import load_config  # noqa: E402
+from tracetrain.data.packing import pack_documents, shift_labels  # noqa: E402
+from tracetrain.devices import peak_flops  # noqa: E402
+from tracetrain.kernels.apply import apply_compile, apply_fused_kernels, compiled_frame_count  # noqa: E402
+from tracetrain.kernels.fused_ce import fused_loss_sum  # noqa: E402
+from tracetrain.models.accounting import training_flops_per_token  # noqa: E402
+from tracetrain.models.attention import apply_attention  # noqa: E402
+from tracetrain.models.build import build_model  # noqa: E402
+from tracetrain.train.optim import build_optimizer  # noqa: E402
+from tracetrain.train.step import StepContext, autocast, train_step  # noqa: E402
+
+CASES = {
+    "7b-lora": dict(preset="llama2-7b", mode="lora", batch=4, seq=2048, peer=["--model", "llama2-7b", "--mode", "lora"]),
+    "1b-full": dict(preset="llama3.2-1b", mode="full", batch=4, seq=2048,
+                    peer=["--model", "llama3.2-1b", "--mode", "full"]),
+    "1b-full-b8": dict(preset="llama3.2-1b", mode="full", batch=8, seq=2048, peer=[]),
+}
+ALL_KERNELS = ("rmsnorm", "rope", "swiglu", "lora")
+VARIANTS = {
+    "eager": dict(attention="sdpa", kernels=(), compile=False, fused_ce=False),  # tracetrain today
+    "flex": dict(attention="flex", kernels=(), compile=False, fused_ce=False),
+    "fused_ce": dict(attention="sdpa", kernels=(), compile=False, fused_ce=True),
+    "kernels": dict(attention="flex", kernels=ALL_KERNELS, compile=False, fused_ce=True),
+    "compile": dict(attention="flex", kernels=(), compile=True, fused_ce=True),
+    "compile_sdpa": dict(attention="sdpa", kernels=(), compile=True, fused_ce=True),
+    "compile_lora": dict(attention="flex", kernels=("lora",), compile=True, fused_ce=True),
+    "compile_kernels": dict(attention="flex", kernels=ALL_KERNELS, compile=True, fused_ce=True),
+}
+FUSED_CE_CHUNK = 4096
+T0 = time.time()
+
+
+def fused_step_loss_sum(model, batch, ctx):
+    """Proposed `step.loss_sum` under `train.fused_ce`: same contract, no full logits."""
+    doc = batch["document_ids"] if ctx.use_document_mask else None
+    with autocast(ctx):
+        return fused_loss_sum(model, batch["input_ids"], batch["position_ids"], doc, batch["labels"],
+                              FUSED_CE_CHUNK)
+
+
+@contextlib.contextmanager
+def loss_fn(fused: bool):
+    saved = step_module.loss_sum
+    step_module.loss_sum = fused_step_loss_sum if fused else saved
+    try:
+        yield
+    finally:
+        step_module.loss_sum = saved
+
+
+def packed_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`batch` rows packed greedily (tracetrain.data.packing) from documents of seq/32..seq/2 tokens
+    (64..1024 at seq 2048: about four documents per row)."""
+    rng = random.Random(seed)
+    docs = []
+    while len(docs) < 2 * batch * 32:
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(seq // 32, seq // 2))]
+        docs.append((ids, shift_labels(ids, [True] * len(ids))))
+    rows = pack_documents(docs, seq, 0, pack=True)
+    return {k: v[:batch].contiguous() for k, v in rows.items()}
+
+
+def unpacked_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(seq).expand(batch, -1).contiguous(),
+            "document_ids": torch.zeros(batch, seq, dtype=torch.long)}
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+def build_variant(case: str, variant: str, lr: float):
+    """Model and optimizer as `tracetrain train` builds them, with the variant's transforms."""
+    spec, var = CASES[case], VARIANTS[variant]
+    cfg = load_config(None, [f"--model.preset={spec['preset']}", f"--train.mode={spec['mode']}",
+                             f"--data.seq_len={spec['seq']}", "--train.precision=bf16", f"--optim.lr={lr}"])
+    device = torch.device("cuda")
+    torch._dynamo.reset()  # each variant compiles afresh (and Dynamo's recompile limit is per process)
+    model = build_model(cfg, device, base_dtype=torch.bfloat16 if spec["mode"] == "lora" else None)
+    # Transform order of build.py (proposed): LoRA (done) -> attention -> kernels -> compile.
+    apply_attention(model, var["attention"])
+    if var["kernels"]:
+        apply_fused_kernels(model, var["kernels"])
+    if var["compile"]:
+        apply_compile(model)
+    return cfg, model, build_optimizer(model, cfg.optim, device)
+
+
+def bench_run(case: str, data: str, variant: str, warmup: int, steps: int, base_losses: dict,
+              lr: float) -> dict:
+    spec, var = CASES[case], VARIANTS[variant]
+    device = torch.device("cuda")
+    cfg, model, opt = build_variant(case, variant, lr)
+    vocab = model.args.vocab_size
+    packed = data == "packed"
+    batch = (packed_batch if packed else unpacked_batch)(spec["batch"], spec["seq"], vocab)
+    batch = {k: v.pin_memory() for k, v in batch.items()}
+    ctx = StepContext(device, torch.bfloat16, 1.0, use_document_mask=packed, fused_skip=True)
+    free()
+    torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    t_warm = time.time()
+    with loss_fn(var["fused_ce"]):
+        for _ in range(warmup):
+            losses.append(train_step(model, opt, [batch], ctx).loss)
+        torch.cuda.synchronize()
+        warm_s = time.time() - t_warm
+        frames_after_warmup = compiled_frame_count()
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(train_step(model, opt, [batch], ctx).loss)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    losses = [float(x) for x in losses]
+    mask_ms = None
+    if packed:  # host time to build the attention mask of one batch (the step waits for it)
+        doc = batch["document_ids"].to(device)
+        model.mask_fn(doc)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            model.mask_fn(doc)
+        torch.cuda.synchronize()
+        mask_ms = (time.perf_counter() - t) * 100
+    step_s = median(times)
+    tokens_per_s = spec["batch"] * spec["seq"] / step_s
+    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if spec["mode"] == "lora" else 0
+    flops = training_flops_per_token(model.args, spec["seq"], mode=spec["mode"], num_lora_params=n_lora)
+    peak = peak_flops(torch.cuda.get_device_name(0), "bf16")
+    key = (case, data)
+    if variant == "eager":
+        base_losses[key] = losses
+    ref = base_losses.get(key)
+    row = {"case": case, "data": data, "system": f"tracetrain:{variant}", **var, "lr": lr, "batch": spec["batch"],
+           "seq": spec["seq"], "step_s_median": step_s, "step_s_all": times, "tokens_per_s": tokens_per_s,
+           "tflops": tokens_per_s * flops.model / 1e12, "mfu": tokens_per_s * flops.model / peak if peak else None,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warm_s, "losses": losses,
+           "mask_build_ms": mask_ms,
+           "max_loss_diff_vs_eager": max(abs(a - b) for a, b in zip(losses, ref)) if ref else None,
+           "graphs_compiled_after_warmup": compiled_frame_count() - frames_after_warmup,
+           "graphs_compiled_total": compiled_frame_count()}
+    del model, opt, batch
+    free()
+    return row
+
+
+def grad_check(case: str, data: str, variants: list[str], lr: float) -> dict:
+    """Loss and trainable-parameter gradients of one step (before any update) per variant, relative
+    to the eager variant: is a variant's gradient within the bf16 noise that fused_ce shows?"""
+    spec = CASES[case]
+    ref, out = None, {}
+    for variant in variants:
+        _, model, opt = build_variant(case, variant, lr)
+        vocab = model.args.vocab_size
+        packed = data == "packed"
+        batch = (packed_batch if packed else unpacked_batch)(spec["batch"], spec["seq"], vocab)
+        batch = {k: v.to("cuda") for k, v in batch.items()}
+        ctx = StepContext(torch.device("cuda"), torch.bfloat16, 1.0, use_document_mask=packed, fused_skip=True)
+        if spec["mode"] == "lora":  # B = 0 at init makes A's gradient 0: give B a value, as after training
+            with torch.no_grad():
+                g = torch.Generator(device="cuda").manual_seed(0)
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(1e-3 * torch.randn(p.shape, generator=g, device="cuda"))
+        with loss_fn(VARIANTS[variant]["fused_ce"]):
+            loss = step_module.loss_sum(model, batch, ctx)
+        loss.backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if ref is None:
+            ref = (float(loss), grads)
+        rel = {n: float((grads[n] - ref[1][n]).norm() / ref[1][n].norm().clamp_min(1e-30)) for n in grads}
+        worst = sorted(rel, key=rel.get)[-3:]
+        out[variant] = {"loss": float(loss), "loss_diff": float(loss) - ref[0],
+                        "grad_rel_err_all": float(torch.cat([(grads[n] - ref[1][n]).flatten() for n in grads]).norm()
+                                                  / torch.cat([ref[1][n].flatten() for n in grads]).norm()),
+                        "worst": {n: rel[n] for n in worst}}
+        print(f"grad check {case}:{data}:{variant}: {out[variant]}", flush=True)
+        del model, opt, grads, loss
+        free()
+    return out
+
+
+def profile_run(case: str, data: str, variant: str, lr: float, out_dir: Path | None) -> list[dict]:
+    """One profiled step after warm-up: GPU time by kernel (top 25), and the trace (gz) under $OUT."""
+    import gzip
+    import shutil
+    from torch.profiler import ProfilerActivity, profile
+    spec = CASES[case]
+    _, model, opt = build_variant(case, variant, lr)
+    packed = data == "packed"
+    batch = (packed_batch if packed else unpacked_batch)(spec["batch"], spec["seq"], model.args.vocab_size)
+    ctx = StepContext(torch.device("cuda"), torch.bfloat16, 1.0, use_document_mask=packed, fused_skip=True)
+    with loss_fn(VARIANTS[variant]["fused_ce"]):
+        for _ in range(3):
+            train_step(model, opt, [batch], ctx)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            train_step(model, opt, [batch], ctx)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
+    total = sum(getattr(e, "self_device_time_total", 0) for e in events) or 1
+    top = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:25]
+    rows = [{"name": e.key[:120], "count": e.count, "ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / total} for e in top]
+    print(f"profile {case}:{data}:{variant}: GPU total {total / 1e3:.1f} ms", flush=True)
+    for r in rows:
+        print(f"  {r['ms']:8.2f} ms {100 * r['share']:5.1f}% x{r['count']:<5} {r['name'][:100]}", flush=True)
+    if out_dir is not None:
+        trace = Path("/tmp/speed_trace.json")
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(out_dir / f"trace_{case}_{data}_{variant}.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    del model, opt
+    free()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _bench_ms(fn) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _fwd_bwd(fn, inputs, grad):
+    for t in inputs:
+        t.grad = None
+    out = fn()
+    out.backward(grad)
+    return out
+
+
+def eager_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """`models.llama.RMSNorm.forward`'s ops, on a given weight tensor."""
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def check_kernels() -> list[dict]:
+    """Each Triton kernel vs a float32 reference (rel error) and vs the eager ops (time fwd+bwd)."""
+    from tracetrain.kernels.fused_ce import fused_linear_cross_entropy
+    from tracetrain.kernels.rmsnorm import rms_norm
+    from tracetrain.kernels.rope import fused_rope_qk
+    from tracetrain.kernels.swiglu import swiglu
+    from tracetrain.models.llama import apply_rope_qk
+    import torch.nn.functional as F
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    rows = []
+
+    def record(name, out, ref, grads, ref_grads, fused_fn, eager_fn, inputs, g):
+        errs = {"out": _rel(out, ref), **{f"grad_{i}": _rel(a, b) for i, (a, b) in enumerate(zip(grads, ref_grads))}}
+        eager_out = _fwd_bwd(eager_fn, inputs, g)  # the eager path's own error, for scale
+        eager_errs = {"out": _rel(eager_out.reshape(out.shape), ref),
+                      **{f"grad_{i}": _rel(t.grad, b) for i, (t, b) in enumerate(zip(inputs, ref_grads))}}
+        t_fused = _bench_ms(lambda: _fwd_bwd(fused_fn, inputs, g))
+        t_eager = _bench_ms(lambda: _fwd_bwd(eager_fn, inputs, g))
+        rows.append({"kernel": name, "rel_err": errs, "max_rel_err": max(errs.values()), "eager_rel_err": eager_errs,
+                     "fused_ms": t_fused, "eager_ms": t_eager})
+        print(f"check {name:<28} max rel err {max(errs.values()):.2e}  fused {t_fused:.3f} ms  "
+              f"eager {t_eager:.3f} ms  {errs}  eager {eager_errs}", flush=True)
+
+    # RMSNorm, 7B shape; weight in float32 (full training) and bf16 (LoRA base).
+    for wdt in (torch.float32, bf):
+        x = torch.randn(8192, 4096, device=dev, dtype=bf, requires_grad=True)
+        w = (1 + 0.1 * torch.randn(4096, device=dev)).to(wdt).requires_grad_()
+        g = torch.randn(8192, 4096, device=dev, dtype=torch.promote_types(bf, wdt))
+        out = _fwd_bwd(lambda: rms_norm(x, w, 1e-5), [x, w], g)
+        grads = [x.grad.clone(), w.grad.clone()]
+        xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        ref = wr * (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5))
+        ref.backward(g.float())
+        record(f"rmsnorm(w {str(wdt)[6:]})", out, ref, grads, [xr.grad, wr.grad],
+               lambda: rms_norm(x, w, 1e-5), lambda: eager_rms_norm(x, w), [x, w], g)
+
+    # RoPE on q and k as the model lays them out: (b, s, h, d) projections viewed as (b, h, s, d),
+    # cos/sin from packed position ids (restarting per document) as Transformer.rope makes them.
+    from tracetrain.models.llama import ModelArgs, rope_inv_freq
+    inv_freq = rope_inv_freq(ModelArgs(dim=4096, n_heads=32, n_kv_heads=8)).to(dev)
+    freqs = packed_batch(4, 2048, 100)["position_ids"].to(dev).float().unsqueeze(-1) * inv_freq
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    q = torch.randn(4, 2048, 32, 128, device=dev, dtype=bf).transpose(1, 2).requires_grad_()
+    k = torch.randn(4, 2048, 8, 128, device=dev, dtype=bf).transpose(1, 2).requires_grad_()
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+
+    def rope_step(fn, qq=q, kk=k):
+        qq.grad = kk.grad = None
+        a, b = fn(qq, kk, cos, sin)
+        torch.autograd.backward([a, b], [gq.to(a.dtype), gk.to(b.dtype)])
+        return a, b
+
+    qo, ko = rope_step(fused_rope_qk)
+    grads = [q.grad.clone(), k.grad.clone()]
+    qr, kr = q.detach().float().requires_grad_(), k.detach().float().requires_grad_()
+    qro, kro = rope_step(apply_rope_qk, qr, kr)
+    errs = {"out": _rel(torch.cat([qo.flatten(), ko.flatten()]), torch.cat([qro.flatten(), kro.flatten()])),
+            "grad_0": _rel(grads[0], qr.grad), "grad_1": _rel(grads[1], kr.grad)}
+    qe, ke = rope_step(apply_rope_qk)
+    eager_errs = {"out": _rel(torch.cat([qe.flatten(), ke.flatten()]), torch.cat([qro.flatten(), kro.flatten()])),
+                  "grad_0": _rel(q.grad, qr.grad), "grad_1": _rel(k.grad, kr.grad)}
+    t_fused, t_eager = _bench_ms(lambda: rope_step(fused_rope_qk)), _bench_ms(lambda: rope_step(apply_rope_qk))
+    rows.append({"kernel": "rope(q,k)", "rel_err": errs, "max_rel_err": max(errs.values()),
+                 "eager_rel_err": eager_errs, "fused_ms": t_fused, "eager_ms": t_eager})
+    print(f"check {'rope(q,k)':<28} max rel err {max(errs.values()):.2e}  fused {t_fused:.3f} ms  "
+          f"eager {t_eager:.3f} ms  {errs}  eager {eager_errs}", flush=True)
+
+    # SwiGLU, 7B MLP shape.
+    gate = torch.randn(8192, 11008, device=dev, dtype=bf, requires_grad=True)
+    up = torch.randn(8192, 11008, device=dev, dtype=bf, requires_grad=True)
+    g = torch.randn(8192, 11008, device=dev, dtype=bf)
+    out = _fwd_bwd(lambda: swiglu(gate, up), [gate, up], g)
+    grads = [gate.grad.clone(), up.grad.clone()]
+    gr, ur = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()
+    ref = F.silu(gr) * ur
+    ref.backward(g.float())
+    record("swiglu", out, ref, grads, [gr.grad, ur.grad], lambda: swiglu(gate, up),
+           lambda: F.silu(gate) * up, [gate, up], g)
+
+    # Fused linear + CE, llama3.2-1b head (vocab 128,256), 8192 tokens, trained float32 weight, autocast.
+    h = torch.randn(8192, 2048, device=dev, requires_grad=True)
+    w = (0.02 * torch.randn(128256, 2048, device=dev)).requires_grad_()
+    y = torch.randint(0, 128256, (8192,), device=dev)
+    y[::5] = -100
+
+    def fused():
+        with torch.autocast("cuda", bf):
+            return fused_linear_cross_entropy(h, w, y, FUSED_CE_CHUNK)
+
+    def eager():
+        with torch.autocast("cuda", bf):
+            logits = h @ w.t()
+        return F.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum")
+
+    out = _fwd_bwd(fused, [h, w], None)
+    grads = [h.grad.clone(), w.grad.clone()]
+    hr, wr = h.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = F.cross_entropy(hr @ wr.t(), y, ignore_index=-100, reduction="sum")  # float32 (tf32 off)
+    ref.backward()
+    record("fused_linear_ce(1b head)", out.reshape(1), ref.reshape(1), grads, [hr.grad, wr.grad],
+           fused, eager, [h, w], None)
+    torch.cuda.reset_peak_memory_stats()
+    _fwd_bwd(fused, [h, w], None)
+    fused_peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    _fwd_bwd(eager, [h, w], None)
+    rows[-1].update(fused_peak_gib=fused_peak, eager_peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    print(f"  fused CE peak {fused_peak:.2f} GiB vs eager {rows[-1]['eager_peak_gib']:.2f} GiB", flush=True)
+    del h, w, y, gate, up, g, q, k, hr, wr
+    free()
+    return rows
+
+
+def check_attention() -> list[dict]:
+    """fwd+bwd time and agreement of the attention backends, llama2-7b shapes, packed documents."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from tracetrain.models.attention import FlexCore, document_causal_block_mask, sdpa_attention
+    from tracetrain.models.llama import document_causal_mask
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    doc = packed_batch(4, 2048, 100)["document_ids"].to(dev)
+    q, k, v = (torch.randn(4, 32, 2048, 128, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    dense = document_causal_mask(doc)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        block = document_causal_block_mask(doc)
+    torch.cuda.synchronize()
+    build_ms = (time.perf_counter() - t) * 100
+    flex = FlexCore()
+    variants = {
+        "sdpa dense doc mask": lambda: sdpa_attention(q, k, v, dense),
+        "flex doc mask": lambda: flex(q, k, v, block),
+        "sdpa is_causal (no docs)": lambda: sdpa_attention(q, k, v, None),
+    }
+
+    def cudnn_causal():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa_attention(q, k, v, None)
+
+    variants["sdpa cudnn is_causal (no docs)"] = cudnn_causal
+    from torch.nn.attention.flex_attention import create_block_mask
+    causal_block = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 2048, 2048, device=dev)
+    variants["flex causal (no docs)"] = lambda: flex(q, k, v, causal_block)
+    rows, outs = [], {}
+    for name, fn in variants.items():
+        out = _fwd_bwd(fn, [q, k, v], g)
+        outs[name] = (out.detach(), q.grad.clone())
+        ms = _bench_ms(lambda: _fwd_bwd(fn, [q, k, v], g))
+        fwd_ms = _bench_ms(lambda: fn())
+        rows.append({"attention": name, "fwd_bwd_ms": ms, "fwd_ms": fwd_ms})
+        print(f"attention {name:<32} fwd+bwd {ms:7.3f} ms   fwd {fwd_ms:7.3f} ms", flush=True)
+    a, b = outs["flex doc mask"], outs["sdpa dense doc mask"]
+    c, d = outs["flex causal (no docs)"], outs["sdpa is_causal (no docs)"]
+    agree = {"flex_vs_sdpa_doc_out": _rel(a[0], b[0]), "flex_vs_sdpa_doc_dq": _rel(a[1], b[1]),
+             "flex_vs_sdpa_causal_out": _rel(c[0], d[0]), "block_mask_build_ms": build_ms,
+             "block_mask_sparsity": float(block.sparsity())}
+    print(f"attention agreement {agree}", flush=True)
+    rows.append(agree)
+    del q, k, v, g, dense
+    free()
+    return rows
+
+
+def probe_addmm_out_dtype() -> dict:
+    """Can cuBLAS accumulate a bf16 product straight into a float32 tensor (for the fused CE's dW)?"""
+    dev = torch.device("cuda")
+    a = torch.randn(2048, 4096, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)
+    acc = torch.randn(2048, 1024, device=dev)
+    try:
+        out = torch.addmm(acc, a, b, out_dtype=torch.float32)
+        err = _rel(out, acc + a.float() @ b.float())
+        ms = _bench_ms(lambda: torch.addmm(acc, a, b, out_dtype=torch.float32))
+        ms_add = _bench_ms(lambda: acc.add_(a @ b))
+        return {"ok": True, "rel_err": err, "addmm_out_dtype_ms": ms, "mm_then_add_ms": ms_add}
+    except Exception as e:  # reported, not hidden: it decides a follow-up
+        return {"ok": False, "error": str(e)[:300]}
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checks", action="store_true")
+    ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--runs", default="", help="case:data:variant,... (data = packed | unpacked)")
+    ap.add_argument("--grad-check", default="", help="case:data:variant,variant,... (first = reference)")
+    ap.add_argument("--profile", default="", help="case:data:variant to profile one step of")
+    ap.add_argument("--peer", default="", help="path to hf_peer.py; '' = no peers")
+    ap.add_argument("--peer-cases", default="7b-lora,1b-full")
+    ap.add_argument("--peer-liger", action="store_true")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=1e-4, help="constant AdamW lr of the loss curves (1e-4: stable "
+                    "for full 1B training from random init; 1e-3 spikes, and bf16 noise then grows)")
+    ap.add_argument("--budget-s", type=float, default=560, help="skip what would start after this many s")
+    a = ap.parse_args()
+    env = environment()
+    print(f"{env}", flush=True)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    gpu = env["device"].replace(" ", "-").replace("/", "-")
+    result: dict = {**env, "checks": [], "attention": [], "rows": [], "skipped": []}
+
+    def save() -> None:
+        write_result(f"speed_{gpu}.json", result, out_dir)
+
+    for enabled, key, fn in ((a.checks, "checks", check_kernels), (a.checks, "addmm_out_dtype", probe_addmm_out_dtype),
+                             (a.attention, "attention", check_attention)):
+        if not enabled:
+            continue
+        try:
+            result[key] = fn()
+        except Exception as e:  # recorded and printed; the runs below still go ahead
+            traceback.print_exc()
+            result[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            free()
+        save()
+    extra = []
+    if a.grad_check:
+        case, data, variants = a.grad_check.split(":")
+        extra.append(("grad_check", lambda: grad_check(case, data, variants.split(","), a.lr)))
+    if a.profile:
+        pcase, pdata, pvariant = a.profile.split(":")
+        extra.append(("profile", lambda: profile_run(pcase, pdata, pvariant, a.lr, out_dir)))
+    for key, fn in extra:
+        try:
+            result[key] = fn()
+        except Exception as e:  # recorded and printed; the runs below still go ahead
+            traceback.print_exc()
+            result[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            free()
+        save()
+    base_losses: dict = {}
+    for run in filter(None, a.runs.split(",")):
+        if time.time() - T0 > a.budget_s:
+            result["skipped"].append(run)
+            continue
+        case, data, variant = run.split(":")
+        try:
+            row = bench_run(case, data, variant, a.warmup, a.steps, base_losses, a.lr)
+        except Exception as e:  # recorded and printed: one failing variant must not lose the others' numbers
+            traceback.print_exc()
+            kind = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+            row = {"case": case, "data": data, "system": f"tracetrain:{variant}", "error": f"{kind}: {str(e)[:300]}"}
+            free()
+        result["rows"].append(row)
+        print(f"{run}: {row.get('tokens_per_s', 0):,.0f} tok/s  {row.get('peak_gib', 0):.1f} GiB  "
+              f"warm-up {row.get('warmup_s', 0):.0f} s  graphs after warm-up "
+              f"{row.get('graphs_compiled_after_warmup')}  loss diff {row.get('max_loss_diff_vs_eager')}  "
+              f"{row.get('error', '')}", flush=True)
+        save()
+    for case in filter(None, a.peer_cases.split(",") if a.peer else []):
+        spec = CASES[case]
+        for extra in [[]] + ([["--liger"]] if a.peer_liger else []):
+            if time.time() - T0 > a.budget_s:
+                result["skipped"].append(f"peer {case} {extra}")
+                continue
+            peer = run_peer(Path(a.peer), [*spec["peer"], "--batch", str(spec["batch"]), "--seq", str(spec["seq"]),
+                                           "--steps", str(a.steps), "--warmup", str(a.warmup), *extra])
+            peer.update({"case": case, "data": "unpacked", "system": peer.get("peer", "peer" + "".join(extra))})
+            result["rows"].append(peer)
+            print(f"peer {case}: {peer['system']} {peer.get('tokens_per_s', peer.get('error'))}", flush=True)
+            save()
+    print_table(result)
+    save()
+
+
+def print_table(result: dict) -> None:
+    rows = result["rows"]
+    peers = {(r["case"], r["system"]): r["tokens_per_s"] for r in rows if "peer" in r and "tokens_per_s" in r}
+    print(f"\n{result['device']}  torch {result['torch']}  {result['date']}")
+    print(f"{'case':<11} {'data':<9} {'system':<26} {'tok/s':>8} {'TFLOP/s':>8} {'MFU':>6} {'GiB':>6} "
+          f"{'dLoss':>7} {'recomp':>6} {'/hf':>5} {'/liger':>6}")
+    for r in rows:
+        case = r["case"]
+        ref = [p for (c, s), p in peers.items() if c == case and "liger" not in s]
+        lig = [p for (c, s), p in peers.items() if c == case and "liger" in s]
+        tps = r.get("tokens_per_s", 0)
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        dl = f"{r['max_loss_diff_vs_eager']:.3f}" if r.get("max_loss_diff_vs_eager") is not None else "-"
+        print(f"{case:<11} {r.get('data', ''):<9} {r['system']:<26} {tps:>8,.0f} {r.get('tflops', 0):>8.1f} "
+              f"{mfu:>6} {r.get('peak_gib', 0):>6.1f} {dl:>7} {str(r.get('graphs_compiled_after_warmup', '')):>6} "
+              f"{tps / ref[0] if ref and tps else 0:>5.2f} {tps / lig[0] if lig and tps else 0:>6.2f}"
+              + (f"  {r['error'][:60]}" if r.get("error") else ""))
+    print(json.dumps({"skipped": result["skipped"]}))
+
+
+if __name__ == "__main__":
+    main()

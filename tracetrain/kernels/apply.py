@@ -1,0 +1,109 @@
+"""Speed transforms over the plain model: fused kernels in, and regional compilation.
+
+Order (build.py): LoRA -> attention backend -> fused kernels -> recomputation -> compile. Kernels and
+the attention core are swapped before recomputation and compile so that both see the final modules
+(a recomputed block reruns the fused ops; a compiled block captures them as opaque custom ops).
+
+Under `apply_compile`, Inductor already fuses RMSNorm, RoPE, SwiGLU, the residual adds and the LoRA
+scale-and-add of each block into a few generated kernels, so the hand-written block kernels matter
+mostly for the eager path; the fused cross-entropy (fused_ce.py) lives outside the blocks and helps
+either way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from tracetrain.kernels.lora import FusedLoRALinear
+from tracetrain.kernels.rmsnorm import FusedRMSNorm
+from tracetrain.kernels.rope import fused_rope_qk
+from tracetrain.kernels.swiglu import FusedFeedForward
+from tracetrain.models.llama import Attention, FeedForward, KVCacheLayer, RMSNorm, Transformer
+from tracetrain.models.lora import LoRALinear
+
+FUSED_KERNELS: tuple[str, ...] = ("rmsnorm", "rope", "swiglu", "lora")
+
+
+def apply_fused_kernels(model: Transformer, kernels: Iterable[str] = FUSED_KERNELS) -> int:
+    """Swap the named block ops for their fused custom ops, in place; returns how many were swapped.
+
+    Modules change class (RMSNorm -> FusedRMSNorm, FeedForward -> FusedFeedForward, LoRALinear ->
+    FusedLoRALinear), and each attention's `rope_fn` becomes the fused rotary op: parameters, names
+    and state dicts are unchanged. Apply after LoRA (the "lora" kernel swaps existing adapters).
+    Raises ValueError for an unknown kernel name.
+    """
+    kernels = set(kernels)
+    unknown = kernels - set(FUSED_KERNELS)
+    if unknown:
+        raise ValueError(f"unknown fused kernel(s) {', '.join(sorted(unknown))}; allowed: {', '.join(FUSED_KERNELS)}")
+    num_swapped = 0
+    for module in model.modules():
+        if "rmsnorm" in kernels and type(module) is RMSNorm:
+            module.__class__ = FusedRMSNorm
+        elif "swiglu" in kernels and type(module) is FeedForward:
+            module.__class__ = FusedFeedForward
+        elif "lora" in kernels and type(module) is LoRALinear:
+            module.__class__ = FusedLoRALinear
+        elif "rope" in kernels and isinstance(module, Attention):
+            module.rope_fn = fused_rope_qk
+        else:
+            continue
+        num_swapped += 1
+    return num_swapped
+
+
+class _CompiledBlock(nn.Module):
+    """Mixin placed in front of a block's own class: forwards without a KV cache run the compiled graph.
+
+    Generation (a KV cache) runs eagerly: the cache grows every token, so each length would be a new
+    static shape, and with `fullgraph=True` Dynamo's recompile limit would turn that into an error.
+    """
+
+    _compiled_forward: Callable[..., torch.Tensor]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object,
+                cache: KVCacheLayer | None = None) -> torch.Tensor:
+        if cache is not None:
+            return super().forward(x, cos, sin, mask, cache)
+        return self._compiled_forward(x, cos, sin, mask)
+
+    def _block_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
+        return super().forward(x, cos, sin, mask)
+
+
+@functools.cache
+def _compiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(f"Compiled{cls.__name__}", (_CompiledBlock, cls), {})
+
+
+def apply_compile(model: Transformer) -> int:
+    """Compile each TransformerBlock on its own (regional compilation), in place; returns the count.
+
+    `fullgraph=True`: a graph break inside a block is a bug to fix, not something to run slowly.
+    `dynamic=False`: packed batches have one static shape, so each block graph is compiled once. All
+    blocks share one compiled graph (the block's code is the same; parameters are graph inputs), so
+    compile time is that of one block, not of the whole model; the first block of a LoRA model gets a
+    second graph (its input needs no gradient), eval (no grad) one more. The block's class is swapped
+    (as `apply_recompute` does, which must come first): names and state-dict keys are unchanged, there
+    is no `_orig_mod.` prefix. Embedding, final norm and the loss stay eager.
+    """
+    for block in model.layers:
+        if is_compiled(block):
+            raise ValueError("model blocks are already compiled")
+        block.__class__ = _compiled_class(type(block))
+        block._compiled_forward = torch.compile(block._block_forward, fullgraph=True, dynamic=False)
+    return len(model.layers)
+
+
+def is_compiled(block: nn.Module) -> bool:
+    return isinstance(block, _CompiledBlock)
+
+
+def compiled_frame_count() -> int:
+    """Frames Dynamo has compiled so far in this process (one per distinct graph and guard set)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])

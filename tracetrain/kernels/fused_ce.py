@@ -1,0 +1,130 @@
+"""Fused lm_head + cross-entropy, chunk of tokens by chunk: the full (tokens, vocab) logits never exist.
+
+The eager loss (`train/step.py: loss_sum`) materialises the logits in bf16, a float32 copy, the float32
+log-softmax and, in backward, a float32 and a bf16 gradient of the same size: for llama3.2-1b at
+batch 4 x 2048 (vocab 128,256) that is ~2 GB per bf16 copy and ~4 GB per float32 one, the largest
+activations of the step. Here, for each chunk of `chunk_tokens` rows:
+
+  logits = h_chunk @ W^T                 bf16 (chunk, vocab), float32 accumulation in the GEMM
+  loss_rows, grad = CE rows              float32 log-sum-exp; grad = softmax - onehot written over
+                                         the logits buffer in place (Triton: 2 reads + 1 write)
+  grad_h[chunk] = grad @ W               (chunk, dim)
+  grad_W += grad^T @ h_chunk             float32 accumulator (only when W is trained)
+
+The gradients are computed in the forward pass (with d loss = 1) and scaled by the incoming gradient in
+backward, so the lm_head GEMMs run three times, as in the eager step, not four. Logits are rounded to
+bf16 before the float32 statistics exactly as the eager path (`logits.float()` of a bf16 matmul).
+A frozen lm_head (LoRA) skips the weight gradient GEMM entirely.
+
+Peak extra memory: one (chunk, vocab) bf16 buffer (chunk 4096 x 128,256 = 1 GiB) plus, when trained,
+the float32 weight gradient (it is the parameter's gradient anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tracetrain.kernels import triton_available
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def ce_rows_torch_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                   write_grad: bool) -> torch.Tensor:
+    """Pure PyTorch twin of the Triton row kernel: loss (rows,) float32; with write_grad the logits are
+    overwritten by d(sum of row losses)/d logits = softmax - onehot (zero rows for ignored labels)."""
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64 (tests)
+    lse = torch.logsumexp(lf, dim=-1)  # (rows,)
+    valid = labels != ignore_index
+    safe = labels.clamp(min=0).unsqueeze(1)
+    loss = torch.where(valid, lse - lf.gather(1, safe).squeeze(1), 0.0)
+    if write_grad:
+        grad = torch.exp(lf - lse.unsqueeze(1))
+        grad.scatter_add_(1, safe, torch.full_like(lse, -1.0).unsqueeze(1))
+        logits.copy_(grad * valid.unsqueeze(1))
+    return loss
+
+
+def ce_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, write_grad: bool) -> torch.Tensor:
+    if logits.is_cuda and triton_available():
+        from tracetrain.kernels import triton_kernels
+        return triton_kernels.ce_rows_(logits, labels, ignore_index, write_grad)
+    return ce_rows_torch_(logits, labels, ignore_index, write_grad)
+
+
+def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+             ignore_index: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool):
+    """Summed loss, and (when asked) d loss / d hidden in compute dtype and d loss / d weight in float32
+    (float64 for float64 inputs, which the tests use)."""
+    num_tokens = hidden.shape[0]
+    h, w = hidden.to(compute_dtype), weight.to(compute_dtype)  # (tokens, dim), (vocab, dim)
+    losses = torch.empty(num_tokens, dtype=torch.promote_types(compute_dtype, torch.float32), device=hidden.device)
+    grad_h = torch.empty_like(h) if need_h else None
+    grad_w = None
+    for start in range(0, num_tokens, chunk_tokens):
+        end = min(start + chunk_tokens, num_tokens)
+        h_chunk = h[start:end]
+        logits = h_chunk @ w.t()  # (chunk, vocab) in compute dtype
+        losses[start:end] = ce_rows_(logits, labels[start:end], ignore_index, write_grad=need_h or need_w)
+        if need_h:
+            torch.mm(logits, w, out=grad_h[start:end])
+        if need_w:
+            # bf16 GEMM output added into a float32 accumulator (a (vocab, dim) pass per chunk).
+            part = logits.t() @ h_chunk
+            grad_w = part.to(losses.dtype) if grad_w is None else grad_w.add_(part)
+    return losses.sum(), grad_h, grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                ignore_index: int, compute_dtype: torch.dtype) -> torch.Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly here
+            loss, grad_h, grad_w = _chunked(hidden, weight, labels, chunk_tokens, ignore_index,
+                                            compute_dtype, need_h, need_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        dh = (grad_h * grad_loss).to(hidden_dtype) if grad_h is not None else None
+        dw = (grad_w * grad_loss).to(weight_dtype) if grad_w is not None else None
+        return dh, dw, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """sum over tokens of cross_entropy(hidden @ weight^T, labels), ignoring `ignore_index`.
+
+    hidden (tokens, dim), weight (vocab, dim), labels (tokens,) -> () float32. The matmuls run in the
+    autocast dtype when autocast is on (as `lm_head` would), else in hidden's dtype.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    device_type = hidden.device.type
+    compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                     else hidden.dtype)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype)
+    with torch.autocast(device_type, enabled=False):
+        return _chunked(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype, False, False)[0]
+
+
+def fused_loss_sum(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   document_ids: torch.Tensor | None, labels: torch.Tensor,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """The step's summed loss through the fused head: `model.forward_hidden` + chunked lm_head/CE.
+
+    Same value as `cross_entropy(model(...).float(), labels, reduction="sum")`; call under the step's
+    autocast. `model` is a `Transformer` (possibly transformed: LoRA never adapts lm_head).
+    """
+    hidden = model.forward_hidden(input_ids, position_ids, document_ids)  # (batch, seq, dim)
+    return fused_linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, labels.flatten(),
+                                      chunk_tokens)
