@@ -88,7 +88,8 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict
     offload = apply_activation_offload(model, cfg.memory.activation_offload)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     ctx = StepContext(device, dtype, 1.0, use_document_mask=False, fused_skip=bool(opt.defaults.get("fused")),
-                      scaler=scaler, activation_offload=offload)
+                      scaler=scaler, activation_offload=offload,
+                      fused_ce_chunk=cfg.train.fused_ce_chunk if cfg.train.fused_ce else 0)
     tokens = torch.randint(0, model.args.vocab_size, (batch, seq + 1))
     rows = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
             "position_ids": torch.arange(seq).expand(batch, -1).contiguous(),

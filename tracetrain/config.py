@@ -79,6 +79,13 @@ class TrainSection:
     precision: str = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU); fp16 uses dynamic "
                                  "loss scaling.", choices=("auto", "fp32", "bf16", "fp16"))
     device: str = fld("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'.")
+    compile: str = fld("auto", "torch.compile each transformer block ('auto' = on for CUDA).", choices=("auto", "on", "off"))
+    attention: str = fld("auto", "Attention kernel: 'flex' (FlexAttention, document masks as block masks), 'sdpa', "
+                                 "or 'auto' (flex for packed rows on CUDA, else sdpa).", choices=("auto", "sdpa", "flex"))
+    fused_kernels: str = fld("auto", "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off).",
+                             choices=("auto", "on", "off"))
+    fused_ce: bool = fld(True, "Chunked fused lm_head + cross-entropy: full-vocabulary fp32 logits never exist.")
+    fused_ce_chunk: int = fld(4096, "Tokens per chunk of the fused lm_head + cross-entropy.", gt=0)
     seed: int = fld(0, "Seed for weight init and dropout.")
     grad_clip: float = fld(1.0, "Clip the global gradient norm to this value (0 = off).", ge=0)
     eval_interval: int = fld(200, "Evaluate on the held-out split every N steps (0 = only at the end).", ge=0)
@@ -287,6 +294,9 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
                           "both place optimizer states; choose one")
     if cfg.data.num_workers == 0 and cfg.data.prefetch_factor != 2:
         raise ConfigError(f"{where}config key 'data.prefetch_factor' needs data.num_workers > 0")
+    if cfg.train.attention == "flex" and cfg.train.device == "cpu":
+        raise ConfigError(f"{where}config key 'train.attention': 'flex' trains on CUDA only (FlexAttention has no "
+                          "CPU backward); use 'sdpa' or 'auto'")
     dev = cfg.train.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"{where}config key 'train.device': {dev!r} is not allowed; "

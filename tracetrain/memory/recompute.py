@@ -32,8 +32,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
 
 from tracetrain.models.llama import KVCacheLayer, Transformer, TransformerBlock
 
@@ -83,7 +82,7 @@ def selective_context_fn() -> tuple[AbstractContextManager, AbstractContextManag
 class _RecomputedBlock(nn.Module):
     """Mixin placed in front of the block's own class: its forward runs under `checkpoint`."""
 
-    _recompute_context_fn: Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
+    _recompute_context_fn: Callable[[], tuple[AbstractContextManager, AbstractContextManager]] | None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCacheLayer | None = None) -> torch.Tensor:
@@ -92,8 +91,10 @@ class _RecomputedBlock(nn.Module):
             return super().forward(x, cos, sin, mask, cache)
         # Non-reentrant checkpoint: works when no input requires grad (a frozen LoRA base) and with
         # keyword context_fn for selective recomputation.
-        return checkpoint(super().forward, x, cos, sin, mask, use_reentrant=False,
-                          context_fn=self._recompute_context_fn)
+        # Full mode passes no context_fn: Dynamo cannot trace the default noop_context_fn when the
+        # block is compiled (measured on an H100: full recompute + compile failed to compile).
+        extra = {"context_fn": self._recompute_context_fn} if self._recompute_context_fn is not None else {}
+        return checkpoint(super().forward, x, cos, sin, mask, use_reentrant=False, **extra)
 
 
 @functools.cache
@@ -120,7 +121,7 @@ def apply_recompute(model: Transformer, mode: RecomputeMode, every: int = 1) -> 
         return 0
     if any(is_recomputed(b) for b in model.layers):
         raise ValueError("model blocks are already wrapped for recomputation")
-    context_fn = selective_context_fn if mode == "selective" else noop_context_fn
+    context_fn = selective_context_fn if mode == "selective" else None
     num_wrapped = 0
     for index, block in enumerate(model.layers):
         if index % every:

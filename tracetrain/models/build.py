@@ -7,10 +7,14 @@ place and in a fixed order:
 1. weights: random init, or a Hugging Face checkpoint (`model.init_from`)
 2. LoRA (`train.mode = "lora"`): wraps target projections and freezes the rest; it comes before any
    wrapping transform so that later ones (recomputation, compile, sharding) see the final modules.
-3. Activation recomputation (`memory.recompute`): checkpoints whole blocks, or (selective) keeps only
+3. Attention backend (`train.attention`) and fused kernels (`train.fused_kernels`): swapped in after
+   LoRA (the LoRA kernel replaces existing adapters) and before recomputation and compile, so both
+   see the final modules.
+4. Activation recomputation (`memory.recompute`): checkpoints whole blocks, or (selective) keeps only
    matmul and attention outputs. After LoRA, so adapters are recomputed too; before compile and
    sharding, which must see the checkpointed blocks. (Activation offload hooks are attached by the
    trainer, which owns the forward context they run in.)
+5. Regional compile (`train.compile`): each block compiled on its own, static shapes.
 """
 
 from __future__ import annotations
@@ -90,7 +94,21 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
                        adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32)
         except ValueError as e:
             raise ConfigError(f"config key 'lora.targets': {e}") from None
+    from tracetrain.models.attention import apply_attention, resolve_attention
+    apply_attention(model, resolve_attention(cfg.train.attention, device, packed=cfg.data.pack))  # type: ignore[arg-type]
+    compile_on = resolve_switch(cfg.train.compile, device)
+    if resolve_switch(cfg.train.fused_kernels, device, unless=compile_on):
+        from tracetrain.kernels.apply import apply_fused_kernels
+        apply_fused_kernels(model)
     if cfg.memory.recompute != "none":
         from tracetrain.memory.recompute import apply_recompute
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)
+    if compile_on:
+        from tracetrain.kernels.apply import apply_compile
+        apply_compile(model)
     return model
+
+
+def resolve_switch(value: str, device: torch.device, unless: bool = False) -> bool:
+    """'on' / 'off' as said; 'auto' = on for CUDA (unless `unless`), measured to win there (docs/speed.md)."""
+    return value == "on" or (value == "auto" and device.type == "cuda" and not unless)

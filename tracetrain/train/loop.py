@@ -152,7 +152,8 @@ class _Run:
         self.ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
                                use_document_mask=cfg.data.pack,
                                fused_skip=bool(self.optimizer.defaults.get("fused")), scaler=self.scaler,
-                               phase=self.prof.phase, activation_offload=offload)
+                               phase=self.prof.phase, activation_offload=offload,
+                               fused_ce_chunk=cfg.train.fused_ce_chunk if cfg.train.fused_ce else 0)
 
     def restore(self, resume: ResumePoint) -> None:
         """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters."""

@@ -30,6 +30,7 @@ class StepContext:
     fused_skip: bool                     # optimizer honours `found_inf` on the device (fused AdamW)
     scaler: torch.amp.GradScaler | None = None   # fp16 only: dynamic loss scaling
     activation_offload: Any = None       # tracetrain.memory.ActivationOffload: saved activations -> host
+    fused_ce_chunk: int = 0              # > 0: chunked fused lm_head + cross-entropy (no full logits)
     # Named ranges for the profiler / NVTX (tracetrain/forward, ...); a no-op unless profiling.
     phase: Callable[[str], contextlib.AbstractContextManager] = field(
         default=lambda name: contextlib.nullcontext())
@@ -59,6 +60,14 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
     doc = batch["document_ids"] if ctx.use_document_mask else None
     # Activation offload hooks only the model's forward: the logits feed the loss straight away.
     offload = ctx.activation_offload.forward_context() if ctx.activation_offload else contextlib.nullcontext()
+    if ctx.fused_ce_chunk > 0:
+        # lm_head and cross-entropy chunk by chunk over tokens: only one chunk's logits exist at a time.
+        from tracetrain.kernels.fused_ce import fused_linear_cross_entropy
+        with autocast(ctx), offload:
+            hidden = model.forward_hidden(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, dim)
+        with autocast(ctx):
+            return fused_linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch["labels"].flatten(),
+                                              ctx.fused_ce_chunk)
     with autocast(ctx), offload:
         logits = model(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, vocab)
     # Loss in float32 whatever the compute precision: bf16 log-softmax over a large vocab is lossy.
