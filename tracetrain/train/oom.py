@@ -31,7 +31,9 @@ def configure_allocator(memory: MemorySection, device: torch.device) -> None:
         return
     if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    # torch 2.11 moved this to an accelerator-generic call (the old one warns); 2.13 has both.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
 
 
 def _plan_peak(cfg: Config, gpu: str, **memory_changes: object) -> tuple[float, float]:
