@@ -131,6 +131,6 @@ def test_cli_user_errors_are_one_line(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_unimplemented_switches_are_refused_not_ignored():
+def test_parallel_layout_must_match_the_job():
     proc = run_cli("train", "--parallel.tp=2", check=False)
-    assert proc.returncode == 2 and "parallel.tp" in proc.stderr and "not supported" in proc.stderr
+    assert proc.returncode == 2 and "parallel." in proc.stderr and "the job has 1 rank(s)" in proc.stderr

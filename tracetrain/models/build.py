@@ -71,8 +71,13 @@ def materialize(args: ModelArgs, device: torch.device, seed: int,
     return model
 
 
-def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | None = None) -> Transformer:
-    """The model for `cfg`, with weights loaded and transforms applied (see module docstring)."""
+def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | None = None, *,
+                distributed: bool = False) -> Transformer:
+    """The model for `cfg`, with weights loaded and transforms applied (see module docstring).
+
+    `distributed`: leave recomputation and compile to `tracetrain.parallel.parallelize`, which must
+    apply them between tensor parallelism and FSDP (TP/SP -> recomputation -> compile -> FSDP).
+    """
     args = model_args_from_config(cfg)
     # A LoRA base is frozen: allocate it in its final dtype at once (a 7B base never exists in fp32).
     # With optimizer offload the fp32 master copy lives on the host: the GPU holds bf16 weights only.
@@ -85,6 +90,14 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
     if cfg.model.init_from:
         from tracetrain.models.hf import load_hf_weights
         load_hf_weights(model, cfg.model.init_from)
+    if cfg.model.num_experts > 0:  # Mixtral-style MoE blocks in place of the dense MLPs, before LoRA
+        from tracetrain.models.moe import apply_moe, set_aux_loss_weight
+        apply_moe(model, cfg.model.num_experts, cfg.model.experts_top_k)
+        # The load-balancing term is the mean over every forward pass of a step: its micro-batches on
+        # every data- and context-parallel rank.
+        par = cfg.parallel
+        passes = cfg.train.grad_accum_steps * par.dp_replicate * par.dp_shard * par.cp
+        set_aux_loss_weight(model, cfg.model.moe_aux_loss_coef / passes)
     if cfg.train.mode == "lora":
         from tracetrain.models.lora import apply_lora
         lc = cfg.lora
@@ -100,6 +113,8 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
     if resolve_switch(cfg.train.fused_kernels, device, unless=compile_on):
         from tracetrain.kernels.apply import apply_fused_kernels
         apply_fused_kernels(model)
+    if distributed:
+        return model
     if cfg.memory.recompute != "none":
         from tracetrain.memory.recompute import apply_recompute
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)

@@ -13,7 +13,9 @@ RUN_DIR layout:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from tracetrain.config import Config, to_toml
 from tracetrain.data import build_datasets, build_loader, check_vocab, load_tokenizer
@@ -28,14 +31,14 @@ from tracetrain.devices import peak_flops
 from tracetrain.models.accounting import training_flops_per_token
 from tracetrain.models.build import build_model
 from tracetrain.profile.capture import ProfileCapture
-from tracetrain.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from tracetrain.train.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.oom import configure_allocator, explain_oom, preflight
 from tracetrain.train.optim import build_optimizer, build_scheduler
 from tracetrain.train.resume import ResumePoint
-from tracetrain.train.runtime import refuse_unimplemented, resolve_device, resolve_precision
+from tracetrain.train.runtime import refuse_with_parallel, resolve_device, resolve_precision
 from tracetrain.train.step import StepContext, train_step
 
 
@@ -69,19 +72,22 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
           reporter: Reporter | None = None) -> TrainResult:
     """Train as `cfg` says, writing into `run_dir` (created by the caller; see `prepare_run_dir`)."""
     reporter = reporter or Reporter(cfg.logging.progress)
-    refuse_unimplemented(cfg)
     run = _Run(cfg, run_dir, reporter)
     if resume is not None:
         run.restore(resume)
     run.announce()
     stop = _StopFlag()
+    from tracetrain.parallel import dist as tdist
     try:
-        try:
-            interrupted_at = run.run_steps(stop)
-        except torch.OutOfMemoryError as e:
-            # At the step boundary: snapshot the allocator and say which switches would fit.
-            raise explain_oom(e, cfg, run.device, run_dir, run.step) from None
-        summary = run.finish(interrupted_at, stop.signal)
+        # Several ranks: an error on one is reported to the others, which then stop too.
+        with tdist.failure_guard(run.watchdog, run.dist.rank):
+            try:
+                interrupted_at = run.run_steps(stop)
+            except torch.OutOfMemoryError as e:
+                # At the step boundary: snapshot the allocator and say which switches would fit.
+                raise explain_oom(e, cfg, run.device, run_dir, run.step) from None
+            summary = run.finish(interrupted_at, stop.signal)
+        tdist.shutdown(run.watchdog)
         return TrainResult(run_dir=run_dir, summary=summary)
     finally:
         stop.restore()
@@ -94,25 +100,49 @@ class _Run:
 
     def __init__(self, cfg: Config, run_dir: Path, reporter: Reporter) -> None:
         self.cfg, self.run_dir, self.reporter = cfg, run_dir, reporter
-        self.device = resolve_device(cfg.train.device)
+        self._join_job()
         self.precision = resolve_precision(cfg.train.precision, self.device)
         configure_allocator(cfg.memory, self.device)
         torch.manual_seed(cfg.train.seed)
         self.config_toml = to_toml(cfg)
-        (run_dir / "config.toml").write_text(self.config_toml)
+        if self.rank0:
+            (run_dir / "config.toml").write_text(self.config_toml)
         self._build_data()
         self._build_model_and_optimizer()
         self._build_instruments()
         self.start_step = self.step = self.done = 0  # done: steps completed so far
+
+    def _join_job(self) -> None:
+        """One process, or one rank of a torchrun job: device, process group, layout, logs, watchdog."""
+        from tracetrain.models.build import model_args_from_config
+        from tracetrain.parallel import dist as tdist
+        from tracetrain.parallel.mesh import validate_parallel
+        cfg = self.cfg
+        self.device = resolve_device(cfg.train.device)
+        validate_parallel(cfg, model_args_from_config(cfg), tdist.env_world_size())  # before any rank waits
+        self.dist = tdist.init_distributed(cfg.parallel.timeout_s, self.device.type)
+        self.rank0 = self.dist.rank == 0
+        self.watchdog = None
+        if self.dist.is_distributed:
+            refuse_with_parallel(cfg)
+            self.device = self.dist.device
+            tdist.setup_rank_logging(self.run_dir, self.dist.rank)
+            self.watchdog = tdist.Watchdog(self.dist.rank, cfg.parallel.timeout_s).start()
+            if not self.rank0:  # one console and one set of files per job: rank 0's
+                self.reporter = Reporter(False, Console(file=open(os.devnull, "w")))
+        par = cfg.parallel
+        self.dp = par.dp_replicate * par.dp_shard  # ranks that read different rows of each micro-batch
 
     def _build_data(self) -> None:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         with self.reporter.status("reading and packing data"):
             self.train_ds, self.eval_ds, stats = build_datasets(cfg.data, self.tokenizer)
-        (self.run_dir / "data_stats.json").write_text(json.dumps(_as_dict(stats), indent=2))
+        if self.rank0:
+            (self.run_dir / "data_stats.json").write_text(json.dumps(_as_dict(stats), indent=2))
         self.reporter.data_stats(stats)
-        self.loader = build_loader(self.train_ds, cfg.train.micro_batch_size, cfg.data, shuffle=True,
+        # Every rank reads the same global micro-batch (same seed) and keeps its own rows of it.
+        self.loader = build_loader(self.train_ds, cfg.train.micro_batch_size * self.dp, cfg.data, shuffle=True,
                                    seed=cfg.data.seed)
 
     def _build_model_and_optimizer(self) -> None:
@@ -122,8 +152,20 @@ class _Run:
         # a randomly initialised base (benchmarks, tests) is saved whole.
         self.adapters_only = is_lora and bool(cfg.model.init_from)
         with self.reporter.status(f"building model on {device}"):
-            self.model = build_model(cfg, device, base_dtype=_lora_base_dtype(cfg, device) if is_lora else None)
-        check_vocab(self.tokenizer, self.model.args.vocab_size)
+            model = build_model(cfg, device, base_dtype=_lora_base_dtype(cfg, device) if is_lora else None,
+                                distributed=self.dist.is_distributed)
+        self.args = model.args
+        check_vocab(self.tokenizer, self.args.vocab_size)
+        self.par = None
+        if self.dist.is_distributed:
+            from tracetrain.models.build import resolve_switch
+            from tracetrain.parallel.apply import parallelize
+            from tracetrain.parallel.mesh import build_mesh
+            self.par = parallelize(model, build_mesh(cfg.parallel, device.type), cfg, device=device,
+                                   param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
+                                   compile=resolve_switch(cfg.train.compile, device))
+            model = self.par.module
+        self.model = model
         self.optimizer = build_optimizer(self.model, cfg.optim, device, cfg.memory)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
@@ -136,15 +178,19 @@ class _Run:
     def _build_instruments(self) -> None:
         cfg, device = self.cfg, self.device
         num_lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if cfg.train.mode == "lora" else 0
-        self.flops = training_flops_per_token(self.model.args, cfg.data.seq_len, mode=cfg.train.mode,
+        self.flops = training_flops_per_token(self.args, cfg.data.seq_len, mode=cfg.train.mode,
                                               num_lora_params=num_lora)
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = peak_flops(self.device_name, self.precision, cfg.logging.peak_tflops) if device.type == "cuda" else None
         if device.type == "cuda" and peak is None:
             self.reporter.note(f"MFU not reported: {self.device_name!r} is not in the device table; "
                                "set logging.peak_tflops to its dense peak")
+        if cfg.model.num_experts > 0 and peak is not None:
+            self.reporter.note("MFU not reported: FLOP accounting does not cover MoE models yet")
+            peak = None
+        name = "metrics.jsonl" if self.rank0 else f"logs/metrics_rank{self.dist.rank}.jsonl"
         self.metrics = MetricsLogger(self.run_dir, device, self.flops.model, peak, cfg.train.max_bad_steps,
-                                     cfg.logging.tensorboard)
+                                     cfg.logging.tensorboard and self.rank0, filename=name)
         self.prof = ProfileCapture(cfg.profile, self.run_dir, device)
         from tracetrain.memory import apply_activation_offload
         offload = apply_activation_offload(self.model, cfg.memory.activation_offload)
@@ -153,11 +199,21 @@ class _Run:
                                use_document_mask=cfg.data.pack,
                                fused_skip=bool(self.optimizer.defaults.get("fused")), scaler=self.scaler,
                                phase=self.prof.phase, activation_offload=offload,
-                               fused_ce_chunk=cfg.train.fused_ce_chunk if cfg.train.fused_ce else 0)
+                               # Not yet with several ranks: the fused head calls forward_hidden, which
+                               # bypasses FSDP's root hooks, and it does not take vocab-sharded weights.
+                               fused_ce_chunk=cfg.train.fused_ce_chunk if cfg.train.fused_ce and
+                               not self.dist.is_distributed else 0, par=self.par)
 
     def restore(self, resume: ResumePoint) -> None:
         """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters."""
-        state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
+        if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
+            from tracetrain.parallel.checkpoint import load_sharded
+            raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
+            set_rng_state(raw["rng"])
+            state = TrainState(step=raw["step"], scheduler=raw["scheduler"], loader=raw["loader"],
+                               counters=raw["counters"])
+        else:
+            state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
         self.scheduler.load_state_dict(state.scheduler)
         if self.scaler is not None and state.counters.get("scaler"):
             self.scaler.load_state_dict(state.counters["scaler"])
@@ -168,7 +224,7 @@ class _Run:
         self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
 
     def announce(self) -> None:
-        self.reporter.model_summary(self.model.args, self.model, self.cfg, self.device_name, self.precision,
+        self.reporter.model_summary(self.args, self.model, self.cfg, self.device_name, self.precision,
                                     self.flops.model)
         preflight(self.cfg, self.device, self.reporter.note)
 
@@ -178,6 +234,12 @@ class _Run:
         state = TrainState(step=step, scheduler=self.scheduler.state_dict(), loader=self.loader.state_dict(),
                            counters=counters)
         with self.reporter.status(f"saving checkpoint at step {step}"), self.prof.phase("checkpoint"):
+            if self.dist.is_distributed:  # every rank writes its shards (DCP), atomically as one folder
+                from tracetrain.parallel.checkpoint import save_sharded
+                trainer_state = {"step": step, "scheduler": state.scheduler, "loader": state.loader,
+                                 "counters": counters, "rng": rng_state()}
+                return save_sharded(self.run_dir, step, self.model, self.optimizer, trainer_state,
+                                    self.config_toml, self.cfg.checkpoint.keep_last)
             return save_checkpoint(self.run_dir, self.model, self.optimizer, state, self.config_toml,
                                    lora=self.adapters_only, keep_last=self.cfg.checkpoint.keep_last)
 
@@ -193,9 +255,13 @@ class _Run:
         out = train_step(self.model, self.optimizer, micro_batches, self.ctx)
         self.scheduler.step()
         self.prof.step_end(step)
-        tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+        # Tokens per GPU (the global batch over the job's ranks): tokens/s and MFU are per GPU.
+        tokens = cfg.train.micro_batch_size * self.dp * cfg.train.grad_accum_steps * cfg.data.seq_len
+        tokens //= self.dist.world_size
         self.metrics.record(step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens, data_wait_s)
         self.done = step + 1
+        if self.watchdog is not None:
+            self.watchdog.beat(f"step {self.done}")
 
     def run_steps(self, stop: _StopFlag) -> Path | None:
         """The loop; returns the checkpoint written on SIGINT/SIGTERM, if one arrived."""
@@ -217,7 +283,13 @@ class _Run:
                     self.metrics.restart_window()
         return None
 
+    def can_evaluate(self) -> bool:
+        """Held-out loss needs a full forward on every rank: not with pipeline or context parallelism."""
+        return self.cfg.parallel.pp == 1 and self.cfg.parallel.cp == 1
+
     def evaluate(self, done: int) -> None:
+        if not self.can_evaluate():
+            return
         with self.prof.phase("eval"):
             values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx)
         self.metrics.log_eval(done, values)
@@ -233,15 +305,30 @@ class _Run:
                                f"continue with: tracetrain train --resume {self.run_dir}")
             summary = {"interrupted": True, "signal": signal_name, "step": done, "checkpoint": str(interrupted_at)}
         else:
-            summary = final_evaluation(self.model, self.tokenizer, self.eval_ds, self.cfg, self.ctx, self.run_dir,
-                                       self.reporter)
+            summary = self._final_evaluation()
             summary.update(_throughput_summary(self.metrics, self.cfg, done))
             if self.cfg.checkpoint.save_final:
                 summary["checkpoint"] = str(self.checkpoint(self.cfg.train.steps))
         summary.update(extra)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.dist.is_distributed:
+            summary.update({"world_size": self.dist.world_size, "tokens_per_s_is_per_gpu": True})
+        if self.rank0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.reporter.summary(summary, self.run_dir)
         return summary
+
+    def _final_evaluation(self) -> dict[str, Any]:
+        if not self.can_evaluate():
+            self.reporter.note("held-out evaluation skipped: it needs a full forward on every rank "
+                               "(not available with pipeline or context parallelism yet)")
+            return {}
+        cfg = self.cfg
+        if self.dist.is_distributed and cfg.train.eval_generate:
+            # Greedy generation under sharded layouts is not supported yet: loss and perplexity only.
+            self.reporter.note("exact-match generation skipped with several ranks; run `tracetrain eval` after")
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_generate=0))
+        return final_evaluation(self.model, self.tokenizer, self.eval_ds, cfg, self.ctx,
+                                self.run_dir if self.rank0 else None, self.reporter)
 
 
 def _lora_base_dtype(cfg: Config, device: torch.device) -> torch.dtype:

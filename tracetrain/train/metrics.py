@@ -41,13 +41,16 @@ class MetricsLogger:
     peak_flops: float | None          # None: unknown device, MFU is not reported
     max_bad_steps: int
     tensorboard: bool = False
+    filename: str = "metrics.jsonl"      # other ranks of a job write under logs/
     pending: list[_Pending] = field(default_factory=list)
     bad_streak: int = 0
     skipped_steps: int = 0
     last: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.run_dir / self.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", buffering=1)
         self.window_start = time.perf_counter()
         self.tb = None
         if self.tensorboard:

@@ -9,6 +9,7 @@ workers, device) are allowed.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,14 @@ def resolve_resume(spec: str, config_path: str | None, overrides: list[str]) -> 
 def prepare_run_dir(cfg: Config) -> Path:
     """Create a fresh run directory; refuse to write into a used one (nothing is ever overwritten)."""
     out = Path(cfg.train.output_dir)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Every rank must write into the same folder, decided before the ranks can talk.
+        if not cfg.train.run_name:
+            raise ConfigError("config key 'train.run_name' is required with several ranks (torchrun): all "
+                              "ranks must agree on the run directory")
+        if int(os.environ.get("RANK", "0")) != 0:
+            (out / cfg.train.run_name).mkdir(parents=True, exist_ok=True)
+            return out / cfg.train.run_name
     name = cfg.train.run_name or time.strftime("%Y%m%d-%H%M%S")
     run_dir = out / name
     if run_dir.exists() and any(run_dir.iterdir()):

@@ -31,6 +31,7 @@ class StepContext:
     scaler: torch.amp.GradScaler | None = None   # fp16 only: dynamic loss scaling
     activation_offload: Any = None       # tracetrain.memory.ActivationOffload: saved activations -> host
     fused_ce_chunk: int = 0              # > 0: chunked fused lm_head + cross-entropy (no full logits)
+    par: Any = None                      # tracetrain.parallel.ParallelModel when the job has several ranks
     # Named ranges for the profiler / NVTX (tracetrain/forward, ...); a no-op unless profiling.
     phase: Callable[[str], contextlib.AbstractContextManager] = field(
         default=lambda name: contextlib.nullcontext())
@@ -70,6 +71,8 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
                                               ctx.fused_ce_chunk)
     with autocast(ctx), offload:
         logits = model(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, vocab)
+    if ctx.par is not None:  # vocabulary-sharded logits under tensor parallelism
+        return ctx.par.cross_entropy_sum(logits, batch["labels"])
     # Loss in float32 whatever the compute precision: bf16 log-softmax over a large vocab is lossy.
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
@@ -78,18 +81,33 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
                ctx: StepContext) -> StepOutput:
     """Forward/backward over every micro-batch, clip, and one optimizer update (skipped if non-finite)."""
+    par = ctx.par
+    if par is not None and par.pipeline is not None:  # the pipeline schedule runs forward and backward
+        from tracetrain.parallel.pipeline import pipeline_train_step
+        return pipeline_train_step(par, optimizer, micro_batches, ctx)
     # Normalise by the target tokens of the whole step, so that accumulating k micro-batches gives the
     # same gradient as one batch k times larger. Labels are still on the host: counting costs no sync.
-    num_targets = max(1, sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches))
+    # With several ranks each takes its rows (and sequence chunks) of the global micro-batch, and the
+    # count is summed over the ranks on the device (no host sync).
+    if par is not None:
+        micro_batches = [par.shard_batch(mb) for mb in micro_batches]
+        num_targets = par.global_num_targets(micro_batches, ctx.device)
+    else:
+        num_targets = max(1, sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches))
     total = torch.zeros((), device=ctx.device)
     scaler = ctx.scaler
-    for mb in micro_batches:
-        with ctx.phase("forward"):
-            loss = loss_sum(model, to_device(mb, ctx.device), ctx) / num_targets
-        with ctx.phase("backward"):
-            # fp16: scale the loss so small gradients do not underflow; unscaled again below.
-            (scaler.scale(loss) if scaler else loss).backward()  # .grad accumulates across micro-batches
+    for i, mb in enumerate(micro_batches):
+        # Several ranks: gradient sync only on the last micro-batch; loss parallelism for TP.
+        sync = par.micro_batch(is_last=i == len(micro_batches) - 1) if par is not None else contextlib.nullcontext()
+        with sync:
+            with ctx.phase("forward"):
+                loss = loss_sum(model, to_device(mb, ctx.device), ctx) / num_targets
+            with ctx.phase("backward"):
+                # fp16: scale the loss so small gradients do not underflow; unscaled again below.
+                (scaler.scale(loss) if scaler else loss).backward()  # .grad accumulates across micro-batches
         total += loss.detach()
+    if par is not None:
+        total = par.reduce_loss(total)  # every rank's share: the step's loss, on every rank
 
     max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
     if hasattr(optimizer, "step_with_clip"):
@@ -105,8 +123,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     with ctx.phase("optimizer"):
         if scaler:
             scaler.unscale_(optimizer)  # clip and measure the true gradient norm
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
+        if par is not None:  # norm over every shard, mesh axis and stage
+            grad_norm = par.clip_grad_norm_(max_norm)
+        else:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)
         if scaler:
             # GradScaler skips the update when the unscaled gradients hold inf/NaN (it then lowers the
@@ -139,7 +160,9 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], ctx: Step
     num_targets = 0
     for batch in batches:
         num_targets += int((batch["labels"] != IGNORE_INDEX).sum())
-        total += loss_sum(model, to_device(batch, ctx.device), ctx).double()
+        # Several ranks: the same loss-parallel context as training (vocabulary-sharded logits under TP).
+        with ctx.par.micro_batch(is_last=True) if ctx.par is not None else contextlib.nullcontext():
+            total += loss_sum(model, to_device(batch, ctx.device), ctx).double()
     model.train(was_training)
     loss = total.item() / max(1, num_targets)
     return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp()), "eval_tokens": num_targets}
