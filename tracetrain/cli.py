@@ -45,7 +45,11 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     ctx = StepContext(loaded.device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision), 0.0,
                       cfg.data.pack, False)
     result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
-    result.update(exact_match_eval(loaded.model, loaded.tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, None))
+    if a.output and not (cfg.train.eval_generate and getattr(eval_ds, "examples", [])):
+        raise TracetrainError("--output writes generated answers, but none are scored: this run has no held-out "
+                              "examples or train.eval_generate = 0 (set e.g. --train.eval_generate=200)")
+    result.update(exact_match_eval(loaded.model, loaded.tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, None,
+                                   samples_path=Path(a.output) if a.output else None))
     print(json.dumps(result, indent=2))
     return 0
 
@@ -53,26 +57,28 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     import torch
     from tracetrain.inference import load_trained
-    from tracetrain.models.generate import generate
+    from tracetrain.models.generate import generate_records, prompt_record, read_prompts_jsonl
 
+    if bool(a.prompt) == bool(a.prompts_file):
+        raise TracetrainError("generate needs --prompt TEXT (repeatable) or --prompts-file FILE.jsonl, not both")
+    if a.gpu_window and not a.kv_offload:
+        raise TracetrainError("--gpu-window needs --kv-offload")
     loaded = load_trained(a.path, a.device, overrides)
-    tok = loaded.tokenizer
-    g = torch.Generator(device=loaded.device).manual_seed(a.seed)
-    prompts = a.prompt
     data = loaded.cfg.data
-    if not a.raw and data.kind in ("instruction", "synthetic"):
-        # Wrap the prompt the way the model saw prompts in training (the synthetic task uses "plain").
-        from tracetrain.data import format_prompt
-        template = "plain" if data.kind == "synthetic" else data.template
-        texts = [format_prompt(template, p) for p in prompts]
+    records = read_prompts_jsonl(a.prompts_file, data, a.raw) if a.prompts_file else \
+        [prompt_record({"prompt": p}, data, a.raw) for p in a.prompt]
+    lines, summary = generate_records(
+        loaded.model, loaded.tokenizer, records, max_new_tokens=a.max_new_tokens, stop=a.stop,
+        batch_size=a.batch_size, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+        generator=torch.Generator(device=loaded.device).manual_seed(a.seed),
+        dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
+        kv_offload=a.kv_offload, gpu_window=a.gpu_window)
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    if a.output:
+        Path(a.output).write_text(text)
+        print(json.dumps({**summary, "output": a.output}))
     else:
-        texts = prompts
-    ids = [[tok.bos_id] + tok.encode(t) for t in texts]
-    outs = generate(loaded.model, ids, a.max_new_tokens, tok.eos_id, tok.pad_id, temperature=a.temperature,
-                    top_k=a.top_k, top_p=a.top_p, generator=g,
-                    dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision))
-    for prompt, out in zip(prompts, outs):
-        print(json.dumps({"prompt": prompt, "completion": tok.decode(out)}))
+        print(text, end="")
     return 0
 
 
@@ -197,8 +203,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
         s.add_argument("path", help="run directory (latest checkpoint) or checkpoint folder")
         s.add_argument("--device", default="auto")
         handlers[name] = cmd_eval if name == "eval" else cmd_generate
+        s.add_argument("--output", metavar="OUT.jsonl", help="write one JSON line per prompt (generate) or per "
+                       "scored held-out example: prompt, reference, prediction, correct (eval)")
         if name == "generate":
-            s.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+            s.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+            s.add_argument("--prompts-file", metavar="FILE.jsonl", help="JSONL, one prompt per line: a 'prompt' "
+                           "field, or the run's instruction (+ context) fields; optional 'stop', 'max_new_tokens'")
+            s.add_argument("--stop", action="append", default=[], metavar="STR",
+                           help="stop when the continuation contains STR (repeatable; cut from the completion)")
+            s.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
+            s.add_argument("--kv-offload", action="store_true",
+                           help="keep the KV cache in pinned CPU memory, streamed to the GPU layer by layer")
+            s.add_argument("--gpu-window", type=int, default=0, metavar="N",
+                           help="with --kv-offload: keep the N most recent positions of every layer on the GPU")
             s.add_argument("--max-new-tokens", type=int, default=128)
             s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
             s.add_argument("--top-k", type=int, default=0)

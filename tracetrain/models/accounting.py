@@ -89,3 +89,13 @@ def inference_flops_per_token(args: ModelArgs, context_len: int) -> float:
 
 def weight_bytes(args: ModelArgs, bytes_per_param: int) -> int:
     return num_params(args) * bytes_per_param
+
+
+def kv_cache_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
+    """KV-cache bytes one token of one sequence holds: a key and a value per layer and KV head."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype_bytes
+
+
+def kv_cache_bytes(args: ModelArgs, batch: int, num_tokens: int, dtype_bytes: int) -> int:
+    """KV-cache bytes of `batch` sequences of `num_tokens` positions (e.g. a preallocated cache's max_len)."""
+    return batch * num_tokens * kv_cache_bytes_per_token(args, dtype_bytes)

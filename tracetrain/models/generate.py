@@ -1,14 +1,98 @@
-"""Batched autoregressive generation with a static KV cache: greedy, temperature, top-k, top-p.
+"""Batched autoregressive generation with a KV cache: greedy, temperature, top-k, top-p; EOS, stop strings
+and a token budget per request, each result with its finish reason.
 
-Prompts of different lengths are left-padded; padded positions are masked out of attention and
-position ids count only real tokens, so each row generates exactly as it would alone.
+Prompts of different lengths are left-padded; padded positions are masked out of attention and position
+ids count only real tokens, so each row generates what it would alone (greedy, fp32: the same tokens as a
+batch of one; with sampling the rows share one random generator).
+
+One forward per new token, on a cache from `kv_cache.py`:
+- in-GPU (`StaticKVCache`): the decode step has fixed shapes and reads its write position from a device
+  tensor, so `cuda_graph=True` can capture it once and replay it for every token (CUDA only);
+- offloaded (`kv_offload=True`, `OffloadedKVCache`): K/V in pinned CPU memory, streamed layer by layer
+  through two GPU staging buffers; `gpu_window` keeps the most recent positions resident.
+
+The prompt is prefilled in chunks of `prefill_chunk` tokens (bounds the activations and the dense mask of
+a long prompt), and only the last position goes through the output head.
+
+Host synchronisation: the host reads each sampled token to check EOS, stop strings and budgets. It
+enqueues the next decode step before it waits for the token, so the device computes step t + 1 while the
+host checks token t; the price is one wasted step when the last row finishes.
+
+Text level: `generate_jsonl` reads a prompts file (JSONL), batches it by length and writes one result
+line per prompt; it is what `tracetrain generate --prompts-file` calls.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
 import torch
 
-from tracetrain.models.llama import KVCache, Transformer
+from tracetrain.models.kv_cache import OffloadedKVCache, StaticKVCache
+from tracetrain.models.llama import Transformer
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt (token ids, BOS included if the model expects it) and its own limits."""
+
+    prompt: list[int]
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)  # stop when the decoded continuation contains one
+
+
+@dataclass
+class GenerationResult:
+    """`tokens`: the sampled ids, EOS excluded (with a stop string: up to the token that completed it).
+    `text`: the decoded continuation, cut before the stop string (None when no `decode` was given).
+    `num_generated`: tokens sampled for this row, EOS included: what the row cost."""
+
+    tokens: list[int]
+    finish_reason: FinishReason
+    text: str | None
+    num_generated: int
+
+
+class _Row:
+    """Host-side state of one request while the batch decodes."""
+
+    def __init__(self, request: GenerationRequest, eos_id: int, decode: Callable[[list[int]], str] | None) -> None:
+        self.request, self.eos_id, self.decode = request, eos_id, decode
+        self.tokens: list[int] = []
+        self.num_generated = 0
+        self.text: str | None = None
+        self.finish_reason: FinishReason | None = "length" if request.max_new_tokens <= 0 else None
+
+    def add(self, token: int) -> bool:
+        """Take the next sampled token; True once the row is finished."""
+        if self.finish_reason is not None:
+            return True
+        self.num_generated += 1
+        if token == self.eos_id:
+            self.finish_reason = "eos"
+            return True
+        self.tokens.append(token)
+        if self.request.stop:
+            text = self.decode(self.tokens)
+            cuts = [i for i in (text.find(s) for s in self.request.stop) if i >= 0]
+            if cuts:
+                self.text, self.finish_reason = text[:min(cuts)], "stop"
+                return True
+        if self.num_generated >= self.request.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def result(self) -> GenerationResult:
+        text = self.text if self.text is not None else (self.decode(self.tokens) if self.decode else None)
+        return GenerationResult(self.tokens, self.finish_reason or "length", text, self.num_generated)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -30,40 +114,262 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def left_pad(prompts: list[list[int]], pad_id: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts -> tokens, valid mask and position ids, each (batch, longest); positions count real tokens."""
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    tokens = torch.full((batch, longest), pad_id, dtype=torch.long)
+    valid = torch.zeros(batch, longest, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[i, longest - len(p):] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    return tokens.to(device), valid.to(device), positions.to(device)
+
+
+def forward_last(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Run (batch, s) tokens through the model with the cache; logits of the last position (batch, vocab)."""
+    hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
+    return model.lm_head(hidden[:, -1])
+
+
+class GraphedDecodeStep:
+    """A decode step (batch, 1) -> logits captured as one CUDA graph over static input buffers.
+
+    Captured at the first call; every replay writes K/V at `cache.pos` and advances it on the device.
+    The host copy `cache.length` is kept in step here, since replay runs no Python.
+    """
+
+    def __init__(self, model: Transformer, cache: StaticKVCache, batch: int, device: torch.device) -> None:
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def _capture(self) -> None:
+        length, pos = self.cache.length, self.cache.pos.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: lazy initialisation, kernel choice
+            forward_last(self.model, self.tokens, self.positions, self.cache)
+        torch.cuda.current_stream().wait_stream(side)
+        # The warm-up wrote K/V at `pos` (rewritten by the first replay) and advanced the cache: undo.
+        self.cache.pos.copy_(pos)
+        self.cache.length = length
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = forward_last(self.model, self.tokens, self.positions, self.cache)
+        self.cache.length = length  # capture ran the host code (length += 1) but no kernel
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        if self.graph is None:
+            self._capture()
+        if self.cache.length + 1 > self.cache.max_len:
+            raise ValueError(f"KV cache holds {self.cache.max_len} tokens; {self.cache.length + 1} requested")
+        self.graph.replay()
+        self.cache.length += 1
+        return self.logits
+
+
+def make_cache(model: Transformer, batch: int, max_len: int, dtype: torch.dtype, kv_offload: bool,
+               gpu_window: int) -> StaticKVCache | OffloadedKVCache:
+    device = model.embed_tokens.weight.device
+    if kv_offload:
+        return OffloadedKVCache(model.args, batch, max_len, device, dtype, gpu_window)
+    return StaticKVCache(model.args, batch, max_len, device, dtype)
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id: int, pad_id: int, *,
+                   decode: Callable[[list[int]], str] | None = None, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                   kv_offload: bool = False, gpu_window: int = 0, cuda_graph: bool = False,
+                   prefill_chunk: int = 2048, timings: dict[str, float] | None = None) -> list[GenerationResult]:
+    """Continue every request in one left-padded batch; one result per request, in order.
+
+    `decode` (ids -> text) is needed for stop strings and fills `GenerationResult.text`. `dtype`: the
+    autocast and cache dtype (default: the model's). `cuda_graph` (CUDA, in-GPU cache only) replays the
+    decode step as a graph. `timings`, when given, receives prefill_s, decode_s (decode steps after the
+    first, which includes graph capture), decode_steps and prefill_tokens; it adds two device syncs.
+    """
+    if any(r.stop for r in requests) and decode is None:
+        raise ValueError("stop strings need `decode` (token ids -> text)")
+    if not requests or any(not r.prompt for r in requests):
+        raise ValueError("every request needs a prompt of at least one token")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if kv_offload and cuda_graph:
+        raise ValueError("cuda_graph needs the in-GPU cache: the offloaded cache's copies change size every step")
+    device = model.embed_tokens.weight.device
+    dtype = dtype or model.embed_tokens.weight.dtype
+    rows = [_Row(r, eos_id, decode) for r in requests]
+    num_steps = max(r.max_new_tokens for r in requests)
+    if num_steps <= 0:
+        return [row.result() for row in rows]
+    tokens, valid, positions = left_pad([r.prompt for r in requests], pad_id, device)
+    batch, longest = tokens.shape
+    cache = make_cache(model, batch, longest + num_steps, dtype, kv_offload, gpu_window)
+    cache.valid[:, :longest] = valid
+    graphed = cuda_graph and device.type == "cuda"
+    step = GraphedDecodeStep(model, cache, batch, device) if graphed else \
+        (lambda t, p, c: forward_last(model, t, p, c))
+    host_tokens = torch.empty(batch, dtype=torch.long, pin_memory=device.type == "cuda")
+    was_training = model.training
+    model.eval()
+    try:
+        # Autocast's cast cache would hold tensors allocated inside the capture: off with graphs.
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=not graphed):
+            start = time.perf_counter()
+            for a in range(0, longest, prefill_chunk):
+                logits = forward_last(model, tokens[:, a:a + prefill_chunk], positions[:, a:a + prefill_chunk], cache)
+            prefill_end = decode_start = _sync(device) if timings is not None else 0.0
+            next_pos = positions[:, -1:] + 1  # (batch, 1)
+            num_forwards = 0
+            for t in range(num_steps):
+                nxt = sample_next(logits, temperature, top_k, top_p, generator)
+                host_tokens.copy_(nxt, non_blocking=True)
+                copied = torch.cuda.Event() if device.type == "cuda" else None
+                if copied is not None:
+                    copied.record()
+                if t + 1 < num_steps:
+                    logits = step(nxt[:, None], next_pos, cache)  # enqueued before the host reads token t
+                    next_pos += 1
+                    num_forwards += 1
+                if copied is not None:
+                    copied.synchronize()  # host sync: EOS, stop strings and budgets are checked on the host
+                if t == 0 and timings is not None:
+                    decode_start = _sync(device)  # the first decode step (lazy init, graph capture) is not timed
+                if all([row.add(tok) for row, tok in zip(rows, host_tokens.tolist())]):
+                    break
+            if timings is not None:
+                timed = max(0, num_forwards - 1)
+                timings.update(prefill_s=prefill_end - start, prefill_tokens=batch * longest, decode_steps=timed,
+                               decode_s=_sync(device) - decode_start if timed else 0.0)
+    finally:
+        model.train(was_training)
+        if isinstance(cache, OffloadedKVCache):
+            cache.synchronize()
+    return [row.result() for row in rows]
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> list[list[int]]:
-    """Continue each prompt; returns only the new tokens, cut at (and excluding) EOS."""
-    device = model.embed_tokens.weight.device
-    dtype = dtype or model.embed_tokens.weight.dtype
-    batch, longest = len(prompts), max(len(p) for p in prompts)
-    tokens = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
-    valid = torch.zeros(batch, longest, dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, longest - len(p):] = torch.tensor(p, device=device)
-        valid[i, longest - len(p):] = True
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # (batch, longest)
-    cache = KVCache(model.args, batch, longest + max_new_tokens, device, dtype)
-    cache.valid[:, :longest] = valid
-    was_training = model.training
-    model.eval()
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = model(tokens, positions, cache=cache)[:, -1]
-        next_pos = positions[:, -1] + 1
-        out = torch.empty(batch, 0, dtype=torch.long, device=device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            finished |= nxt == eos_id
-            if bool(finished.all()):  # host sync per token: generation is latency-bound anyway
-                break
-            logits = model(nxt[:, None], next_pos[:, None], cache=cache)[:, -1]
-            next_pos = next_pos + 1
-    model.train(was_training)
-    results = []
-    for row in out.tolist():
-        results.append(row[: row.index(eos_id)] if eos_id in row else row)
-    return results
+             generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+             **options: Any) -> list[list[int]]:
+    """Continue each prompt; returns only the new tokens, cut at (and excluding) EOS.
+
+    `options` are passed to `generate_batch` (kv_offload, gpu_window, cuda_graph, prefill_chunk)."""
+    requests = [GenerationRequest(p, max_new_tokens) for p in prompts]
+    results = generate_batch(model, requests, eos_id, pad_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                             generator=generator, dtype=dtype, **options)
+    return [r.tokens for r in results]
+
+
+def prompt_record(obj: dict[str, Any], data: Any, raw: bool = False) -> dict[str, Any]:
+    """One prompt (a JSON object) -> {"prompt", "text", "stop", "max_new_tokens"}; ValueError if malformed.
+
+    The object holds `prompt`, or the run's instruction field (and context field, if the data config
+    names one). Both are wrapped in the run's prompt template, as the model saw prompts in training,
+    unless `raw` (a `prompt` is then sent as is). Optional: `stop` (a string or a list of strings) and
+    `max_new_tokens`. `data` is the run's `DataSection`.
+    """
+    from tracetrain.data.instruction import format_prompt
+
+    template = "plain" if data.kind == "synthetic" else data.template
+    templated = data.kind in ("instruction", "synthetic")
+    if isinstance(obj.get("prompt"), str):
+        prompt = obj["prompt"]
+        text = prompt if raw or not templated else format_prompt(template, prompt)
+    elif isinstance(obj.get(data.instruction_field), str):
+        prompt = obj[data.instruction_field]
+        context = obj.get(data.context_field) if data.context_field else None
+        text = format_prompt(template if templated else "plain", prompt, context if isinstance(context, str) else "")
+    else:
+        raise ValueError(f"needs a string field 'prompt' or {data.instruction_field!r} "
+                         f"(fields present: {', '.join(map(repr, obj)) or 'none'})")
+    stop = obj.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise ValueError("'stop' must be a string or a list of strings")
+    budget = obj.get("max_new_tokens")
+    if budget is not None and (not isinstance(budget, int) or budget < 0):
+        raise ValueError("'max_new_tokens' must be a non-negative integer")
+    return {"prompt": prompt, "text": text, "stop": stop, "max_new_tokens": budget}
+
+
+def read_prompts_jsonl(path: str | Path, data: Any, raw: bool = False) -> list[dict[str, Any]]:
+    """A prompts file (one JSON object per line, see `prompt_record`) -> records; DataError `file:line: ...`."""
+    from tracetrain.data.instruction import open_data_file
+    from tracetrain.errors import DataError
+
+    records = []
+    with open_data_file(str(path), "--prompts-file") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError(f"not a JSON object (got {type(obj).__name__})")
+                records.append(prompt_record(obj, data, raw))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except ValueError as e:
+                raise DataError(f"{path}:{line_no}: {e}") from None
+    if not records:
+        raise DataError(f"{path}: no prompts")
+    return records
+
+
+def generate_records(model: Transformer, tokenizer: Any, records: list[dict[str, Any]], *,
+                     max_new_tokens: int = 128, stop: list[str] | None = None, batch_size: int = 16,
+                     **options: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Generate for prompt records (`prompt_record`); one {"prompt", "completion", "finish_reason", "tokens"}
+    per record, in order (`tokens`: tokens generated, EOS included), and a summary (prompts, tokens,
+    seconds, tokens/s, finish reasons).
+
+    Records are batched by prompt length (less padding; a row's result does not depend on its batch).
+    `stop` applies to every record, besides its own; `options` go to `generate_batch`.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ids = [[tokenizer.bos_id] + tokenizer.encode(r["text"]) for r in records]
+    requests = [GenerationRequest(p, max_new_tokens if r["max_new_tokens"] is None else r["max_new_tokens"],
+                                  list(stop or []) + r["stop"]) for p, r in zip(ids, records)]
+    order = sorted(range(len(requests)), key=lambda i: len(ids[i]))
+    results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
+    start = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        chunk = order[b:b + batch_size]
+        outs = generate_batch(model, [requests[i] for i in chunk], tokenizer.eos_id, tokenizer.pad_id,
+                              decode=tokenizer.decode, **options)
+        for i, out in zip(chunk, outs):
+            results[i] = out
+    seconds = time.perf_counter() - start
+    lines = [{"prompt": r["prompt"], "completion": out.text, "finish_reason": out.finish_reason,
+              "tokens": out.num_generated} for r, out in zip(records, results)]
+    generated = sum(out.num_generated for out in results)
+    summary = {"prompts": len(records), "tokens": generated, "seconds": round(seconds, 3),
+               "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,
+               "finish_reasons": dict(Counter(out.finish_reason for out in results))}
+    return lines, summary
+
+
+def generate_jsonl(model: Transformer, tokenizer: Any, data: Any, prompts_path: str | Path,
+                   output_path: str | Path, *, raw: bool = False, **options: Any) -> dict[str, Any]:
+    """`tracetrain generate --prompts-file`: read a prompts file, generate (`generate_records`, which
+    takes the `options`), write one JSON line per prompt to `output_path`; returns the summary."""
+    lines, summary = generate_records(model, tokenizer, read_prompts_jsonl(prompts_path, data, raw), **options)
+    with open(output_path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    return {**summary, "output": str(output_path)}

@@ -17,11 +17,12 @@ report / html (rendering), overrides (config overrides for a chosen row).
 
 from tracetrain.plan.core import Plan, advice, max_micro_batch, plan
 from tracetrain.plan.html import render_html
+from tracetrain.plan.inference import GenerationPlan, plan_generation
 from tracetrain.plan.inputs import GPU_NAMES, LINKS, Links, PlanInput, plan_input_from_config
 from tracetrain.plan.overrides import plan_to_config_overrides
 from tracetrain.plan.report import render_json, render_terminal
 from tracetrain.plan.search import search
 
-__all__ = ["GPU_NAMES", "LINKS", "Links", "Plan", "PlanInput", "advice", "max_micro_batch", "plan",
-           "plan_input_from_config", "plan_to_config_overrides", "render_html", "render_json",
+__all__ = ["GPU_NAMES", "LINKS", "GenerationPlan", "Links", "Plan", "PlanInput", "advice", "max_micro_batch", "plan",
+           "plan_generation", "plan_input_from_config", "plan_to_config_overrides", "render_html", "render_json",
            "render_terminal", "search"]

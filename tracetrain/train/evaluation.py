@@ -25,8 +25,10 @@ def run_eval(model: nn.Module, eval_ds: Any, cfg: Config, ctx: StepContext) -> d
 
 
 def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str, str]], cfg: Config,
-                     ctx: StepContext, run_dir: Path | None, batch_size: int = 32) -> dict[str, float]:
-    """Greedy answers to held-out prompts, scored by exact match; answers written to samples.jsonl."""
+                     ctx: StepContext, run_dir: Path | None, batch_size: int = 32,
+                     samples_path: Path | None = None) -> dict[str, float]:
+    """Greedy answers to held-out prompts, scored by exact match (GSM8K-style `#### N` references: the final
+    number); answers written to `samples_path`, else to run_dir/samples.jsonl when a run_dir is given."""
     examples = examples[: cfg.train.eval_generate]
     if not examples:
         return {}
@@ -43,8 +45,9 @@ def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str,
             ok = exact_match(prediction, reference, cfg.data.kind)
             correct += ok
             samples.append({"prompt": prompt, "reference": reference, "prediction": prediction, "correct": ok})
-    if run_dir is not None:
-        with open(run_dir / "samples.jsonl", "w") as f:
+    samples_path = samples_path or (run_dir / "samples.jsonl" if run_dir is not None else None)
+    if samples_path is not None:
+        with open(samples_path, "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
     return {"exact_match": correct / len(examples), "exact_match_n": len(examples)}
 
