@@ -128,16 +128,21 @@ def cmd_analyze(a: argparse.Namespace, overrides: list[str]) -> int:
     result = analyze(a.paths, device_name=a.device_name)
     if a.compare:
         result = compare(result, analyze(a.compare, device_name=a.device_name))
+    _show(result, a, render_terminal, render_html, render_json)
+    return 0
+
+
+def _show(result: object, a: argparse.Namespace, terminal: Callable, html: Callable, as_json: Callable) -> None:
+    """Render a report to the console (wide when not a terminal) and to --html / --json files."""
     from rich.console import Console
     console = Console()
-    render_terminal(result, console if console.is_terminal else Console(width=160))
+    terminal(result, console if console.is_terminal else Console(width=160))
     if a.html:
-        Path(a.html).write_text(render_html(result))
+        Path(a.html).write_text(html(result))
         print(f"HTML report: {a.html}")
     if a.json:
-        Path(a.json).write_text(json.dumps(render_json(result), indent=2))
+        Path(a.json).write_text(json.dumps(as_json(result), indent=2))
         print(f"JSON report: {a.json}")
-    return 0
 
 
 def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
@@ -151,19 +156,11 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
                                  ("gpus_per_node", a.gpus_per_node)) if v is not None}
     inp = inp.replace(**changes) if changes else inp
     result = search(inp, a.gpus, a.top) if a.search else plan(inp)
-    from rich.console import Console
-    console = Console()
-    render_terminal(result, console if console.is_terminal else Console(width=160))
+    if a.search and not result:
+        raise TracetrainError(f"no layout of {a.gpus} GPU(s) fits; try more GPUs, recomputation or offload")
+    _show(result, a, render_terminal, render_html, render_json)
     if a.search:
-        if not result:
-            raise TracetrainError(f"no layout of {a.gpus} GPU(s) fits; try more GPUs, recomputation or offload")
         print("overrides for the top row: " + " ".join(plan_to_config_overrides(result[0])))
-    if a.html:
-        Path(a.html).write_text(render_html(result))
-        print(f"HTML report: {a.html}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(render_json(result), indent=2))
-        print(f"JSON report: {a.json}")
     return 0
 
 
