@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -16,3 +17,12 @@ def shared_file(rel: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not present (the shared data folder sits beside the checkout)")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread_torch():
+    """Tiny matmuls gain nothing from a second thread, and on a busy machine its spin-waits cost seconds."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

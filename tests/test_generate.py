@@ -20,12 +20,8 @@ def letters(ids: list[int]) -> str:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread, and on a busy machine its spin-waits cost seconds."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread_torch):
     yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")
