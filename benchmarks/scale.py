@@ -13,7 +13,7 @@ reduce; autocast for TP/PP-only layouts), fused AdamW, gradient clipping, the st
 ParallelModel hook (`tracetrain.parallel.testing.run_step`, i.e. pipeline_train_step for pp > 1),
 3 warm-up steps, then the median of 10 timed steps (CUDA events). Tokens/s per GPU = rows * seq of
 the global batch / step time / GPUs; MFU from the shared FLOP formula (models/accounting.py; for MoE
-the active expert width top_k * ffn_dim); peak memory = max over ranks of max_memory_allocated during
+the active weights: top_k experts plus the router); peak memory = max over ranks of max_memory_allocated during
 the timed steps (after the model was built and sharded). Eager mode (no torch.compile).
 """
 
@@ -128,8 +128,8 @@ def run_case(name: str, overrides: list[str], mbs: int, seq: int, warmup: int, s
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     step_s = median(times)
     tokens_per_s_per_gpu = rows * seq / step_s / world
-    active = dataclasses.replace(args, ffn_dim=args.ffn_dim * cfg.model.experts_top_k) if cfg.model.num_experts else args
-    flops = training_flops_per_token(active, seq).model
+    flops = training_flops_per_token(args, seq, num_experts=cfg.model.num_experts,
+                                     top_k=cfg.model.experts_top_k if cfg.model.num_experts else 0).model
     peak_fl = None if DRY_RUN else peak_flops(torch.cuda.get_device_name(0), "bf16")
     result = {"case": name, "gpus": world, "layout": {k: v for k, v in dataclasses.asdict(cfg.parallel).items()
                                                       if k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep",

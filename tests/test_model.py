@@ -105,6 +105,23 @@ def test_matmul_params_and_flops_conventions():
     assert lora.hardware == pytest.approx(lora.model + 2 * n + 2 * r + attention_forward_flops(args, 2048))
 
 
+def test_moe_active_matmul_params_match_the_built_experts():
+    from tracetrain.models.moe import apply_moe
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128)
+    model = Transformer(args)
+    apply_moe(model, 8, 2)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # router included
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    # A token visits top_k of the 8 experts: it uses 2/8 of the expert weights, plus every other matmul.
+    assert num_matmul_params(args, num_experts=8, top_k=2) == linear + experts * 2 // 8
+    dense = training_flops_per_token(args, 32)
+    moe = training_flops_per_token(args, 32, num_experts=8, top_k=2)
+    # Per layer one more expert MLP (top_k = 2 instead of the dense MLP's one) and the router.
+    assert moe.model - dense.model == pytest.approx(6 * 2 * (3 * 64 * 96 + 64 * 8))
+    with pytest.raises(ValueError, match="top_k"):
+        num_matmul_params(args, num_experts=2, top_k=3)
+
+
 def test_materialize_on_target_device_is_seeded_and_tied():
     args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=40, tie_embeddings=True)
     a, b = materialize(args, torch.device("cpu"), 3), materialize(args, torch.device("cpu"), 3)

@@ -8,6 +8,9 @@ FLOP conventions (stated in the README):
   2 * seq * (n_heads * head_dim) forward together; backward costs twice the forward.
 - Full training: 3x forward (the usual 6N + attention). LoRA: frozen weights need no weight gradient,
   so 4 FLOPs per frozen weight and token, 6 per adapter weight, attention 3x forward.
+- Mixture of experts (`num_experts` > 0): each token passes through `top_k` experts of the MLP's
+  shape plus the router (dim x num_experts), so the MLP counts top_k times and the router once: the
+  "active" parameters. Expert weights a token does not visit cost it nothing.
 - Model FLOPs (MFU) count only the math the algorithm needs; hardware FLOPs (HFU) add what activation
   recomputation repeats: one more forward for full recomputation. Selective recomputation (as in
   tracetrain.memory.recompute) keeps every matmul and attention output and recomputes only norms and
@@ -37,11 +40,17 @@ def num_params(args: ModelArgs) -> int:
     return embed + args.n_layers * block_params(args) + args.dim + head
 
 
-def num_matmul_params(args: ModelArgs) -> int:
+def num_matmul_params(args: ModelArgs, num_experts: int = 0, top_k: int = 0) -> int:
     """Weights that take part in a matmul for every token: all linear layers and the output head
-    (the embedding lookup is a gather, not a matmul; norms and biases are negligible and excluded)."""
+    (the embedding lookup is a gather, not a matmul; norms and biases are negligible and excluded).
+    MoE (`num_experts` > 0): the active weights, `top_k` experts plus the router."""
     d, kv = args.dim, args.n_kv_heads * args.head_dim
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * args.ffn_dim
+    mlp = 3 * d * args.ffn_dim
+    if num_experts > 0:
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in 1..num_experts ({num_experts})")
+        mlp = top_k * mlp + d * num_experts
+    per_layer = 2 * d * d + 2 * d * kv + mlp
     return args.n_layers * per_layer + args.vocab_size * args.dim
 
 
@@ -69,9 +78,10 @@ def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:
 
 def training_flops_per_token(args: ModelArgs, seq_len: int, *, mode: Literal["full", "lora"] = "full",
                              num_lora_params: int = 0,
-                             recompute: Literal["none", "selective", "full"] = "none") -> TokenFlops:
+                             recompute: Literal["none", "selective", "full"] = "none",
+                             num_experts: int = 0, top_k: int = 0) -> TokenFlops:
     """FLOPs per token of one training step (forward + backward), by the conventions above."""
-    n = num_matmul_params(args)
+    n = num_matmul_params(args, num_experts, top_k)
     attn = attention_forward_flops(args, seq_len)
     forward = 2.0 * n + 2.0 * num_lora_params + attn
     if mode == "full":

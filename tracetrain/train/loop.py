@@ -179,15 +179,13 @@ class _Run:
         cfg, device = self.cfg, self.device
         num_lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if cfg.train.mode == "lora" else 0
         self.flops = training_flops_per_token(self.args, cfg.data.seq_len, mode=cfg.train.mode,
-                                              num_lora_params=num_lora)
+                                              num_lora_params=num_lora, num_experts=cfg.model.num_experts,
+                                              top_k=cfg.model.experts_top_k if cfg.model.num_experts else 0)
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = peak_flops(self.device_name, self.precision, cfg.logging.peak_tflops) if device.type == "cuda" else None
         if device.type == "cuda" and peak is None:
             self.reporter.note(f"MFU not reported: {self.device_name!r} is not in the device table; "
                                "set logging.peak_tflops to its dense peak")
-        if cfg.model.num_experts > 0 and peak is not None:
-            self.reporter.note("MFU not reported: FLOP accounting does not cover MoE models yet")
-            peak = None
         name = "metrics.jsonl" if self.rank0 else f"logs/metrics_rank{self.dist.rank}.jsonl"
         self.metrics = MetricsLogger(self.run_dir, device, self.flops.model, peak, cfg.train.max_bad_steps,
                                      cfg.logging.tensorboard and self.rank0, filename=name)
@@ -199,10 +197,10 @@ class _Run:
                                use_document_mask=cfg.data.pack,
                                fused_skip=bool(self.optimizer.defaults.get("fused")), scaler=self.scaler,
                                phase=self.prof.phase, activation_offload=offload,
-                               # Not yet with several ranks: the fused head calls forward_hidden, which
-                               # bypasses FSDP's root hooks, and it does not take vocab-sharded weights.
+                               # Not under tp (the head's weight is vocab-sharded: loss parallelism
+                               # does that job) nor pp (the last stage computes the pipeline's loss).
                                fused_ce_chunk=cfg.train.fused_ce_chunk if cfg.train.fused_ce and
-                               not self.dist.is_distributed else 0, par=self.par)
+                               cfg.parallel.tp == 1 and cfg.parallel.pp == 1 else 0, par=self.par)
 
     def restore(self, resume: ResumePoint) -> None:
         """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters."""
