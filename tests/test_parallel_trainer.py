@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from test_train import read_metrics, run_cli
 
@@ -58,3 +59,28 @@ def test_sharded_checkpoint_resumes_exactly(tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "step_00000002" / "dcp").is_dir()
     torchrun(2, "--resume", str(tmp_path / "r"))
     assert losses(tmp_path / "r") == first
+
+
+def test_sharded_checkpoint_evaluates_and_exports_in_one_process(tmp_path):
+    # Saved by 2 FSDP ranks; `eval` and `export` gather the shards in a single process (no process group).
+    torchrun(2, *ARGS, "--parallel.dp_shard=2", "--train.micro_batch_size=4", f"--train.output_dir={tmp_path}",
+             "--train.run_name=r", "--checkpoint.interval=4")
+    run = tmp_path / "r"
+    assert (run / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
+    distributed = json.loads((run / "summary.json").read_text())["eval_loss"]
+    single = json.loads(run_cli("eval", str(run), "--device=cpu").stdout)
+    # The 2-rank run's final eval and the gathered model's eval see the same weights and batches.
+    assert single["eval_loss"] == pytest.approx(distributed, rel=1e-4)
+    run_cli("export", str(run), "--hf", str(tmp_path / "hf"))
+    from safetensors.torch import load_file
+    exported = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    from tracetrain.inference import load_trained
+    model = load_trained(run, "cpu").model
+    assert "model.layers.1.mlp.up_proj.weight" in exported
+    for name, t in model.state_dict().items():
+        if name.endswith("rope_inv_freq"):
+            continue
+        key = name if name.startswith("lm_head") else "model." + name
+        assert torch.equal(exported[key], t.to(exported[key].dtype)), name  # export writes the HF dtype

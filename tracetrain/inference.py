@@ -31,7 +31,7 @@ class Loaded:
 def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder, or a run directory (its latest checkpoint)."""
     p = Path(path)
-    if (p / "model.safetensors").is_file() and (p / "config.toml").is_file():
+    if ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()) and (p / "config.toml").is_file():
         return p
     if list_checkpoints(p):
         return latest_checkpoint(p)
@@ -46,6 +46,18 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
     precision = resolve_precision(cfg.train.precision, dev)
     base_dtype = torch.bfloat16 if (cfg.train.mode == "lora" and dev.type == "cuda") else None
     model = build_model(cfg, dev, base_dtype=base_dtype)
+    if (ckpt / "dcp" / ".metadata").is_file():
+        # Saved by several ranks (parallel/checkpoint.py): DCP gathers every shard into this single
+        # process's full tensors, whatever layout wrote them (no process group needed).
+        from tracetrain.parallel.checkpoint import load_sharded
+        try:
+            load_sharded(ckpt, model, None)
+        except (RuntimeError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{ckpt / 'dcp'}: the sharded checkpoint does not fit the model built from "
+                                  f"{ckpt / 'config.toml'} ({first})") from None
+        model.eval()
+        return Loaded(model, load_tokenizer(cfg.data.tokenizer), cfg, ckpt, dev, precision)
     weights = load_file(str(ckpt / "model.safetensors"))
     params = dict(model.named_parameters())
     state = model.state_dict()

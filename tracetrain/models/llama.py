@@ -242,8 +242,17 @@ class Transformer(nn.Module):
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
-        return self.lm_head(self.forward_hidden(tokens, position_ids, document_ids, cache))
+                document_ids: torch.Tensor | None = None, cache: "KVCache | None" = None, *,
+                labels: torch.Tensor | None = None, ce_chunk: int = 0) -> torch.Tensor:
+        """Logits (batch, seq, vocab); or, with `labels` and `ce_chunk` > 0, the summed cross-entropy
+        through the chunked fused head (kernels/fused_ce.py), never materialising the full logits.
+        The loss goes through `forward` (not `forward_hidden`) so that module hooks on the root (FSDP's
+        lazy init, root unshard and stream bookkeeping) run exactly as for the logits path."""
+        hidden = self.forward_hidden(tokens, position_ids, document_ids, cache)
+        if labels is not None and ce_chunk > 0:
+            from tracetrain.kernels.fused_ce import fused_linear_cross_entropy
+            return fused_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(), ce_chunk)
+        return self.lm_head(hidden)
 
 
 class KVCacheLayer:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,9 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     if not (path / "dcp" / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a sharded checkpoint ({path / 'dcp' / '.metadata'} is missing)")
     state = sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    with warnings.catch_warnings():  # one process without a process group is an intended use
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

@@ -63,12 +63,11 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
     offload = ctx.activation_offload.forward_context() if ctx.activation_offload else contextlib.nullcontext()
     if ctx.fused_ce_chunk > 0:
         # lm_head and cross-entropy chunk by chunk over tokens: only one chunk's logits exist at a time.
-        from tracetrain.kernels.fused_ce import fused_linear_cross_entropy
+        # Through the model's forward, so FSDP's root hooks run; the activation offload's hooks only
+        # touch tensors saved inside transformer blocks, so covering the head as well changes nothing.
         with autocast(ctx), offload:
-            hidden = model.forward_hidden(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, dim)
-        with autocast(ctx):
-            return fused_linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch["labels"].flatten(),
-                                              ctx.fused_ce_chunk)
+            return model(batch["input_ids"], batch["position_ids"], doc, labels=batch["labels"],
+                         ce_chunk=ctx.fused_ce_chunk)
     with autocast(ctx), offload:
         logits = model(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, vocab)
     if ctx.par is not None:  # vocabulary-sharded logits under tensor parallelism
