@@ -11,6 +11,7 @@ the time model misses. Prints a table; writes plan_accuracy_<gpu>.json (and a co
 
   python3 benchmarks/plan_accuracy.py                       # whole grid, < 7 minutes on an H100
   python3 benchmarks/plan_accuracy.py --cases 1b-full-b4 --profile 1b-full-b4
+  python3 benchmarks/plan_accuracy.py --rescore benchmarks/results/plan_accuracy_NVIDIA-H200.json  # no GPU
 """
 
 from __future__ import annotations
@@ -75,6 +76,32 @@ CASES: dict[str, list[str]] = {
 }
 
 
+# The grid was measured on the eager path (before compile, FlexAttention and the fused lm_head + CE
+# existed); every case keeps it, so re-runs and the offline re-score compare like with like.
+EAGER = ["--train.compile=off", "--train.fused_kernels=off", "--train.attention=sdpa", "--train.fused_ce=false"]
+
+
+def case_config(overrides: list[str]):
+    return load_config(None, [*overrides, *EAGER, "--data.pack=false", "--train.device=cuda"]
+                       + ([] if any(o.startswith("--train.precision") for o in overrides) else ["--train.precision=bf16"]))
+
+
+def rescore(path: Path) -> None:
+    """Offline: plan every measured row of a committed results JSON again and print the errors."""
+    data = json.loads(path.read_text())
+    print(f"{'case':<34} {'pred GiB':>9} {'meas GiB':>9} {'err':>7} {'pred s':>8} {'meas s':>8} {'err':>7}  goal")
+    ok = 0
+    rows = [r for r in data["rows"] if "step_s" in r]
+    for r in rows:
+        p = plan(plan_input_from_config(case_config(r["overrides"]), 1, data["device"]))
+        mem, step = p.peak_gib / r["peak_gib"] - 1, p.step_s / r["step_s"] - 1
+        good = abs(mem) <= 0.10 and abs(step) <= 0.25
+        ok += good
+        print(f"{r['case']:<34} {p.peak_gib:>9.2f} {r['peak_gib']:>9.2f} {100 * mem:>+6.1f}% {p.step_s:>8.4f} "
+              f"{r['step_s']:>8.4f} {100 * step:>+6.1f}%  {'yes' if good else 'MISS'}")
+    print(f"{ok} of {len(rows)} rows within memory ±10% and time ±25%")
+
+
 def missing_feature(overrides: list[str]) -> str | None:
     """Why a case cannot run with today's trainer, or None. Recomputation needs
     tracetrain.memory.recompute.apply_recompute; activation offload also needs a hook in the step."""
@@ -107,8 +134,7 @@ def make_batch(vocab: int, batch: int, seq: int) -> dict[str, torch.Tensor]:
 
 
 def run_case(name: str, overrides: list[str], warmup: int, steps: int, profile: bool) -> dict:
-    cfg = load_config(None, [*overrides, "--data.pack=false", "--train.device=cuda"]
-                      + ([] if any(o.startswith("--train.precision") for o in overrides) else ["--train.precision=bf16"]))
+    cfg = case_config(overrides)
     device = torch.device("cuda")
     inp = plan_input_from_config(cfg, 1, torch.cuda.get_device_name(0))
     predicted = plan(inp)
@@ -170,7 +196,11 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="comma-separated cases to profile by kernel kind")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rescore", type=Path, help="offline: re-plan the rows of this results JSON, no GPU")
     a = ap.parse_args()
+    if a.rescore:
+        rescore(a.rescore)
+        return
     env, rows = environment(), []
     profiled = set(filter(None, a.profile.split(",")))
     for name in a.cases.split(","):

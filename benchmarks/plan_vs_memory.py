@@ -27,6 +27,8 @@ def main(path: str) -> None:
             continue
         sargs = {**SWITCHES, **EXTRA.get(r["model"], {})}[r["switch"]]
         cfg = load_config(None, [*MODELS[r["model"]], *sargs, "--data.seq_len=2048", "--data.pack=false",
+                                        # measured on the eager path (before compile and the fused CE)
+                                        "--train.compile=off", "--train.fused_kernels=off", "--train.fused_ce=false",
                                  "--train.micro_batch_size=4",
                                  "--train.precision=" + ("fp16" if r["switch"] == "fp16" else "bf16")])
         p = plan(plan_input_from_config(cfg, 1, data["device"]))

@@ -42,6 +42,22 @@ softmax term 5*a*s^2*b dropped by flash attention): tracetrain's fp32-weight pat
 Llama-3.2-1B block (fp32 norms 16d, per-linear casts 10d, SwiGLU 4*(f=4d) = 32d), about 1.85x; a bf16
 LoRA base with q/k/v/o adapters keeps 18d + 6f, close to 34d at f = 2.7d.
 
+Speed paths (`PlanInput.compile`, `fused_kernels`, `attention`):
+  compile        each block is one Inductor graph whose min-cut partitioner saves matmul and attention
+                 inputs/outputs once (no per-linear autocast copies) and recomputes norms, casts and
+                 pointwise work from the block input. Saved tensors of a compiled block, read off its
+                 autograd graph on CPU with saved-tensor hooks (tests/test_plan_activations.py checks them):
+                   full FT: block input x*d, the two norms' bf16 outputs 2*c*d, q/k/v c*(d + 2kv),
+                            attention out c*d + 4h and o_proj's contiguous copy of it c*d, gate and up 2*c*f,
+                            down input c*f, rstd 8
+                   LoRA:    block input and mid residual 2*x*d, attention as above, o_proj input a*d when
+                            adapted, gate/up input a*d when adapted, gate and up 2*c*f, down input when
+                            adapted, lora_A outputs, rstd 8
+  fused_kernels  the Triton RMSNorm keeps its input and rstd (x*d + 4 per norm, no fp32 copy and no
+                 normalised copy), SwiGLU keeps gate and up (2*c*f), RoPE only cos/sin; the linears
+                 (and their autocast input casts) stay eager.
+  flex           FlexAttention keeps what flash SDPA keeps (q, k, v, output, logsumexp).
+
 Recomputation (tracetrain.memory, planned): "full" keeps only each checkpointed block's input (x*d),
 "selective" keeps the block input plus the outputs of every matmul and of SDPA (c*(3d + 2kv + 2f) +
 c*d + 4h, all else recomputed); either way one block's full set is live again while it is recomputed.
@@ -60,6 +76,7 @@ from tracetrain.plan.inputs import PlanInput
 
 Split = Literal["tp", "sp", "rep"]
 Backend = Literal["flash", "efficient", "math"]
+Path = Literal["eager", "kernels", "compile"]
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
@@ -139,12 +156,17 @@ def _input_copies(nm: Numerics, linears: tuple[str, ...], width: int) -> float:
     return adapted * nm.a * width if nm.x != nm.a else nm.a * width
 
 
-def attention_backend(args: ModelArgs, nm: Numerics) -> Backend:
+def block_path(inp: PlanInput) -> Path:
+    """The speed path a block runs: compiled, eager with the fused Triton ops, or plain eager."""
+    return "compile" if inp.compile else "kernels" if inp.fused_kernels else "eager"
+
+
+def attention_backend(args: ModelArgs, nm: Numerics, attention: str = "sdpa") -> Backend:
     """The SDPA kernel CUDA picks for this model (no mask, is_causal): flash for bf16/fp16; fp32 is
     not flash's: memory-efficient attention takes it, but not with GQA (`enable_gqa`), where SDPA
     falls back to the math path, which materialises the fp32 score matrix. (The CPU flash kernel
-    takes every case.)"""
-    if nm.c == 2:
+    takes every case.) FlexAttention keeps flash's tensors at any dtype."""
+    if nm.c == 2 or attention == "flex":
         return "flash"
     return "efficient" if args.n_kv_heads == args.n_heads else "math"
 
@@ -160,25 +182,55 @@ def _attention_items(args: ModelArgs, nm: Numerics, backend: Backend) -> list[It
 
 
 def block_items(args: ModelArgs, nm: Numerics, *, first_lora_block: bool = False, moe_factor: float = 1.0,
-                backend: Backend = "flash") -> list[Item]:
+                backend: Backend = "flash", path: Path = "eager") -> list[Item]:
     """Saved tensors of one transformer block with no recomputation, bytes per token.
-    `moe_factor` scales the MLP items (top_k for a MoE block: every token visits top_k experts)."""
+    `moe_factor` scales the MLP items (top_k for a MoE block: every token visits top_k experts);
+    `path` is the block's speed path (module docstring)."""
+    if path == "compile" and backend != "math":
+        return compiled_block_items(args, nm, moe_factor)
     d, f = args.dim, args.ffn_dim
     norms = 1 if first_lora_block else 2
-    items = [Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp")]
-    if nm.full:
-        items.append(Item("norm: normalised (weight grad)", 2 * nm.x * d, "sp"))
+    if path == "kernels":  # the fused RMSNorm keeps its input (as is) and rstd
+        items = [Item("norm: input + rstd (fused)", norms * (nm.x * d + 4), "sp")]
+    else:
+        items = [Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp")]
+        if nm.full:
+            items.append(Item("norm: normalised (weight grad)", 2 * nm.x * d, "sp"))
     items.append(Item("q/k/v input", _input_copies(nm, QKV, d)))
     items += _attention_items(args, nm, backend)
     if "o_proj" in nm.targets and nm.a != nm.c:
         items.append(Item("o_proj adapter input copy", nm.a * d, "tp"))
+    swiglu = 2 if path == "kernels" else 3  # the fused SwiGLU recomputes silu in backward
     items += [Item("gate/up input", _input_copies(nm, GATE_UP, d)),
-              Item("SwiGLU gate, silu, up", 3 * nm.c * f * moe_factor, "tp")]
+              Item("SwiGLU gate, silu, up", swiglu * nm.c * f * moe_factor, "tp")]
     if nm.full or "down_proj" in nm.targets:
         items.append(Item("down input", (nm.c if nm.full else nm.a) * f * moe_factor, "tp"))
     if nm.targets:
         items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
     return [i for i in items if i.per_token or i.per_token_seq]
+
+
+def compiled_block_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
+    """Saved tensors of one torch.compile'd block (module docstring), bytes per token."""
+    d, kv, f, h = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, args.n_heads
+    trains = (lambda name: True) if nm.full else (lambda name: name in nm.targets)  # noqa: E731
+    width = nm.c if nm.full else nm.a
+    items = [Item("block input" + ("" if nm.full else " + mid residual"), (1 if nm.full else 2) * nm.x * d, "sp"),
+             Item("norms: rstd", 8, "sp")]
+    if nm.full:
+        items.append(Item("norm outputs (compute dtype)", 2 * nm.c * d))
+    elif any(trains(n) for n in GATE_UP):
+        items.append(Item("gate/up input", width * d))
+    items += [Item("q, k, v after RoPE", nm.c * (d + 2 * kv), "tp"),
+              Item("attention out + logsumexp", nm.c * d + 4 * h, "tp")]
+    if trains("o_proj"):
+        items.append(Item("o_proj input (contiguous copy)", width * d, "tp"))
+    items.append(Item("SwiGLU gate, up", 2 * nm.c * f * moe_factor, "tp"))
+    if trains("down_proj"):
+        items.append(Item("down input", width * f * moe_factor, "tp"))
+    if nm.targets:
+        items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
+    return items
 
 
 def selective_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
@@ -199,17 +251,37 @@ def full_recompute_items(args: ModelArgs, nm: Numerics) -> list[Item]:
     return [Item("block input", nm.x * args.dim, "sp")]
 
 
-def outside_items(args: ModelArgs, nm: Numerics, *, first_stage: bool, last_stage: bool) -> list[Item]:
-    """Saved tensors outside the blocks: rotary tables, token ids, final norm, lm_head input."""
+def outside_items(args: ModelArgs, nm: Numerics, *, first_stage: bool, last_stage: bool,
+                  fused_ce: bool = False) -> list[Item]:
+    """Saved tensors outside the blocks: rotary tables, token ids, final norm, lm_head input (the fused
+    cross-entropy keeps its input gradient instead: `fused_ce_items`)."""
     d = args.dim
     items = [Item("RoPE cos/sin", 2 * 4 * args.head_dim)]
     if first_stage and nm.full:
         items.append(Item("token ids", 8))
     if last_stage:
         items.append(Item("final norm", 4 * d + 4 + (nm.x * d if nm.full else 0), "sp"))
-        if nm.full:
+        if nm.full and not fused_ce:
             items.append(Item("lm_head input", nm.c * d))
     return items
+
+
+def fused_ce_items(args: ModelArgs, nm: Numerics, chunk_tokens: float) -> tuple[Affine, Affine]:
+    """(forward, backward start) buffers of kernels/fused_ce.py at its peak, as Affine (bytes).
+
+    Forward, while a chunk runs: the final norm's output (x*d per token) and its compute-dtype cast
+    (c*d, when x != c), the per-token losses (4), d loss / d hidden (c*d, computed in the forward and
+    saved), one chunk's bf16 logits (2V x chunk rows), the head weight cast to the compute dtype (c*V*d,
+    when the weight is wider), and with a trained head its float32 gradient (4Vd) and one chunk's bf16
+    partial of it (2Vd). Backward start: the saved c*d and 4Vd, the scaled input gradient (c*d, then
+    x*d in the hidden's dtype) and the scaled weight gradient (4Vd)."""
+    d, v = args.dim, args.vocab_size
+    head_trains = nm.full
+    fwd_token = nm.x * d + (nm.c * d if nm.x != nm.c else 0) + 4 + nm.c * d
+    fwd_const = 2 * v * chunk_tokens + (nm.c * v * d if nm.w != nm.c else 0) + (6 * v * d if head_trains else 0)
+    bwd_token = 2 * nm.c * d + nm.x * d
+    bwd_const = 8 * v * d if head_trains else 0.0
+    return Affine(fwd_const, fwd_token), Affine(bwd_const, bwd_token)
 
 
 def loss_forward_per_token(args: ModelArgs, nm: Numerics) -> float:

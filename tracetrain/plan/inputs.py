@@ -97,6 +97,13 @@ class PlanInput:
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     lora_base_dtype: Literal["fp32", "bf16"] = "bf16"
     fused_adamw: bool = True                # fused kernel (no full-size temporaries) vs foreach
+    # speed path (TrainSection; the defaults here are the eager path, plan_input_from_config resolves
+    # the trainer's CUDA defaults)
+    compile: bool = False                   # train.compile: each block a torch.compile'd graph
+    fused_kernels: bool = False             # train.fused_kernels: Triton RMSNorm / RoPE / SwiGLU ops
+    attention: Literal["sdpa", "flex"] = "sdpa"   # train.attention (flex: FlexAttention)
+    fused_ce_chunk: int = 0                 # train.fused_ce: tokens per chunk of the fused lm_head +
+                                            # cross-entropy, 0 = full logits; like the trainer, only with tp = pp = 1
     # memory options (MemorySection)
     recompute: Recompute = "none"
     recompute_every: int = 1
@@ -139,6 +146,12 @@ class PlanInput:
         return self.pp_microbatches or self.grad_accum
 
     @property
+    def fused_ce(self) -> bool:
+        """The chunked fused lm_head + cross-entropy runs: asked for, and no tp or pp (train/loop.py
+        leaves the loss to loss parallelism and to the pipeline's last stage there)."""
+        return self.fused_ce_chunk > 0 and self.tp == 1 and self.pp == 1
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step over all data-parallel ranks."""
         return self.micro_batch * self.num_microbatches * self.dp
@@ -164,6 +177,8 @@ class PlanInput:
             raise ValueError(f"ep = {self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp}")
         if self.fsdp_cpu_offload and (self.zero_stage != 3 or self.optimizer_offload):
             raise ValueError("fsdp_cpu_offload needs zero_stage 3 and excludes optimizer_offload")
+        if self.fused_ce_chunk < 0:
+            raise ValueError(f"fused_ce_chunk = {self.fused_ce_chunk} must be >= 0 (0 = off)")
         for name in ("micro_batch", "grad_accum", "seq_len", "recompute_every", "lora_rank", "pp_virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
@@ -210,13 +225,19 @@ class Hardware:
 
 def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = None) -> PlanInput:
     """The `PlanInput` a `tracetrain train` run of `cfg` would be: 'auto' choices resolve as on a GPU
-    (bf16, bf16 LoRA base, fused AdamW). The layout is the config's [parallel] section; when it names
+    (bf16, bf16 LoRA base, fused AdamW, compile, FlexAttention for packed rows). With pp > 1 a pipeline
+    micro-batch is the step's rows per rank / pp_microbatches, as parallel/pipeline.py cuts them. The layout is the config's [parallel] section; when it names
     a single GPU but `num_gpus` > 1, the extra GPUs are planned as FSDP (ZeRO-3) shards."""
     from tracetrain.models.build import model_args_from_config
     from tracetrain.models.lora import resolve_targets
 
     t, mem, par = cfg.train, cfg.memory, cfg.parallel
     precision = "bf16" if t.precision == "auto" else t.precision
+    # 'auto' switches as models/build.py resolves them on CUDA: compile on, fused kernels only without
+    # compile, FlexAttention for packed rows.
+    compile_on = t.compile != "off"
+    fused_kernels = t.fused_kernels == "on" or (t.fused_kernels == "auto" and not compile_on)
+    attention = t.attention if t.attention != "auto" else ("flex" if cfg.data.pack else "sdpa")
     if gpu is None:
         gpu = _visible_gpu() or "h100-sxm"
     layout = {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp, "cp": par.cp}
@@ -225,14 +246,26 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
     elif num_gpus not in (1, math.prod(layout.values())):
         raise ValueError(f"num_gpus = {num_gpus} but the config's [parallel] layout uses {math.prod(layout.values())}")
     interleaved = par.pp_schedule == "interleaved_1f1b"
+    micro_batch, grad_accum, pp_micro = t.micro_batch_size, t.grad_accum_steps, 0
+    if par.pp > 1:
+        # parallel/pipeline.py: a step's micro_batch_size * grad_accum_steps rows per data-parallel rank
+        # are concatenated and cut into pp_microbatches (0 = pp) pipeline micro-batches.
+        pp_micro = par.pp_microbatches or par.pp
+        rows = micro_batch * grad_accum
+        if rows % pp_micro:
+            raise ValueError(f"each step's {rows} rows per rank (train.micro_batch_size * train.grad_accum_steps) "
+                             f"must split into parallel.pp_microbatches = {pp_micro} pipeline micro-batches")
+        micro_batch, grad_accum = rows // pp_micro, pp_micro
     return PlanInput(
-        model=model_args_from_config(cfg), seq_len=cfg.data.seq_len, micro_batch=t.micro_batch_size,
-        grad_accum=t.grad_accum_steps, num_gpus=math.prod(layout.values()), gpu=gpu,
+        model=model_args_from_config(cfg), seq_len=cfg.data.seq_len, micro_batch=micro_batch,
+        grad_accum=grad_accum, num_gpus=math.prod(layout.values()), gpu=gpu,
         precision=precision,  # type: ignore[arg-type]
         mode=t.mode,  # type: ignore[arg-type]
         lora_rank=cfg.lora.rank, lora_targets=tuple(resolve_targets(cfg.lora.targets)),
         lora_base_dtype="bf16" if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype,  # type: ignore[arg-type]
-        fused_adamw=cfg.optim.fused != "off",
+        fused_adamw=cfg.optim.fused != "off", compile=compile_on, fused_kernels=fused_kernels,
+        attention=attention,  # type: ignore[arg-type]
+        fused_ce_chunk=t.fused_ce_chunk if t.fused_ce else 0,
         peak_tflops=cfg.logging.peak_tflops or None,
         recompute=mem.recompute, recompute_every=mem.recompute_every,  # type: ignore[arg-type]
         activation_offload=mem.activation_offload, optimizer_offload=mem.optimizer_offload,  # type: ignore[arg-type]
@@ -241,7 +274,7 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
         ep=par.ep, zero_stage=par.zero_stage, reshard_after_forward=par.reshard_after_forward,  # type: ignore[arg-type]
         fsdp_cpu_offload=par.fsdp_cpu_offload, sequence_parallel=par.sequence_parallel,
         loss_parallel=par.loss_parallel, pp_schedule=par.pp_schedule,  # type: ignore[arg-type]
-        pp_microbatches=(par.pp_microbatches or par.pp) if par.pp > 1 else 0,
+        pp_microbatches=pp_micro,
         pp_virtual_stages=par.pp_stages_per_rank if interleaved else 1, **layout)
 
 

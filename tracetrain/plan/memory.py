@@ -29,6 +29,10 @@ Phases (the peak is the largest; every one is affine in T, which the HTML slider
   recompute         (recompute != none) activations + one block rematerialised with its weight copies
   backward end      static + all gradients (+ a tied embedding's dense gradient before it is added)
   optimizer step    static + all gradients + optimizer temporaries
+With the fused lm_head + cross-entropy (fused_ce, tp = pp = 1) the two loss phases hold its buffers
+instead (activations.fused_ce_items). Pipeline + ZeRO-3 adds "pipeline backward end": the stage's
+gathered bf16 weights and unsharded fp32 gradients, which torch.distributed.pipelining keeps until the
+step's single reduce-scatter.
 Gradients exist at the forward only from the second micro-batch of a step on (zero_grad sets them to
 None), which is why a single-micro-batch step peaks at backward start with no gradients at all.
 
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 from tracetrain.plan import activations as act
 from tracetrain.plan.activations import Affine
 from tracetrain.plan.inputs import PlanInput
-from tracetrain.plan.params import StageParams, cast_params, stage_params
+from tracetrain.plan.params import StageParams, cast_params, expert_shards, stage_params
 
 GIB = 2**30
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers live outside torch's allocator: ~0.5 GiB of
@@ -101,7 +105,11 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
     z = inp.zero_stage if fsdp > 1 else 0
     sh_p, sh_g, sh_o = (fsdp if z == 3 else 1), (fsdp if z >= 2 else 1), (fsdp if z >= 1 else 1)
     train = sp.total if inp.mode == "full" else sp.adapters
-    frozen = sp.total - train
+    if inp.ep > 1 and inp.mode == "full":
+        # Experts are already split over ep, which borrowed its ranks from dp_shard: data parallelism
+        # shards them over fsdp / ep ranks only. Counted as if sharded like the rest (same bytes).
+        train += sp.num_blocks * sp.experts * (fsdp / expert_shards(inp) - 1)
+    frozen = sp.total - (sp.total if inp.mode == "full" else sp.adapters)
     frozen_bytes = frozen * nm.w / sh_p
     cpu: dict[str, Affine] = {}
     if inp.optimizer_offload:
@@ -134,10 +142,10 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
     args, tp, sp_on = inp.model, inp.tp, inp.sequence_parallel
     first, last = stage == 0, stage == inp.pp - 1
     moe = float(inp.top_k) if inp.num_experts else 1.0
-    backend = act.attention_backend(args, nm)
-    blk_none = act.shard(act.block_items(args, nm, moe_factor=moe, backend=backend), tp, sp_on)
+    backend, path = act.attention_backend(args, nm, inp.attention), act.block_path(inp)
+    blk_none = act.shard(act.block_items(args, nm, moe_factor=moe, backend=backend, path=path), tp, sp_on)
     blk_first = act.shard(act.block_items(args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe,
-                                          backend=backend), tp, sp_on)
+                                          backend=backend, path=path), tp, sp_on)
     kept = {"none": blk_none, "selective": act.shard(act.selective_items(args, nm, moe), tp, sp_on),
             "full": act.shard(act.full_recompute_items(args, nm), tp, sp_on)}[inp.recompute]
     n = inp.model.n_layers // inp.pp
@@ -145,7 +153,8 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
     per_mb = kept * n_ckpt + blk_none * (n - n_ckpt)
     if first and n_ckpt == 0 and inp.mode == "lora":
         per_mb += blk_first - blk_none  # block 0 (checkpointed whenever anything is) gets no input grad
-    outside = act.shard(act.outside_items(args, nm, first_stage=first, last_stage=last), tp, sp_on)
+    outside = act.shard(act.outside_items(args, nm, first_stage=first, last_stage=last, fused_ce=inp.fused_ce),
+                        tp, sp_on)
     k = in_flight(inp, stage)
     blocks = per_mb * k
     if inp.activation_offload != "none" and n * k > 2:
@@ -174,6 +183,11 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     zero3 = inp.dp_shard * inp.cp > 1 and inp.zero_stage == 3
     if zero3:  # FSDP mixed precision gathers bf16 weights: autocast has nothing to cast
         cast_block = cast_outside = 0.0
+        if inp.ep > 1 and expert_shards(inp) == 1 and nm.autocast and inp.mode == "full":
+            # ...but experts FSDP ignores stay float32: each expert matmul saves its bf16 cast
+            cast_block = sp.experts
+    if inp.fused_ce:  # the fused head casts lm_head's weight itself, outside autocast's cache
+        cast_outside = 0.0
     per_block_cast = 2 * cast_block
     casts_all = n * per_block_cast + 2 * cast_outside
     casts_kept = casts_all - n_ckpt * per_block_cast
@@ -189,7 +203,12 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     items["autocast copies (kept)"] = Affine(casts_kept)
     items["autocast copies (1 block)"] = Affine(per_block_cast)
     loss_div = (inp.tp if inp.loss_parallel else 1) * inp.cp
-    if last:
+    if last and inp.fused_ce:
+        chunk = min(inp.fused_ce_chunk, tokens_per_microbatch(inp) / inp.cp)
+        fwd, bwd = act.fused_ce_items(args, nm, chunk)
+        items["fused CE (forward)"], items["fused CE (backward)"] = fwd * (1 / inp.cp), bwd * (1 / inp.cp)
+        items["log-probs in flight"] = Affine()
+    elif last:
         items["logits + fp32 copy"] = Affine(0.0, act.loss_forward_per_token(args, nm) / loss_div)
         items["loss gradients"] = Affine(0.0, act.loss_backward_per_token(args) / loss_div)
         items["log-probs in flight"] = Affine(0.0, act.loss_saved_per_token(args) * (k - 1) / loss_div)
@@ -208,6 +227,15 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     emb_grad = args.vocab_size * args.dim / inp.tp * 4 if tied else 0.0
     items["embedding grad (dense)"] = Affine(emb_grad)
     items["NCCL buffers"] = Affine(NCCL_BUFFERS_BYTES if inp.num_gpus > 1 else 0.0)
+    if zero3 and inp.pp > 1:
+        # torch.distributed.pipelining runs every micro-batch's backward of an FSDP stage with
+        # reshard_after_backward and gradient sync off (stage.backward_maybe_with_nosync): the stage's
+        # bf16 weights stay gathered and FSDP accumulates unsharded float32 gradients
+        # (to_accumulated_grad_if_needed) until one reduce-scatter after the last micro-batch.
+        train = sp.total if inp.mode == "full" else sp.adapters
+        items["FSDP unsharded grads (pipeline)"] = Affine(train * 4)
+        items["FSDP unsharded weights + grads (pipeline)"] = Affine(sp.total * 2 + train * 4)
+        items["activations, one micro-batch done"] = items["activations"] * ((k - 1) / k)
     phases = _phases(inp, last, zero3)
     managed: dict[str, Affine] = {}
     if inp.unified_memory != "none":
@@ -219,14 +247,24 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
 def _phases(inp: PlanInput, last: bool, zero3: bool) -> dict[str, list[str]]:
     """Which items each phase of the step holds (module docstring)."""
     static = ["weights", "AdamW states", "NCCL buffers"]
+    pipelined_fsdp = zero3 and inp.pp > 1
     early = static + (["gradients"] if inp.num_microbatches > 1 else [])
+    if pipelined_fsdp:  # sharded gradients appear only at the step's single reduce-scatter
+        early = static + ["FSDP unsharded grads (pipeline)"]
     fs_fwd = ["FSDP gathered weights"] if zero3 else []
     fs_bwd = ["FSDP gathered weights + grads"] if zero3 else []
     kept = ["autocast copies (kept)", "activations", "log-probs in flight"]
     phases = {"forward end": early + fs_fwd + ["autocast copies (all)", "activations", "log-probs in flight"]}
-    if last:
+    if last and inp.fused_ce:
+        phases["loss forward"] = early + fs_bwd + kept + ["fused CE (forward)"]
+        phases["backward start"] = early + fs_bwd + kept + ["fused CE (backward)"]
+    elif last:
         phases["loss forward"] = early + fs_bwd + kept + ["logits + fp32 copy"]
         phases["backward start"] = early + fs_bwd + kept + ["loss gradients"]
+    if pipelined_fsdp:  # a micro-batch's backward done: every block gathered, its grads accumulated
+        phases["pipeline backward end"] = static + ["FSDP unsharded weights + grads (pipeline)",
+                                                    "autocast copies (kept)", "activations, one micro-batch done",
+                                                    "log-probs in flight"]
     if inp.recompute != "none":
         phases["recompute"] = early + fs_bwd + kept + ["autocast copies (1 block)", "recompute working set"]
     phases["backward end"] = static + fs_bwd + ["gradients", "embedding grad (dense)"]
@@ -294,6 +332,10 @@ DISPLAY = {"autocast copies (all)": "autocast bf16 weight copies", "autocast cop
            "autocast copies (1 block)": "autocast bf16 weight copies", "log-probs in flight": "logits / loss",
            "logits + fp32 copy": "logits / loss", "loss gradients": "logits / loss",
            "recompute working set": "activations", "FSDP gathered weights": "FSDP buffers",
+           "fused CE (forward)": "logits / loss", "fused CE (backward)": "logits / loss",
+           "activations, one micro-batch done": "activations",
+           "FSDP unsharded grads (pipeline)": "FSDP buffers",
+           "FSDP unsharded weights + grads (pipeline)": "FSDP buffers",
            "FSDP gathered weights + grads": "FSDP buffers"}
 
 

@@ -39,7 +39,11 @@ def plan_to_config_overrides(p: Plan) -> list[str]:
         ("data.seq_len", i.seq_len),
         ("memory.recompute", i.recompute), ("memory.recompute_every", i.recompute_every),
         ("memory.activation_offload", i.activation_offload), ("memory.optimizer_offload", i.optimizer_offload),
-        ("memory.unified_memory", i.unified_memory), ("optim.fused", "on" if i.fused_adamw else "off")]
+        ("memory.unified_memory", i.unified_memory), ("optim.fused", "on" if i.fused_adamw else "off"),
+        ("train.compile", "on" if i.compile else "off"), ("train.fused_kernels", "on" if i.fused_kernels else "off"),
+        ("train.attention", i.attention), ("train.fused_ce", i.fused_ce_chunk > 0)]
+    if i.fused_ce_chunk:
+        wanted.append(("train.fused_ce_chunk", i.fused_ce_chunk))
     if i.mode == "lora":
         wanted += [("lora.rank", i.lora_rank), ("lora.targets", i.lora_targets), ("lora.base_dtype", i.lora_base_dtype)]
     wanted += [("parallel.dp_replicate", i.dp_replicate), ("parallel.dp_shard", i.dp_shard),

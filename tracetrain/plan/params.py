@@ -6,8 +6,11 @@ embedding and lm_head by vocabulary; RMSNorm weights are replicated. So a block 
 (block_params - 2d) / tp + 2d parameters per rank, the embedding and head V*d/tp each.
 Pipeline parallelism: L/pp blocks per stage, the embedding on the first stage, final norm and
 lm_head on the last (tied embeddings: the last stage holds its own copy of the tied matrix).
-MoE (no MoE model exists in tracetrain yet): a block's MLP becomes `num_experts` SwiGLU experts of
-ffn_dim plus a d x E router; experts are split over ep (and tp) ranks.
+MoE (models/moe.py): a block's MLP becomes `num_experts` SwiGLU experts of ffn_dim plus a d x E
+router; experts are split over ep (and tp) ranks. Expert parallelism borrows its ranks from dp_shard
+(parallel/expert_parallel.py), so data parallelism shards each expert over the remaining
+dp_shard * cp / ep ranks only (`expert_shards`); with none left FSDP ignores the experts, which then
+stay float32 and are cast by autocast at every use.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class StageParams:
     adapters: float         # LoRA adapters on this stage (replicated across tp)
     block_linear: float     # matmul weights of one block (what autocast casts), after tp/ep
     first_block_qkv: float  # q/k/v weights of block 0 (a LoRA base there casts but keeps nothing)
+    experts: float = 0.0    # MoE expert weights of one block on this GPU (after ep/tp), inside `block`
 
     @property
     def total(self) -> float:
@@ -60,9 +64,11 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
     d, kv = a.dim, a.n_kv_heads * a.head_dim
     attn = block_params(a) - 3 * d * a.ffn_dim - 2 * d          # projections (+ q/k/v bias)
     mlp = mlp_params(inp)
+    experts = 0.0
     if inp.num_experts:
         router = d * inp.num_experts
-        mlp_local = (mlp - router) / (inp.ep * tp) + router
+        experts = (mlp - router) / (inp.ep * tp)
+        mlp_local = experts + router
     else:
         mlp_local = mlp / tp
     block = attn / tp + mlp_local + 2 * d
@@ -79,7 +85,12 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
     if inp.mode == "lora":
         adapters = lora_params(a, inp.lora_rank, list(inp.lora_targets)) * num_blocks / a.n_layers
     return StageParams(stage, num_blocks, block, embedding, head, adapters, block_linear,
-                       (d * d + 2 * d * kv) / tp if first else 0.0)
+                       (d * d + 2 * d * kv) / tp if first else 0.0, experts)
+
+
+def expert_shards(inp: PlanInput) -> int:
+    """Data-parallel ranks one expert weight is sharded over (data_parallel.expert_dp_mesh)."""
+    return max(1, inp.dp_shard * inp.cp // inp.ep)
 
 
 def cast_params(inp: PlanInput, sp: StageParams, *, autocast: bool, weight_bytes: int) -> tuple[float, float]:

@@ -8,6 +8,11 @@ compute      every GEMM of the step by shape (m, n, k): forward; backward dgrad 
              accounting.training_flops_per_token (tested).
 attention    accounting.attention_forward_flops per token; backward 2x forward, each at
              attention_efficiency(head_dim, seq_len). fp32 with GQA runs SDPA's math path (score matrix).
+             FlexAttention (train.attention = flex) at FLEX_*_RELATIVE of flash.
+speed path   train.compile: traffic.compiled_block (Inductor's fused regions) instead of the eager op
+             walk; train.fused_kernels: the Triton norm / RoPE / SwiGLU ops (traffic.kernels_block);
+             train.fused_ce: the loss's memory-bound work is the chunked row kernel plus the head's
+             weight-sized passes (traffic.fused_ce_weight_bytes); its GEMMs are the same three.
 memory-bound traffic.py's bytes / (HBM bandwidth * HBM_EFFICIENCY) + KERNEL_FIXED_S per kernel; plus
              KERNEL_GAP_S of idle GPU between any two kernels (eager mode).
 per step     autocast weight casts, weight-grad casts and accumulation, AdamW, grad clipping (bytes
@@ -63,6 +68,12 @@ ATTENTION_FWD_EFFICIENCY = 0.79
 ATTENTION_BWD_EFFICIENCY = 0.59
 ATTENTION_HALF_HEAD_DIM = 48.0
 ATTENTION_HALF_SEQ = 512.0
+# FlexAttention's speed relative to flash SDPA on a causal mask without documents, measured on an H100
+# (benchmarks/speed.py --attention, 7B shapes: forward 0.274 vs 0.427 ms, backward 0.876 vs 1.078 ms).
+# With packed documents flex skips the masked blocks: the plan, which does not know the document
+# lengths, stays at the causal cost (an upper bound).
+FLEX_FWD_RELATIVE = 0.64
+FLEX_BWD_RELATIVE = 0.81
 # PyTorch's eager elementwise/reduction kernels (broadcasts, strided RoPE halves, fp32 math) move data
 # at ~2/3 of the datasheet HBM bandwidth; each kernel also costs a fixed ~2.5 us (tiny (tokens, 1)
 # reductions, ramp-up and tail), and the GPU idles ~2 us between consecutive kernels in eager mode.
@@ -175,12 +186,23 @@ def microbatch_time(inp: PlanInput, hw: Hardware, nm: Numerics, stage: int) -> M
     _add(t.forward, "attention", fwd_a)
     _add(t.backward, "attention", bwd_a + fwd_a * n_ckpt / max(1, n))
     bw = hw.hbm_bytes_s * HBM_EFFICIENCY
-    fwd_b = tr.block_forward(a, nm)
-    bwd_b = tr.block_backward(a, nm)
-    first_fix = tr.block_backward(a, nm, first_lora_block=True) if (first and inp.mode == "lora") else bwd_b
+    path, lora_first = act.block_path(inp), first and inp.mode == "lora"
+    if path == "compile":
+        fwd_b, bwd_b = tr.compiled_block(a, nm, False), tr.compiled_block(a, nm, True)
+        first_fix = bwd_b
+    elif path == "kernels":
+        fwd_b, bwd_b = tr.kernels_block(a, nm, False), tr.kernels_block(a, nm, True)
+        first_fix = tr.kernels_block(a, nm, True, first_lora_block=True) if lora_first else bwd_b
+    else:
+        fwd_b, bwd_b = tr.block_forward(a, nm), tr.block_backward(a, nm)
+        first_fix = tr.block_backward(a, nm, first_lora_block=True) if lora_first else bwd_b
     div = inp.tp  # memory-bound work on tp-sharded tensors; SP shards the rest too (approximation: all / tp)
-    fwd_t = fwd_b * n + tr.outside_forward(a, nm, first=first, last=last)
-    bwd_t = bwd_b * (n - 1) + first_fix + tr.outside_backward(a, nm, last=last)
+    fused_ce = inp.fused_ce and last
+    fwd_t = fwd_b * n + tr.outside_forward(a, nm, first=first, last=last, fused_ce=fused_ce)
+    bwd_t = bwd_b * (n - 1) + first_fix + tr.outside_backward(a, nm, last=last, fused_ce=fused_ce)
+    if fused_ce:
+        chunks = math.ceil(tokens / inp.fused_ce_chunk)
+        _add(t.forward, "memory-bound", tr.fused_ce_weight_bytes(a, nm, chunks) / bw + 3 * chunks * KERNEL_FIXED_S)
     if inp.recompute != "none":
         bwd_t += fwd_b * (n_ckpt if inp.recompute == "full" else math.ceil(n / inp.recompute_every))
     _add(t.forward, "memory-bound", fwd_t.bytes_per_token * tokens / div / bw + fwd_t.kernels * KERNEL_FIXED_S)
@@ -206,9 +228,10 @@ def attention_time(inp: PlanInput, hw: Hardware, nm: Numerics, tokens: float, nu
     a = inp.model
     flops = attention_forward_flops(a, inp.seq_len) / a.n_layers * num_blocks * tokens / inp.tp
     peak = hw.bf16_flops if nm.c == 2 else hw.peak_flops
-    if act.attention_backend(a, nm) != "math":
-        return (flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, False)),
-                2 * flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, True)))
+    if act.attention_backend(a, nm, inp.attention) != "math":
+        fwd_rel, bwd_rel = (FLEX_FWD_RELATIVE, FLEX_BWD_RELATIVE) if inp.attention == "flex" else (1.0, 1.0)
+        return (flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, False) * fwd_rel),
+                2 * flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, True) * bwd_rel))
     scores = num_blocks * tokens * inp.seq_len * a.n_heads / inp.tp
     square = 2 * flops / (peak * GEMM_MAX_EFFICIENCY)
     bw = hw.hbm_bytes_s * HBM_EFFICIENCY

@@ -140,7 +140,42 @@ def block_backward(args: ModelArgs, nm: Numerics, *, first_lora_block: bool = Fa
     return t + lora(args, nm, True)
 
 
-def outside_forward(args: ModelArgs, nm: Numerics, *, first: bool, last: bool) -> Traffic:
+def compiled_block(args: ModelArgs, nm: Numerics, backward: bool) -> Traffic:
+    """A torch.compile'd block: Inductor fuses each region between matmuls / attention into one kernel
+    that reads its inputs and writes its outputs once (activations.py lists what it saves).
+    Forward: norm 1 (x*d in, c*d out), RoPE on q and k (c(d + kv) in and out), o_proj's input copy
+    (c*d each way), residual + norm 2 (x*d + c*d in, x*d + c*d out), SwiGLU (2cf in, cf out), residual
+    (x*d + c*d in, x*d out): 6 kernels. Backward: SwiGLU (cf + 2cf in, 2cf out), norm 2 recomputed from
+    its input with the residual grad (x*d + 2c*d + x*d in, x*d out), the copy (2c*d), RoPE (2c(d + kv)),
+    norm 1 likewise with three q/k/v input grads (x*d + 3c*d + x*d in, x*d out) and the norm-weight
+    reductions: 8 kernels. LoRA's scale-and-add fuses into these; its traffic is counted as eager."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    x, c = nm.x, nm.c
+    if backward:
+        total = 5 * c * f + (3 * x + 2 * c) * d + 2 * c * d + 2 * c * (d + kv) + (3 * x + 3 * c) * d
+        return Traffic(total, 8) + lora(args, nm, True)
+    total = (x + c) * d + 2 * c * (d + kv) + 2 * c * d + (2 * x + 2 * c) * d + 3 * c * f + (2 * x + c) * d
+    return Traffic(total, 6) + lora(args, nm, False)
+
+
+def kernels_block(args: ModelArgs, nm: Numerics, backward: bool, *, first_lora_block: bool = False) -> Traffic:
+    """Eager block with the Triton RMSNorm / RoPE / SwiGLU ops (train.fused_kernels): each reads its
+    inputs and writes its outputs once (norm: x*d in, x*d out, and back: 3x*d; RoPE: q and k in and out;
+    SwiGLU: 2cf in, cf out, and back: 3cf in, 2cf out); linears' input casts and residual adds as eager."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    eager = block_backward(args, nm, first_lora_block=first_lora_block) if backward else block_forward(args, nm)
+    norms = 1 if (backward and first_lora_block) else 2
+    if backward:
+        old = norm_backward(d, nm) * norms + rope(d, nm, True) + rope(kv, nm, True) + Traffic(9 * nm.c * f, 3)
+        new = Traffic(norms * 3 * nm.x * d + 4 * nm.c * (d + kv) + 5 * nm.c * f, norms + 2)
+    else:
+        old = norm_forward(d, nm) * 2 + rope(d, nm, False) + rope(kv, nm, False) + Traffic(5 * nm.c * f, 2)
+        new = Traffic(2 * 2 * nm.x * d + 2 * nm.c * (d + kv) + 3 * nm.c * f, 4)
+    return Traffic(eager.bytes_per_token - old.bytes_per_token + new.bytes_per_token,
+                   eager.kernels - old.kernels + new.kernels)
+
+
+def outside_forward(args: ModelArgs, nm: Numerics, *, first: bool, last: bool, fused_ce: bool = False) -> Traffic:
     d, v = args.dim, args.vocab_size
     t = Traffic(28 * args.head_dim, 6)  # rotary tables
     if first:
@@ -149,15 +184,21 @@ def outside_forward(args: ModelArgs, nm: Numerics, *, first: bool, last: bool) -
         t += norm_forward(d, nm)
         if nm.autocast and nm.x != nm.c:
             t += Traffic((nm.x + nm.c) * d, 1)
-        t += Traffic((nm.c + 4) * v * (nm.c != 4) + 8 * v, 2 + (nm.c != 4))
+        if fused_ce:  # the fused CE's row kernel reads each chunk's logits twice and writes its grad once
+            t += Traffic(3 * nm.c * v, 1)
+        else:
+            t += Traffic((nm.c + 4) * v * (nm.c != 4) + 8 * v, 2 + (nm.c != 4))
     return t
 
 
-def outside_backward(args: ModelArgs, nm: Numerics, *, last: bool) -> Traffic:
+def outside_backward(args: ModelArgs, nm: Numerics, *, last: bool, fused_ce: bool = False) -> Traffic:
     d, v = args.dim, args.vocab_size
     if not last:
         return Traffic(0.0, 0)
-    t = Traffic(4 * v + 12 * v + (4 + nm.c) * v * (nm.c != 4), 2 + (nm.c != 4))
+    if fused_ce:  # the saved input gradient scaled and cast back (the weight gradient: fused_ce_weight_bytes)
+        t = Traffic((2 * nm.c + nm.x) * d, 2)
+    else:
+        t = Traffic(4 * v + 12 * v + (4 + nm.c) * v * (nm.c != 4), 2 + (nm.c != 4))
     if nm.autocast and nm.x != nm.c:
         t += Traffic((nm.c + nm.x) * d, 1)
     return t + norm_backward(d, nm)
@@ -166,3 +207,13 @@ def outside_backward(args: ModelArgs, nm: Numerics, *, last: bool) -> Traffic:
 def adamw_bytes_per_param(fused: bool) -> float:
     """HBM bytes per fp32 trainable parameter of one AdamW step (+ clip_grad_norm_'s norm and scale)."""
     return (28.0 if fused else 80.0) + 12.0
+
+
+def fused_ce_weight_bytes(args: ModelArgs, nm: Numerics, num_chunks: int) -> float:
+    """HBM bytes per micro-batch of the fused CE's weight-sized work: casting the head to the compute
+    dtype (read w, write c), adding each chunk's bf16 partial into the float32 gradient (read 2 + 4,
+    write 4; the first chunk only converts) and scaling it in backward (read 4, write 4)."""
+    vd = args.vocab_size * args.dim
+    cast = (nm.w + nm.c) * vd if nm.w != nm.c else 0.0
+    grad = (10 * num_chunks - 4 + 8) * vd if nm.full else 0.0
+    return cast + grad
