@@ -60,6 +60,19 @@ GROUPS: dict[str, tuple[int, list[tuple[str, list[str], int, int]]]] = {
         ("llama3-8b PP=2 1F1B x FSDP 2", L8B + ["--parallel.pp=2", "--parallel.dp_shard=2",
                                                "--parallel.pp_microbatches=4"], 4, 2048),
     ]),
+    "tp2_2gpu": (2, [("llama3-8b TP=2", L8B + ["--parallel.tp=2"], 2, 2048)]),
+    "pp2_2gpu": (2, [("llama3-8b PP=2 1F1B", L8B + ["--parallel.pp=2", "--parallel.pp_microbatches=8"], 8, 2048)]),
+    "pp_schedules_4gpu": (4, [
+        ("llama3-8b PP=4 GPipe", L8B + ["--parallel.pp=4", "--parallel.pp_schedule=gpipe",
+                                        "--parallel.pp_microbatches=8"], 8, 2048),
+        ("llama3-8b PP=4 interleaved 1F1B (2 stages/rank)", L8B + [
+            "--parallel.pp=4", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_microbatches=8"], 8, 2048),
+        ("llama3-8b PP=2 GPipe x FSDP 2", L8B + ["--parallel.pp=2", "--parallel.dp_shard=2",
+                                                 "--parallel.pp_schedule=gpipe", "--parallel.pp_microbatches=4"], 4, 2048),
+        ("llama3-8b PP=2 interleaved 1F1B x FSDP 2", L8B + [
+            "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_schedule=interleaved_1f1b",
+            "--parallel.pp_microbatches=4"], 4, 2048),
+    ]),
     "cp_4gpu": (4, [("llama3-8b CP=4 seq 32k (full recompute)", L8B + ["--parallel.cp=4", "--memory.recompute=full"],
                      1, 32768)]),
     "moe_4gpu": (4, [
@@ -176,7 +189,7 @@ def _finish(proc: subprocess.Popen, deadline: float) -> str:
     return "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {out[-3000:]}"
 
 
-def driver(groups: list[str], out: Path, budget_s: float, warmup: int, steps: int) -> None:
+def driver(groups: list[str], out: Path, budget_s: float, warmup: int, steps: int, results_tag: str = "") -> None:
     """Groups of fewer than 4 GPUs run side by side on disjoint GPUs (0 | 1,2); the rest one by one."""
     case_out = out / "cases"
     case_out.mkdir(parents=True, exist_ok=True)
@@ -208,7 +221,8 @@ def driver(groups: list[str], out: Path, budget_s: float, warmup: int, steps: in
     if DRY_RUN:  # a flow check, not a result: only into --out
         (out / "scale_dry_run.json").write_text(json.dumps(payload, indent=2))
         return
-    write_result(f"scale_{env['device'].replace(' ', '-')}.json", payload, out)
+    tag = f"_{results_tag}" if results_tag else ""
+    write_result(f"scale_{env['device'].replace(' ', '-')}{tag}.json", payload, out)
 
 
 def main() -> None:
@@ -220,11 +234,13 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--results-tag", default="", help="write scale_<gpu>_<tag>.json (a partial run keeps the "
+                                                       "full matrix's file as it is)")
     a = ap.parse_args()
     if a.group:
         worker(a.group, a.case_out, a.warmup, a.steps)
     else:
-        driver(a.groups.split(","), a.out, a.budget_s, a.warmup, a.steps)
+        driver(a.groups.split(","), a.out, a.budget_s, a.warmup, a.steps, a.results_tag)
 
 
 if __name__ == "__main__":

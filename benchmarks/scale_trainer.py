@@ -49,6 +49,10 @@ CASES: dict[str, tuple[int, list[str], int, int]] = {
     "8b_fsdp4": (4, L8B + ["--parallel.dp_shard=4"], 2, 30),
     "8b_fsdp4_mbs4": (4, L8B + ["--parallel.dp_shard=4"], 4, 30),
     "8b_fsdp4_eager": (4, L8B + ["--parallel.dp_shard=4", "--train.compile=off"], 2, 30),
+    "8b_fsdp2_tp2": (4, L8B + ["--parallel.dp_shard=2", "--parallel.tp=2"], 4, 20),
+    "8b_pp2_fsdp2": (4, L8B + ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=4"], 4, 20),
+    "moe_ep4": (4, ["--model.preset=llama3.2-1b", "--model.n_layers=8", "--model.ffn_dim=2048", "--model.num_experts=8",
+                    "--model.experts_top_k=2", "--parallel.dp_shard=4", "--parallel.ep=4"], 4, 30),
 }
 
 
@@ -79,10 +83,9 @@ def peak_over_ranks(run_dir: Path) -> float | None:
 
 def run_case(name: str, a: argparse.Namespace, work: Path, deadline: float) -> dict:
     gpus, overrides, mbs, steps = CASES[name]
-    if DRY_RUN:
-        gpus, steps = min(gpus, 2), 6
-        overrides = [o for o in overrides if not o.startswith("--parallel.dp_shard")]
-        overrides += DRY_SHAPE + ([f"--parallel.dp_shard={gpus}"] if gpus > 1 else [])
+    if DRY_RUN:  # the same layouts as CPU processes (gloo), a tiny model
+        steps = 6
+        overrides = [o for o in overrides if not o.startswith(("--model.n_layers", "--model.ffn_dim"))] + DRY_SHAPE
     interval = 2 if DRY_RUN else 5
     data = Path(a.data_dir)
     args = [*overrides, "--data.kind=text", f"--data.path={data / 'tinyshakespeare.txt'}",
