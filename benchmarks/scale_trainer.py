@@ -133,6 +133,7 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--budget-s", type=float, default=540.0)
     p.add_argument("--warmup-intervals", type=int, default=2)
+    p.add_argument("--results-tag", default="", help="write scale_trainer_<gpu>_<tag>.json (keeps the main file)")
     a = p.parse_args()
     data = Path(a.data_dir)
     for f in ("tinyshakespeare.txt", "gpt2_tokenizer.json"):
@@ -169,7 +170,8 @@ def main() -> None:
               f"{100 * (r['mfu'] or 0):.1f}% | {r['peak_gib'] or 0:.1f} | {r['step_s_median']:.3f} | {eff} |")
     result = {**environment(), "benchmark": "scale_trainer", "dry_run": DRY_RUN, "rows": rows}
     if not DRY_RUN:
-        name = f"scale_trainer_{result['device'].replace(' ', '-')}.json"
+        tag = f"_{a.results_tag}" if a.results_tag else ""
+        name = f"scale_trainer_{result['device'].replace(' ', '-')}{tag}.json"
         write_result(name, result, Path(a.out) if a.out else None)
 
 

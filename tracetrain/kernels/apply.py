@@ -75,9 +75,27 @@ class _CompiledBlock(nn.Module):
         return super().forward(x, cos, sin, mask)
 
 
+class _CompiledAttentionBlock(_CompiledBlock):
+    """For MoE blocks: only the attention half (norm, projections, RoPE, attention, residual) is
+    compiled. The MoE dispatcher reads the per-expert token counts on the host to split the tokens
+    (models/moe.py), which a full graph cannot contain, and whose changing sizes would recompile
+    every step; the expert half stays eager."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object,
+                cache: KVCacheLayer | None = None) -> torch.Tensor:
+        if cache is not None:
+            return super().forward(x, cos, sin, mask, cache)  # eager, as _CompiledBlock does
+        x = self._compiled_forward(x, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _block_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask, None)
+
+
 @functools.cache
-def _compiled_class(cls: type[nn.Module]) -> type[nn.Module]:
-    return type(f"Compiled{cls.__name__}", (_CompiledBlock, cls), {})
+def _compiled_class(cls: type[nn.Module], attention_only: bool = False) -> type[nn.Module]:
+    mixin = _CompiledAttentionBlock if attention_only else _CompiledBlock
+    return type(f"Compiled{cls.__name__}", (mixin, cls), {})
 
 
 def apply_compile(model: Transformer) -> int:
@@ -89,12 +107,13 @@ def apply_compile(model: Transformer) -> int:
     compile time is that of one block, not of the whole model; the first block of a LoRA model gets a
     second graph (its input needs no gradient), eval (no grad) one more. The block's class is swapped
     (as `apply_recompute` does, which must come first): names and state-dict keys are unchanged, there
-    is no `_orig_mod.` prefix. Embedding, final norm and the loss stay eager.
+    is no `_orig_mod.` prefix. Embedding, final norm and the loss stay eager. MoE blocks compile their
+    attention half only (see `_CompiledAttentionBlock`).
     """
     for block in model.layers:
         if is_compiled(block):
             raise ValueError("model blocks are already compiled")
-        block.__class__ = _compiled_class(type(block))
+        block.__class__ = _compiled_class(type(block), attention_only=hasattr(block.mlp, "experts"))
         block._compiled_forward = torch.compile(block._block_forward, fullgraph=True, dynamic=False)
     return len(model.layers)
 
