@@ -17,6 +17,7 @@ with `step.loss_sum` swapped for `fused_step_loss_sum` below, which is the integ
 step.py (docs/speed.md); nothing else in the step differs.
 
   python3 benchmarks/speed.py --checks --attention --runs 7b-lora:packed:eager,7b-lora:packed:compile
+  python3 benchmarks/speed.py --fp8     # the FP8 rows only (variants compile_fp8, compile_fp8_rowwise)
 """
 
 from __future__ import annotations
@@ -65,7 +66,13 @@ VARIANTS = {
     "compile_sdpa": dict(attention="sdpa", kernels=(), compile=True, fused_ce=True),
     "compile_lora": dict(attention="flex", kernels=("lora",), compile=True, fused_ce=True),
     "compile_kernels": dict(attention="flex", kernels=ALL_KERNELS, compile=True, fused_ce=True),
+    # train.fp8 (kernels/fp8.py) on top of `compile`: LoRA bases quantised once; full FT through torchao.
+    "compile_fp8": dict(attention="flex", kernels=(), compile=True, fused_ce=True, fp8="tensorwise"),
+    "compile_fp8_rowwise": dict(attention="flex", kernels=(), compile=True, fused_ce=True, fp8="rowwise"),
 }
+# `--fp8`: the 7B LoRA rows (unpacked, as the peers run, with the bf16 baseline; and packed), ~6 min.
+FP8_RUNS = ("7b-lora:unpacked:compile,7b-lora:unpacked:compile_fp8,7b-lora:unpacked:compile_fp8_rowwise,"
+            "7b-lora:packed:compile_fp8,7b-lora:packed:compile_fp8_rowwise")
 FUSED_CE_CHUNK = 4096
 T0 = time.time()
 
@@ -118,12 +125,16 @@ def free() -> None:
 def build_variant(case: str, variant: str, lr: float):
     """Model and optimizer as `tracetrain train` builds them, with the variant's transforms."""
     spec, var = CASES[case], VARIANTS[variant]
+    # build_model applies no speed transform of its own (its CUDA defaults would compile): the variant
+    # applies them below; FP8 is applied by build_model (after LoRA, before the variant's compile).
     cfg = load_config(None, [f"--model.preset={spec['preset']}", f"--train.mode={spec['mode']}",
-                             f"--data.seq_len={spec['seq']}", "--train.precision=bf16", f"--optim.lr={lr}"])
+                             f"--data.seq_len={spec['seq']}", "--train.precision=bf16", f"--optim.lr={lr}",
+                             "--train.compile=off", "--train.fused_kernels=off",
+                             f"--train.fp8={var.get('fp8', 'none')}"])
     device = torch.device("cuda")
     torch._dynamo.reset()  # each variant compiles afresh (and Dynamo's recompile limit is per process)
     model = build_model(cfg, device, base_dtype=torch.bfloat16 if spec["mode"] == "lora" else None)
-    # Transform order of build.py (proposed): LoRA (done) -> attention -> kernels -> compile.
+    # Transform order of build.py: LoRA (done) -> attention -> kernels -> FP8 (done) -> compile.
     apply_attention(model, var["attention"])
     if var["kernels"]:
         apply_fused_kernels(model, var["kernels"])
@@ -174,17 +185,22 @@ def bench_run(case: str, data: str, variant: str, warmup: int, steps: int, base_
     tokens_per_s = spec["batch"] * spec["seq"] / step_s
     n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if spec["mode"] == "lora" else 0
     flops = training_flops_per_token(model.args, spec["seq"], mode=spec["mode"], num_lora_params=n_lora)
-    peak = peak_flops(torch.cuda.get_device_name(0), "bf16")
+    peak = peak_flops(torch.cuda.get_device_name(0), "bf16")  # also for FP8 rows: one scale for all rows
+    fp8_peak = peak_flops(torch.cuda.get_device_name(0), "fp8")
     key = (case, data)
     if variant == "eager":
         base_losses[key] = losses
     ref = base_losses.get(key)
+    base_losses[(case, data, variant)] = losses
+    bf16 = base_losses.get((case, data, "compile")) if var.get("fp8") else None  # FP8 rows vs their bf16 twin
     row = {"case": case, "data": data, "system": f"tracetrain:{variant}", **var, "lr": lr, "batch": spec["batch"],
            "seq": spec["seq"], "step_s_median": step_s, "step_s_all": times, "tokens_per_s": tokens_per_s,
            "tflops": tokens_per_s * flops.model / 1e12, "mfu": tokens_per_s * flops.model / peak if peak else None,
+           "mfu_of_fp8_peak": tokens_per_s * flops.model / fp8_peak if fp8_peak and var.get("fp8") else None,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warm_s, "losses": losses,
            "mask_build_ms": mask_ms,
            "max_loss_diff_vs_eager": max(abs(a - b) for a, b in zip(losses, ref)) if ref else None,
+           "max_loss_diff_vs_compile": max(abs(a - b) for a, b in zip(losses, bf16)) if bf16 else None,
            "graphs_compiled_after_warmup": compiled_frame_count() - frames_after_warmup,
            "graphs_compiled_total": compiled_frame_count()}
     del model, opt, batch
@@ -475,6 +491,7 @@ def main() -> None:
     ap.add_argument("--checks", action="store_true")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--runs", default="", help="case:data:variant,... (data = packed | unpacked)")
+    ap.add_argument("--fp8", action="store_true", help=f"add the FP8 rows (and their bf16 baselines): {FP8_RUNS}")
     ap.add_argument("--grad-check", default="", help="case:data:variant,variant,... (first = reference)")
     ap.add_argument("--profile", default="", help="case:data:variant to profile one step of")
     ap.add_argument("--peer", default="", help="path to hf_peer.py; '' = no peers")
@@ -522,7 +539,8 @@ def main() -> None:
             free()
         save()
     base_losses: dict = {}
-    for run in filter(None, a.runs.split(",")):
+    runs = a.runs + ("," + FP8_RUNS if a.fp8 else "")
+    for run in filter(None, runs.split(",")):
         if time.time() - T0 > a.budget_s:
             result["skipped"].append(run)
             continue
@@ -538,6 +556,7 @@ def main() -> None:
         print(f"{run}: {row.get('tokens_per_s', 0):,.0f} tok/s  {row.get('peak_gib', 0):.1f} GiB  "
               f"warm-up {row.get('warmup_s', 0):.0f} s  graphs after warm-up "
               f"{row.get('graphs_compiled_after_warmup')}  loss diff {row.get('max_loss_diff_vs_eager')}  "
+              f"fp8 vs bf16 loss diff {row.get('max_loss_diff_vs_compile')}  "
               f"{row.get('error', '')}", flush=True)
         save()
     for case in filter(None, a.peer_cases.split(",") if a.peer else []):

@@ -86,6 +86,9 @@ class TrainSection:
                              choices=("auto", "on", "off"))
     fused_ce: bool = fld(True, "Chunked fused lm_head + cross-entropy: full-vocabulary fp32 logits never exist.")
     fused_ce_chunk: int = fld(4096, "Tokens per chunk of the fused lm_head + cross-entropy.", gt=0)
+    fp8: str = fld("none", "FP8 GEMMs in the blocks (GPU with compute capability >= 8.9): 'tensorwise' or 'rowwise' "
+                           "scaling; LoRA bases are quantised once, full fine-tuning uses torchao.",
+                   choices=("none", "tensorwise", "rowwise"))
     seed: int = fld(0, "Seed for weight init and dropout.")
     grad_clip: float = fld(1.0, "Clip the global gradient norm to this value (0 = off).", ge=0)
     eval_interval: int = fld(200, "Evaluate on the held-out split every N steps (0 = only at the end).", ge=0)

@@ -10,11 +10,13 @@ place and in a fixed order:
 3. Attention backend (`train.attention`) and fused kernels (`train.fused_kernels`): swapped in after
    LoRA (the LoRA kernel replaces existing adapters) and before recomputation and compile, so both
    see the final modules.
-4. Activation recomputation (`memory.recompute`): checkpoints whole blocks, or (selective) keeps only
+4. FP8 (`train.fp8`, kernels/fp8.py): after LoRA, whose frozen bases are the layers quantised once (the
+   adapters stay in their dtype); before recomputation and compile, which must see the FP8 matmuls.
+5. Activation recomputation (`memory.recompute`): checkpoints whole blocks, or (selective) keeps only
    matmul and attention outputs. After LoRA, so adapters are recomputed too; before compile and
    sharding, which must see the checkpointed blocks. (Activation offload hooks are attached by the
    trainer, which owns the forward context they run in.)
-5. Regional compile (`train.compile`): each block compiled on its own, static shapes.
+6. Regional compile (`train.compile`): each block compiled on its own, static shapes.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
     apply them between tensor parallelism and FSDP (TP/SP -> recomputation -> compile -> FSDP).
     """
     args = model_args_from_config(cfg)
+    from tracetrain.kernels.fp8 import check_fp8_device
+    check_fp8_device(cfg.train.fp8, device)  # before a 7B model is materialised
     # A LoRA base is frozen: allocate it in its final dtype at once (a 7B base never exists in fp32).
     # With optimizer offload the fp32 master copy lives on the host: the GPU holds bf16 weights only.
     dtype = torch.float32
@@ -113,6 +117,9 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
     if resolve_switch(cfg.train.fused_kernels, device, unless=compile_on):
         from tracetrain.kernels.apply import apply_fused_kernels
         apply_fused_kernels(model)
+    if cfg.train.fp8 != "none":
+        from tracetrain.kernels.fp8 import apply_fp8
+        apply_fp8(model, cfg.train.fp8)  # type: ignore[arg-type]
     if distributed:
         return model
     if cfg.memory.recompute != "none":

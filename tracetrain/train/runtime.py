@@ -36,7 +36,8 @@ def refuse_with_parallel(cfg: object) -> None:
     checks = {"memory.optimizer_offload": cfg.memory.optimizer_offload,  # type: ignore[attr-defined]
               "memory.activation_offload": cfg.memory.activation_offload != "none",  # type: ignore[attr-defined]
               "memory.unified_memory": cfg.memory.unified_memory != "none",  # type: ignore[attr-defined]
-              "train.precision": cfg.train.precision == "fp16"}  # type: ignore[attr-defined]
+              "train.precision": cfg.train.precision == "fp16",  # type: ignore[attr-defined]
+              "train.fp8": cfg.train.fp8 != "none"}  # type: ignore[attr-defined]
     for key, bad in checks.items():
         if bad:
             raise ConfigError(f"config key '{key}' is not supported together with several ranks yet; "
