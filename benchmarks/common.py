@@ -85,7 +85,8 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     model = build_model(cfg, device, base_dtype=torch.bfloat16 if cfg.train.mode == "lora" else None)
     opt = build_optimizer(model, cfg.optim, device, cfg.memory)
-    offload = apply_activation_offload(model, cfg.memory.activation_offload)
+    offload = apply_activation_offload(model, cfg.memory.activation_offload,
+                                       fraction=cfg.memory.activation_offload_fraction)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     ctx = StepContext(device, dtype, 1.0, use_document_mask=False, fused_skip=bool(opt.defaults.get("fused")),
                       scaler=scaler, activation_offload=offload,
@@ -97,7 +98,15 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict
     rows = {k: v.pin_memory() for k, v in rows.items()}
     micro = [rows] * cfg.train.grad_accum_steps
     torch.cuda.reset_peak_memory_stats()
-    times = time_steps(lambda: train_step(model, opt, micro, ctx), warmup, steps)
+    time_steps(lambda: train_step(model, opt, micro, ctx), warmup, 0)  # warm-up: compile, optimizer states
+    warmup_peak = torch.cuda.max_memory_allocated()
+    # What a step starts from (weights, optimizer states): peak minus this is the step's activations.
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = time_steps(lambda: train_step(model, opt, micro, ctx), 0, steps)
+    # "active" also counts memory freed while a side stream still reads it (record_stream): the
+    # allocator cannot reuse it yet, but "allocated" already dropped it.
+    step_active_peak = torch.cuda.memory_stats()["active_bytes.all.peak"]
     step_s = median(times)
     tokens_per_s = batch * seq * cfg.train.grad_accum_steps / step_s
     n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.train.mode == "lora" else 0
@@ -108,7 +117,9 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict
               "step_s_all": times, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops.model / 1e12,
               "hw_tflops": tokens_per_s * flops.hardware / 1e12,
               "mfu": tokens_per_s * flops.model / peak if peak else None,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+              "peak_gib": max(warmup_peak, torch.cuda.max_memory_allocated()) / 2**30,
+              "base_gib": base / 2**30, "step_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "step_active_peak_gib": step_active_peak / 2**30, "activation_gib": (step_active_peak - base) / 2**30}
     if hasattr(opt, "close"):
         opt.close()
     del model, opt, micro, rows, offload

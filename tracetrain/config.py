@@ -147,6 +147,9 @@ class MemorySection:
     recompute_every: int = fld(1, "Recompute every k-th block only (1 = all blocks).", gt=0)
     activation_offload: str = fld("none", "Move saved activations to pinned CPU memory during forward.",
                                   choices=("none", "save_on_cpu", "streamed"))
+    activation_offload_fraction: float = fld(1.0, "Streamed offload: share of blocks offloaded, the first ones "
+                                                  "(1.0 = all but the last; less = faster, less saved).",
+                                             gt=0, le=1)
     optimizer_offload: bool = fld(False, "Keep fp32 master weights and AdamW moments in CPU memory (ZeRO-Offload).")
     offload_threads: int = fld(0, "CPU threads for the offloaded optimizer step (0 = all cores).", ge=0)
     unified_memory: str = fld("none", "Allocate these in CUDA managed memory (experimental).",

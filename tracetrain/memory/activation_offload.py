@@ -8,31 +8,45 @@ saved tensor when it was saved). Two modes:
   included) is copied to a fresh pinned buffer during forward and copied back when backward needs it;
   the copies are not overlapped with compute and pinned memory is allocated anew every step.
 - "streamed": our own `saved_tensors_hooks`, organised by transformer block.
-  * Forward: a saved tensor of block i (>= `min_offload_bytes`, not a parameter/buffer or a view of
-    one, not one of the inputs shared by every block: rotary tables, mask) is copied to a pinned host
-    buffer on a side CUDA stream, right when autograd saves it (the side stream first waits for the
-    compute stream, so the tensor is complete). The same view saved by several ops (the normed input of
-    q/k/v_proj) is copied once.
-  * Release: the block keeps a reference to each copied GPU tensor. When block i+1 finishes its
-    forward, the compute stream waits on the event recorded after block i's last copy and the
-    references are dropped, so the caching allocator may reuse that memory only after the copy has
-    read it. The host never blocks; block i's copies had all of block i+1's compute to run behind.
-  * Backward: the first time a saved tensor of block i is unpacked (block i's backward starts), every
-    offloaded tensor of block i-1 is copied back on the side stream ("prefetch one block ahead"); the
-    unpack of each tensor makes the compute stream wait on its copy's event. A tensor not prefetched
-    (unexpected order) is loaded on demand, so correctness never depends on the prefetch order.
-  * The last block is not offloaded: its backward comes first, nothing could hide its copy-back.
+  * Which blocks: the first k = round(`fraction` * n_layers) blocks (at most n_layers - 1). The first
+    blocks are the right ones: their forward copies start earliest and their tensors are needed last in
+    backward, so both copies have the most compute to hide behind. The last block is never offloaded:
+    its backward comes first, nothing could hide its copy-back.
+  * Forward: a saved tensor of an offloaded block (>= `min_offload_bytes`, not a parameter/buffer or a
+    view of one, not one of the inputs shared by every block: rotary tables, mask) is copied to a pinned
+    host buffer on the device-to-host (D2H) stream right when autograd saves it (the stream first waits
+    for the compute stream, so the tensor is complete). The same view saved by several ops (the normed
+    input of q/k/v_proj) is copied once.
+  * Release: the device tensor is `record_stream`-ed on the D2H stream and dropped when its block's
+    forward ends. The caching allocator then reuses that memory only once the copy has read it, and the
+    compute stream never waits for a copy: copies may lag behind the forward (PCIe is slower than a
+    block's forward), costing memory only while they lag. Freed-but-still-copying memory leaves the
+    "allocated" statistic at once but stays "active": measure offload with the active-bytes peak.
+  * Backward: one offloaded block is requested back per block whose backward starts, highest first
+    (when block b's backward starts, blocks >= k - (n_layers - b) are requested). The copies back run
+    on their own host-to-device (H2D) stream, so they overlap the D2H copies still in flight (PCIe is
+    full duplex), and each takes the place of the memory that a finished block's backward freed: with
+    k <= n_layers / 2 they are all queued while the resident blocks' backward runs. The unpack of each
+    tensor makes the compute stream wait on its copy's event; a tensor not prefetched (unexpected
+    order) is loaded on demand, so correctness never depends on the order.
+  * Stream safety: the H2D copy of a tensor waits for its D2H copy (event); a loaded tensor is allocated
+    on the H2D stream and `record_stream`-ed on the compute stream when handed to autograd; a host buffer
+    goes back to the pool only after the compute stream waited for the copy reading it, and the next
+    D2H copy into it waits for the compute stream.
   * Host buffers come from a `PinnedBufferPool` keyed by (shape, stride, dtype) and go back to it when
     autograd frees the saved tensor, so pinning is paid in the first step only. Pool size: the
-    offloaded activations of one micro-batch (blocks 0..n-2), held for the run.
+    offloaded activations of one micro-batch, held for the run.
 
 On the CPU (the unit tests) the same code path runs: the "pinned" buffer is a plain CPU tensor, copies
 are synchronous and streams/events are skipped (every CUDA-only call is guarded by `is_cuda`).
 
-Composition: a recomputed block saves only its inputs (checkpoint saves them through these hooks), so
-with `recompute = "full"` only each block's input residual stream is offloaded; with "selective" the
-matmul/attention outputs that selective checkpointing keeps are held by checkpoint itself, not by
-autograd, and stay on the GPU. LoRA needs nothing special (frozen weights are parameters, skipped).
+Composition: a recomputed block saves only its inputs (checkpoint saves them through these hooks, its
+own hooks take over inside the block), so with `recompute = "full"` only each offloaded block's input
+residual stream is offloaded; with "selective" the matmul/attention outputs that selective checkpointing
+keeps are held by checkpoint itself, not by autograd, and stay on the GPU. Recomputation in backward
+reruns the block's forward: the hooks do nothing then (they act only inside `forward_context()` and
+never inside a backward pass). Under `torch.compile` the compiled block saves its tensors through the
+same hooks. LoRA needs nothing special (frozen weights are parameters, skipped).
 """
 
 from __future__ import annotations
@@ -60,11 +74,14 @@ class ActivationOffload:
     mode: str = "none"
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        # Weak: the model's blocks hold our hooks, and a block kept by someone else (torch.compile's
+        # caches) must not keep the whole model alive through them (issue #4: 12.6 GiB left behind).
+        self._model = weakref.ref(model)
 
     def enabled(self) -> bool:
         """Only a training forward that records a graph saves tensors for backward."""
-        return self.model.training and torch.is_grad_enabled()
+        model = self._model()
+        return model is not None and model.training and torch.is_grad_enabled()
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         raise NotImplementedError
@@ -114,6 +131,7 @@ class PinnedBufferPool:
         self._lock = threading.Lock()  # buffers come back from the autograd engine's thread
         self.num_buffers = 0
         self.num_bytes = 0
+        self.storage_ptrs: set[int] = set()  # every buffer made (tests tell host from device memory)
 
     @staticmethod
     def key(like: torch.Tensor) -> tuple:
@@ -133,6 +151,7 @@ class PinnedBufferPool:
             buf = torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pinned)
         self.num_buffers += 1
         self.num_bytes += buf.untyped_storage().nbytes()
+        self.storage_ptrs.add(_storage_ptr(buf))
         return key, buf
 
     def give(self, key: tuple, buf: torch.Tensor) -> None:
@@ -144,28 +163,30 @@ class PinnedBufferPool:
         with self._lock:
             self._free.clear()
         self.num_buffers = self.num_bytes = 0
+        self.storage_ptrs.clear()
 
 
 class _Slot:
     """One saved tensor of a block: its host copy and, once loaded back, its device copy.
 
     Autograd holds the slot in place of the tensor; when it drops it (after the backward node that
-    used it), `__del__` returns the host buffer to the pool. Stream order makes the reuse safe: the
-    next step's copy into the buffer is queued on the same side stream as this one's copy back.
+    used it), `__del__` returns the host buffer to the pool. A resident slot (a block that is not
+    offloaded) holds the device tensor only: it tells `_unpack` which block's backward is running.
     """
 
-    __slots__ = ("block", "device", "host", "device_copy", "ready", "_pool", "_key", "__weakref__")
+    __slots__ = ("block", "device", "host", "device_copy", "stored", "ready", "_pool", "_key", "__weakref__")
 
     def __init__(self, block: int, device: torch.device, host: torch.Tensor | None = None,
                  device_copy: torch.Tensor | None = None, pool: PinnedBufferPool | None = None,
                  key: tuple = ()) -> None:
         self.block, self.device = block, device
         self.host, self.device_copy = host, device_copy
-        self.ready: torch.cuda.Event | None = None  # copy back queued, compute stream not yet waiting
+        self.stored: torch.cuda.Event | None = None  # the D2H copy into `host` is done (D2H stream)
+        self.ready: torch.cuda.Event | None = None   # copy back queued, compute stream not yet waiting
         self._pool, self._key = pool, key
 
     def __del__(self) -> None:
-        if self.ready is not None:  # loaded back but never unpacked: its copy may still be writing
+        if self.ready is not None:  # loaded back but never unpacked: its copy may still read `host`
             torch.cuda.current_stream(self.device).wait_event(self.ready)
         if self._pool is not None and self.host is not None:
             self._pool.give(self._key, self.host)
@@ -173,46 +194,71 @@ class _Slot:
 
 @dataclass
 class _Group:
-    """The saved tensors of one block during its forward and the next block's."""
+    """The saved tensors of one block while its forward runs."""
 
     index: int
+    offloaded: bool
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # device tensors being copied out
     slots: dict[tuple, _Slot] = field(default_factory=dict)  # one copy per (storage, view) saved
-    copied: torch.cuda.Event | None = None  # recorded on the side stream after the block's copies
+
+
+@dataclass
+class _Streams:
+    d2h: torch.cuda.Stream
+    h2d: torch.cuda.Stream
 
 
 @dataclass
 class OffloadStats:
-    """What the last forward offloaded."""
+    """What the last forward offloaded and how its backward brought it back."""
 
+    num_offloaded_blocks: int = 0  # blocks 0..k-1 offload, k..n-1 stay on the device
     num_tensors: int = 0       # distinct saved tensors copied to the host
     offloaded_bytes: int = 0
     num_on_demand: int = 0     # loaded back when needed instead of prefetched (0 in normal order)
+    prefetches: list[tuple[int, int]] = field(default_factory=list)  # (backward block, block requested)
+
+
+def _weak_hook(owner: weakref.ref[StreamedOffload], method: str, index: int, *args: Any) -> None:
+    """A block hook that calls `owner.method(index, ...)` while the offload exists (inert after)."""
+    offload = owner()
+    if offload is not None:
+        getattr(offload, method)(index, *args)
+
+
+def num_offloaded_blocks(num_blocks: int, fraction: float) -> int:
+    """k = round(fraction * num_blocks) first blocks, at least 1 and at most num_blocks - 1."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"activation offload fraction must be in (0, 1], got {fraction}")
+    return min(num_blocks - 1, max(1, round(fraction * num_blocks)))
 
 
 class StreamedOffload(ActivationOffload):
-    """Block-by-block offload with copies on a side stream and one-block-ahead prefetch (module doc)."""
+    """Offload of the first blocks with copies on D2H/H2D side streams and spread prefetch (module doc)."""
 
     mode = "streamed"
 
-    def __init__(self, model: nn.Module, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> None:
+    def __init__(self, model: nn.Module, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+                 fraction: float = 1.0) -> None:
         super().__init__(model)
         self.min_offload_bytes = min_offload_bytes
+        self.num_blocks = len(model.layers)
+        self.num_offloaded = num_offloaded_blocks(self.num_blocks, fraction)
         self.pool = PinnedBufferPool()
         self.stats = OffloadStats()
-        self._last_block = len(model.layers) - 1
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: _Streams | None = None
         self._active = False
-        self._groups: dict[int, _Group] = {}
         self._current: _Group | None = None
         self._skip_ptrs: set[int] = set()
         self._by_block: dict[int, list[weakref.ref[_Slot]]] = defaultdict(list)
-        self._backward_block: int | None = None
+        self._backward_block = self._next_prefetch = self.num_blocks
         self._handles = []
+        owner = weakref.ref(self)  # the hooks hold us weakly too: nor the pinned pool through a block
         for index, block in enumerate(model.layers):
             self._handles.append(block.register_forward_pre_hook(
-                functools.partial(self._enter_block, index), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(functools.partial(self._exit_block, index)))
+                functools.partial(_weak_hook, owner, "_enter_block", index), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(
+                functools.partial(_weak_hook, owner, "_exit_block", index)))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -225,50 +271,49 @@ class StreamedOffload(ActivationOffload):
     @contextlib.contextmanager
     def _streaming(self) -> Iterator[None]:
         # Per micro-batch state: its backward runs before the next forward starts.
-        self._by_block, self._backward_block, self.stats = defaultdict(list), None, OffloadStats()
+        self._by_block, self.stats = defaultdict(list), OffloadStats(num_offloaded_blocks=self.num_offloaded)
+        self._backward_block = self._next_prefetch = self.num_blocks
         self._active = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            self._active, self._current = False, None
-            for group in list(self._groups.values()):
-                self._release(group)
+            self._active = False
+            if self._current is not None:  # an exception inside a block
+                self._finish(self._current)
 
     # -- forward: block scope -------------------------------------------------------------------------
 
     def _enter_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._active:
+        # Inside a backward pass (a recomputation rerunning the block) there is nothing to do.
+        if not self._active or torch._C._current_graph_task_id() != -1:
             return
         # Not offloaded: weights (they stay on the GPU anyway; FSDP's unsharded ones included, as the
         # pointers are read now) and the inputs after `x` (rotary tables, mask): every block gets the
         # same ones, so copying them would move the same bytes once per block for no memory gain.
         shared = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
         self._skip_ptrs = {_storage_ptr(t) for t in (*block.parameters(), *block.buffers(), *shared)}
-        self._current = self._groups[index] = _Group(index)
+        self._current = _Group(index, offloaded=index < self.num_offloaded)
 
     def _exit_block(self, index: int, block: nn.Module, args: tuple, output: Any) -> None:
-        if not self._active:
-            return
-        group = self._groups[index]
+        if self._current is not None and self._current.index == index:
+            self._finish(self._current)
+
+    def _finish(self, group: _Group) -> None:
+        """End of a block's forward: mark when its copies are done, drop the device tensors."""
         if group.keep_alive and group.keep_alive[0].is_cuda:
-            group.copied = self._side_stream(group.keep_alive[0].device).record_event()
-        for other in [g for i, g in self._groups.items() if i != index]:
-            self._release(other)  # the previous block's copies ran behind this block's compute
+            stored = self._side_streams(group.keep_alive[0].device).d2h.record_event()
+            for slot in group.slots.values():
+                slot.stored = stored
+        # Each kept tensor was record_stream-ed on the D2H stream: the allocator reuses its memory only
+        # after the copy has read it, and the compute stream goes on without waiting.
+        group.keep_alive.clear()
         self._current = None
 
-    def _release(self, group: _Group) -> None:
-        """Let the allocator reuse the group's device memory once its copies have read it."""
-        if group.keep_alive and group.keep_alive[0].is_cuda:
-            device = group.keep_alive[0].device
-            event = group.copied or self._side_stream(device).record_event()
-            torch.cuda.current_stream(device).wait_event(event)  # GPU-side wait: the host never blocks
-        del self._groups[group.index]
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
+    def _side_streams(self, device: torch.device) -> _Streams:
+        if self._streams is None:
+            self._streams = _Streams(torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._streams
 
     # -- saved tensor hooks ---------------------------------------------------------------------------
 
@@ -285,18 +330,19 @@ class StreamedOffload(ActivationOffload):
         return slot
 
     def _new_slot(self, t: torch.Tensor, group: _Group) -> _Slot:
-        if group.index == self._last_block:
+        if not group.offloaded:
             return _Slot(group.index, t.device, device_copy=t)  # resident: only marks block order
         key, host = self.pool.take(t)
         if t.is_cuda:
-            stream = self._side_stream(t.device)
-            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete before the copy
-            with torch.cuda.stream(stream):
+            d2h = self._side_streams(t.device).d2h
+            d2h.wait_stream(torch.cuda.current_stream(t.device))  # t is complete before the copy
+            with torch.cuda.stream(d2h):
                 host.copy_(t, non_blocking=True)
+            t.record_stream(d2h)
         else:
             host.copy_(t)
-        # Held until `_release` (after the copy's event): the copy reads it, and while it is alive no
-        # other tensor can take its memory, which keeps the (pointer, view) de-duplication key unique.
+        # Held until the block's forward ends: while it is alive no other tensor can take its memory,
+        # which keeps the (pointer, view) de-duplication key unique.
         group.keep_alive.append(t)
         slot = _Slot(group.index, t.device, host=host, pool=self.pool, key=key)
         self._by_block[group.index].append(weakref.ref(slot))
@@ -308,18 +354,27 @@ class StreamedOffload(ActivationOffload):
         if isinstance(packed, torch.Tensor):
             return packed
         slot = packed
-        if slot.block != self._backward_block:
-            # First tensor of a block's backward: bring back the previous block's tensors now, so their
-            # copies run while this block's backward computes.
+        if slot.block < self._backward_block:  # the first tensor of a block's backward
             self._backward_block = slot.block
-            self._load([s for r in self._by_block.get(slot.block - 1, []) if (s := r()) is not None])
+            self._prefetch(slot.block)
         if slot.device_copy is None:
             self.stats.num_on_demand += 1  # not prefetched: load now (the compute stream will wait)
             self._load([slot])
         if slot.ready is not None:
-            torch.cuda.current_stream(slot.device).wait_event(slot.ready)
+            main = torch.cuda.current_stream(slot.device)
+            main.wait_event(slot.ready)
+            slot.device_copy.record_stream(main)  # allocated on the H2D stream, used from here on
             slot.ready = None  # later uses of this tensor are queued behind this wait
         return slot.device_copy
+
+    def _prefetch(self, block: int) -> None:
+        """Backward of `block` starts: request offloaded blocks down to k - (n_layers - block)."""
+        # One offloaded block per started block: each copy back takes the memory a finished block freed.
+        lowest = max(0, self.num_offloaded - (self.num_blocks - block))
+        for index in range(min(self._next_prefetch, self.num_offloaded) - 1, lowest - 1, -1):
+            self.stats.prefetches.append((block, index))
+            self._load([s for r in self._by_block.get(index, []) if (s := r()) is not None])
+        self._next_prefetch = min(self._next_prefetch, lowest)
 
     def _load(self, slots: list[_Slot]) -> None:
         """Queue the copy back to the device of every slot not loaded yet."""
@@ -331,26 +386,33 @@ class StreamedOffload(ActivationOffload):
             for s in slots:  # a copy, as on the GPU: the host buffer goes back to the pool later
                 s.device_copy = s.host.clone()
             return
-        main, stream = torch.cuda.current_stream(device), self._side_stream(device)
-        # Allocated on the compute stream (so the allocator orders its reuse there); the side stream
-        # waits for the compute stream because this memory may have been freed by queued kernels.
-        copies = [torch.empty_strided(s.host.shape, s.host.stride(), dtype=s.host.dtype, device=device)
-                  for s in slots]
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
+        streams = self._side_streams(device)
+        with torch.cuda.stream(streams.h2d):
+            # Allocated on the H2D stream: no wait for the compute stream, whose queued kernels may still
+            # use memory it freed; `_unpack` hands each copy over with record_stream.
+            for event in {id(s.stored): s.stored for s in slots}.values():
+                if event is None:  # its block's forward has not ended (not expected): wait for all copies
+                    streams.h2d.wait_stream(streams.d2h)
+                else:
+                    streams.h2d.wait_event(event)
+            copies = [torch.empty_strided(s.host.shape, s.host.stride(), dtype=s.host.dtype, device=device)
+                      for s in slots]
             for s, dst in zip(slots, copies):
                 dst.copy_(s.host, non_blocking=True)
-            ready = stream.record_event()
+            ready = streams.h2d.record_event()
         for s, dst in zip(slots, copies):
             s.device_copy, s.ready = dst, ready
 
 
 def apply_activation_offload(model: nn.Module, mode: OffloadMode,
-                             min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> ActivationOffload | None:
+                             min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+                             fraction: float = 1.0) -> ActivationOffload | None:
     """Offload saved activations to CPU memory (see module doc); None for mode "none".
 
     The returned object's `forward_context()` must wrap the forward pass of each training micro-batch;
-    it does nothing in eval mode or under no_grad. `min_offload_bytes` applies to "streamed" only.
+    it does nothing in eval mode or under no_grad. `min_offload_bytes` and `fraction` (the share of
+    blocks offloaded, counted from the first) apply to "streamed" only. Raises ValueError for an unknown
+    mode or a fraction outside (0, 1].
     """
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"activation offload mode {mode!r} is not one of {', '.join(OFFLOAD_MODES)}")
@@ -358,4 +420,4 @@ def apply_activation_offload(model: nn.Module, mode: OffloadMode,
         return None
     if mode == "save_on_cpu":
         return SaveOnCpuOffload(model)
-    return StreamedOffload(model, min_offload_bytes)
+    return StreamedOffload(model, min_offload_bytes, fraction)

@@ -191,7 +191,8 @@ class _Run:
                                      cfg.logging.tensorboard and self.rank0, filename=name)
         self.prof = ProfileCapture(cfg.profile, self.run_dir, device)
         from tracetrain.memory import apply_activation_offload
-        offload = apply_activation_offload(self.model, cfg.memory.activation_offload)
+        offload = apply_activation_offload(self.model, cfg.memory.activation_offload,
+                                           fraction=cfg.memory.activation_offload_fraction)
         autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
         self.ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
                                use_document_mask=cfg.data.pack,
