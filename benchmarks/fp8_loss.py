@@ -37,6 +37,9 @@ DATA = Path(".carry/data")
 MEAN_TOL, MAX_TOL = 0.01, 0.05  # of the bf16 mean loss over the window
 
 
+EAGER = ["--train.compile=off", "--train.attention=sdpa", "--train.fused_ce=false", "--train.fused_kernels=off"]
+
+
 def run_args(a: argparse.Namespace, fp8: str, run_dir: Path) -> list[str]:
     return ["--logging.progress=false", f"--train.output_dir={run_dir.parent}", f"--train.run_name={run_dir.name}",
             f"--model.preset={a.preset}", f"--model.vocab_size={a.vocab_size}", f"--train.mode={a.mode}",
@@ -49,10 +52,10 @@ def run_args(a: argparse.Namespace, fp8: str, run_dir: Path) -> list[str]:
             f"--train.fp8={fp8}"]
 
 
-def train_run(a: argparse.Namespace, fp8: str, root: Path) -> dict:
-    run_dir = root / f"fp8_loss_{fp8}"
+def train_run(a: argparse.Namespace, fp8: str, root: Path, extra: tuple[str, ...] = (), name: str = "") -> dict:
+    run_dir = root / f"fp8_loss_{name or fp8}"
     t = time.time()
-    proc = subprocess.run([sys.executable, "-m", "tracetrain.cli", "train", *run_args(a, fp8, run_dir)],
+    proc = subprocess.run([sys.executable, "-m", "tracetrain.cli", "train", *run_args(a, fp8, run_dir), *extra],
                           capture_output=True, text=True)
     wall_s = time.time() - t
     if proc.returncode != 0:
@@ -127,10 +130,15 @@ def main() -> None:
     ap.add_argument("--log-interval", type=int, default=50)
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--no-probe", action="store_true")
+    ap.add_argument("--eager-reference", action="store_true",
+                    help="also run the eager bf16 path (no compile, SDPA, unfused loss and kernels) and compare the "
+                         "default compiled bf16 run and the FP8 run against it, with the same tolerance")
     a = ap.parse_args()
     env = environment()
     root = Path(os.environ.get("TMPDIR", "/tmp")) / f"fp8_loss_{os.getpid()}"
     runs = {fp8: train_run(a, fp8, root) for fp8 in ("none", a.recipe)}
+    if a.eager_reference:
+        runs["eager"] = train_run(a, "none", root, tuple(EAGER), "eager")
     for r in runs.values():
         print(f"train.fp8={r['fp8']}: {r.get('tokens_per_s') or 0:,.0f} tok/s  skipped {r.get('skipped')}  "
               f"wall {r['wall_s']:.0f} s  {r.get('error', '')}", flush=True)
@@ -146,6 +154,16 @@ def main() -> None:
               f"{cmp['mean_loss_fp8']:.4f})  within tolerance: {cmp['within_tolerance']}", flush=True)
         if ref.get("tokens_per_s") and low.get("tokens_per_s"):
             print(f"speed-up of the trainer run: {low['tokens_per_s'] / ref['tokens_per_s']:.2f}x", flush=True)
+    eager = runs.get("eager", {})
+    if "losses" in eager:
+        for name in ("none", a.recipe):
+            if "losses" in runs[name]:
+                c = compare(eager["losses"], runs[name]["losses"], a.window)
+                c["within_tolerance"] = c["within_tolerance"] and eager["skipped"] == 0 and runs[name]["skipped"] == 0
+                result[f"{'compile_bf16' if name == 'none' else 'fp8'}_vs_eager"] = c
+                print(f"vs eager bf16, {name if name != 'none' else 'compiled bf16'}: last {c['window']} steps max "
+                      f"|dloss| {c['max_abs_diff']:.4f} mean {c['mean_abs_diff']:.4f} (eager mean loss "
+                      f"{c['mean_loss_bf16']:.4f})  within tolerance: {c['within_tolerance']}", flush=True)
     if not a.no_probe and a.mode == "lora":
         result["amax_probe"] = probe(a, a.recipe, root)
         for kind, entry in result["amax_probe"]["by_projection"].items():
