@@ -1,28 +1,40 @@
-"""Generation speed: prefill and decode tokens/s of tracetrain's `generate_batch` with the in-GPU cache
-(eager, and with the decode step replayed as a CUDA graph) and the offloaded cache, next to Hugging Face
-transformers' `generate` with its default (dynamic) cache, on the same random weights; then the longest
-context that fits at batch 1, with and without offload (doubling search).
+"""Generation speed (issue #9): prefill and decode tokens/s of tracetrain's KV caches next to Hugging Face
+transformers' `generate` with its default (dynamic) cache, on the same random weights; the attention
+kernels of the cached path; and the longest context that fits at batch 1, with and without offload.
 
-Unattended, one process, a time budget (`--budget-s`, default 330 s; the longest case, llama3-8b at batch
-16 and 32k offloaded, is estimated at about a minute, so the run should end within 8 minutes): a case
-that would start after the budget is reported as skipped. Cases the planner
-(`tracetrain.plan.plan_generation`) says cannot fit in GPU or host memory are skipped with the reason;
-an out-of-memory error ends only its own case; memory is freed between cases. Prompts are random token
-ids of one length (no padding) so that the peer sees the same work; EOS is never sampled, every row
-decodes its full budget.
+Cases: llama2-7b and llama3-8b shapes, bf16, batch 1 and 16, context 4k and 32k (prompt + decoded tokens),
+four methods: `gpu` (in-GPU `StaticKVCache`, eager decode), `gpu+graph` (the decode step replayed as a
+CUDA graph, fixed shapes), `offload` (`OffloadedKVCache`, K/V in pinned host memory) and `hf`.
 
-Measured per case: prefill tokens/s (the whole prompt, chunked by `generate_batch`), decode tokens/s
-(batch x decode steps / time, the first decode step - lazy init, graph capture - left out; transformers:
-(time of n new tokens - time of 1) / (n - 1)), peak GPU memory, and the planner's decode estimate.
-"Fits" in the search = a cache of that length is allocated and a decode step at its last position runs
-(no prefill: chunked, its extra memory scales with the chunk, and the attention backend decides how).
-Prefill chunks are bounded so that attention scores, if SDPA falls back to its math backend (GQA with
-a mask), stay within 4 GiB; an offloaded prefill that would copy more than 200 GB host-to-device (each
-chunk fetches all earlier positions; llama3-8b at batch 16 and 32k) is not run: decode is then timed on
-a synthetic cache.
+- Prefill: the whole prompt (random ids of one length: no padding, so the peer does the same work),
+  in chunks of 2048 (tracetrain's default), timed once: batch x prompt / seconds. transformers: one
+  `generate(max_new_tokens=1)` call (its prefill plus one step).
+- Decode: a fixed number of steps after warm-up steps (the first includes graph capture), timed in
+  several repeats; decode tokens/s = batch x steps / seconds, median of the repeats (all repeats are in
+  the JSON). tracetrain's steps are driven directly (model + cache, greedy), without `generate_batch`'s
+  host checks. transformers: (time of `generate(1 + n)` - time of `generate(1)`) / n, a pair repeated
+  while a pair is cheap.
+- A case the planner (`tracetrain.plan.plan_generation`) says cannot fit in GPU memory (or in pinned
+  host memory for offload) is recorded "does not fit (predicted)" with the bytes, not attempted (e.g.
+  the transformers peer at batch 16 and 32k on llama2-7b: 256 GiB of cache). An out-of-memory error is
+  recorded as "OOM" for its row only; memory is freed and the run goes on. An offloaded prefill that
+  would copy more than 200 GB host-to-device (each chunk fetches all earlier positions) is not run: its
+  decode is timed on a cache that claims the prompt's positions (synthetic; the note says so).
+- Attention kernels: the cached attention at llama3-8b shapes (GQA 4) for the paths the cache picks
+  (flash without a mask tensor; grouped query heads with a dense mask) next to what ran before
+  (`enable_gqa` with a dense mask: SDPA's math backend), median ms, and whether each call runs with the
+  math backend disabled.
+- Longest context at batch 1: the planner's limit (92% of GPU memory; offload: a pinned cache of at most
+  70% of the available host memory) is probed; if it fails, bisection below it. Bounded: at most 6
+  probes per search, none after the time budget. The offload search starts from the in-GPU result.
+  "Fits" = a cache of that length is allocated and a decode step at its last position runs (a prefill
+  needs more: its activations scale with the chunk).
 
-  python3 benchmarks/generate.py           # GPU: llama2-7b and llama3-8b shapes, bf16 (writes $OUT and results/)
-  python3 benchmarks/generate.py --tiny    # CPU smoke test: a tiny model, small contexts, fp32
+Time: a budget (`--budget-s`, default 390 s) after which no case starts (reported as skipped); the
+longest single case is about half a minute, so the run ends within 8 minutes on one H100 80GB.
+
+  python3 benchmarks/generate.py           # GPU; table on stdout, JSON to results/generate_<device>.json (+ $OUT)
+  python3 benchmarks/generate.py --smoke   # CPU, the "tiny" preset, small contexts, fp32 (< 1 minute)
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -41,26 +54,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
 
-from tracetrain.models.generate import GenerationRequest, forward_last, generate_batch, make_cache  # noqa: E402
+from tracetrain.models.accounting import kv_cache_bytes  # noqa: E402
+from tracetrain.models.attention import cached_attention, sdpa_attention  # noqa: E402
+from tracetrain.models.generate import GraphedDecodeStep, forward_last, make_cache  # noqa: E402
+from tracetrain.models.kv_cache import OffloadedKVCache, causal_valid_mask  # noqa: E402
 from tracetrain.models.llama import ModelArgs, Transformer, rope_inv_freq  # noqa: E402
 from tracetrain.models.presets import get_preset  # noqa: E402
-from tracetrain.models.accounting import kv_cache_bytes  # noqa: E402
 from tracetrain.plan import plan_generation  # noqa: E402
 
 METHODS = ("gpu", "gpu+graph", "offload", "hf")
 GIB = 2**30
 
 
-def setup(tiny: bool) -> dict:
-    if tiny:
-        args = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=256)
-        return dict(device=torch.device("cpu"), dtype=torch.float32, models={"tiny": args}, batches=(1, 4),
-                    contexts=(64, 256), new_tokens={"gpu": 8, "offload": 8, "hf": 8}, search=(64, 4096),
-                    chunk=32, gpu="h100-sxm", refetch_limit=1e6)
+def setup(smoke: bool) -> dict:
+    """Shapes, sizes and step counts. decode: (warm-up steps, timed steps per repeat, repeats)."""
+    if smoke:
+        torch.set_num_threads(1)  # tiny matmuls: a second thread only adds spin-waits on a busy machine
+        return dict(device=torch.device("cpu"), dtype=torch.float32, models={"tiny": get_preset("tiny")},
+                    batches=(1, 4), contexts=(64, 256), chunk=32, gpu="h100-sxm", refetch_limit=1e6,
+                    decode={"gpu": (1, 4, 3), "offload": (1, 2, 3), "hf": (0, 4, 3)}, search=(64, 2048, 6),
+                    attention=dict(heads=4, kv_heads=2, head_dim=32, keys=512, batches=(1, 4), chunk=32))
     return dict(device=torch.device("cuda"), dtype=torch.bfloat16,
                 models={n: get_preset(n) for n in ("llama2-7b", "llama3-8b")}, batches=(1, 16),
-                contexts=(4096, 32768), new_tokens={"gpu": 32, "offload": 8, "hf": 32}, search=(4096, 1 << 21),
-                chunk=2048, gpu=torch.cuda.get_device_name(0), refetch_limit=200e9)
+                contexts=(4096, 32768), chunk=2048, gpu=torch.cuda.get_device_name(0), refetch_limit=200e9,
+                decode={"gpu": (2, 16, 3), "offload": (1, 2, 3), "hf": (0, 16, 3)}, search=(4096, 1 << 21, 6),
+                attention=dict(heads=32, kv_heads=8, head_dim=128, keys=32768, batches=(1, 16), chunk=2048))
 
 
 def host_available_bytes() -> int:
@@ -82,6 +100,66 @@ def free_memory() -> None:
 
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def failure(e: BaseException) -> str:
+    if is_oom(e):
+        return "OOM"
+    traceback.print_exc()
+    return f"error: {type(e).__name__}: {str(e)[:300]}"
+
+
+def sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def median_s(fn, device: torch.device, warmup: int = 2, reps: int = 7) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = sync(device)
+        fn()
+        times.append(sync(device) - start)
+    return statistics.median(times)
+
+
+def attention_kernels(s: dict) -> list[dict]:
+    """The cached attention's kernel paths at GQA shapes vs the `enable_gqa` + dense-mask call of before."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    a, dev, rows = s["attention"], s["device"], []
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    shapes = [("decode", b, 1) for b in a["batches"]] + [("prefill chunk", 1, a["chunk"])]
+    for phase, batch, q_len in shapes:
+        keys = a["keys"]
+        q = torch.randn(batch, q_len, a["heads"], a["head_dim"], device=dev, dtype=s["dtype"]).transpose(1, 2)
+        k, v = torch.randn(2, batch, a["kv_heads"], keys, a["head_dim"], device=dev, dtype=s["dtype"]).unbind(0)
+        valid = torch.ones(batch, keys, dtype=torch.bool, device=dev)
+        dense = causal_valid_mask(valid, torch.arange(keys - q_len, keys, device=dev), keys)
+        paths = {"new: no mask tensor (flash)": lambda: cached_attention(q, k, v, causal_lower_right(q_len, keys)),
+                 "new: dense mask, grouped heads": lambda: cached_attention(q, k, v, dense),
+                 "before: enable_gqa + dense mask": lambda: sdpa_attention(q, k, v, dense)}
+        for name, fn in paths.items():
+            row = {"phase": phase, "batch": batch, "q_len": q_len, "keys": keys, "path": name}
+            try:
+                row["ms"] = round(median_s(fn, dev) * 1e3, 3)
+                if dev.type == "cuda":
+                    try:
+                        with sdpa_kernel(fused):
+                            fn()
+                        row["without_math"] = True
+                    except RuntimeError:
+                        row["without_math"] = False
+            except Exception as e:  # noqa: BLE001 - one path's failure is a result
+                row["status"] = failure(e)
+            rows.append(row)
+            free_memory()
+        del q, k, v, dense
+        free_memory()
+    return rows
 
 
 def build_models(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, object | None]:
@@ -120,133 +198,133 @@ def build_models(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> t
     return ours.eval(), hf
 
 
-def sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def prefill_chunk(args: ModelArgs, batch: int, context: int, s: dict) -> int:
-    """Prefill chunk bounded so that materialised fp32 scores (batch, heads, chunk, context) stay <= 4 GiB:
-    with GQA and a mask, SDPA may fall back to its math backend (efficient attention has no GQA, flash no
-    mask); 128 <= chunk <= the default."""
-    limit = 4 * GIB // (batch * args.n_heads * context * 4)
-    return max(min(128, s["chunk"]), min(s["chunk"], 1 << max(0, limit.bit_length() - 1)))
-
-
-def refetch_bytes(args: ModelArgs, batch: int, context: int, chunk: int, s: dict) -> int:
+def refetch_bytes(args: ModelArgs, batch: int, prompt: int, s: dict) -> int:
     """Bytes an offloaded chunked prefill copies host-to-device: every chunk fetches all earlier positions."""
     dtype_bytes = torch.empty((), dtype=s["dtype"]).element_size()
-    num_chunks = context // chunk
-    return num_chunks * (num_chunks - 1) // 2 * chunk * kv_cache_bytes(args, batch, 1, dtype_bytes)
+    num_chunks = -(-prompt // s["chunk"])
+    return num_chunks * (num_chunks - 1) // 2 * s["chunk"] * kv_cache_bytes(args, batch, 1, dtype_bytes)
 
 
-def synthetic_cache(model: Transformer, batch: int, context: int, offload: bool, filled: int, s: dict):
-    """A cache of `context` positions that claims `filled` of them (not written: timing and memory only)."""
-    cache = make_cache(model, batch, context, s["dtype"], offload, 0)
-    cache.length = filled
-    if offload:
+def autocast(s: dict, graph: bool = False):
+    # As generate_batch: autocast's cast cache would hold tensors allocated inside a graph capture.
+    return torch.autocast(s["device"].type, dtype=s["dtype"], enabled=s["dtype"] != torch.float32,
+                          cache_enabled=not graph)
+
+
+def prefill(model: Transformer, cache, batch: int, prompt: int, s: dict) -> tuple[torch.Tensor, float | None]:
+    """Random prompt ids through the cache in chunks; (last logits, seconds), or a cache that only claims
+    the prompt's positions (seconds None) when an offloaded prefill would copy too much."""
+    dev = s["device"]
+    if isinstance(cache, OffloadedKVCache) and refetch_bytes(model.args, batch, prompt, s) > s["refetch_limit"]:
+        cache.length = prompt
         cache.fetch(0)
-    else:
-        cache.pos.fill_(filled)
-    return cache
+        return torch.zeros(batch, model.args.vocab_size, device=dev), None
+    tokens = torch.randint(0, model.args.vocab_size, (batch, prompt), device=dev)
+    positions = torch.arange(prompt, device=dev).expand(batch, prompt)
+    start = sync(dev)
+    with torch.no_grad(), autocast(s):
+        for a in range(0, prompt, s["chunk"]):
+            logits = forward_last(model, tokens[:, a:a + s["chunk"]], positions[:, a:a + s["chunk"]], cache)
+    return logits, sync(dev) - start
 
 
-def decode_only(model: Transformer, method: str, batch: int, context: int, new: int, s: dict) -> dict:
-    """Decode steps on a synthetic cache (no prefill), timed after the first; eager forwards, greedy."""
-    cache = synthetic_cache(model, batch, context, method == "offload", context - new, s)
-    tokens = torch.zeros(batch, 1, dtype=torch.long, device=s["device"])
-    positions = torch.full((batch, 1), context - new, device=s["device"])
-    with torch.no_grad(), torch.autocast(s["device"].type, dtype=s["dtype"], enabled=s["dtype"] != torch.float32):
-        for step in range(new):
-            if step == 1:
-                start = sync(s["device"])
-            tokens = forward_last(model, tokens, positions, cache).argmax(-1, keepdim=True)
-            positions = positions + 1
-    seconds = sync(s["device"]) - start
-    if method == "offload":
+def run_ours(model: Transformer, method: str, batch: int, context: int, s: dict) -> dict:
+    warmup, steps, repeats = s["decode"]["offload" if method == "offload" else "gpu"]
+    prompt, dev, graph = context - warmup - steps * repeats, s["device"], method == "gpu+graph"
+    cache = make_cache(model, batch, context, s["dtype"], method == "offload", 0,
+                       fixed_shape=method == "gpu+graph")
+    cache.set_prompt_mask(torch.ones(batch, prompt, dtype=torch.bool, device=dev))
+    logits, prefill_s = prefill(model, cache, batch, prompt, s)
+    use_graph = graph and dev.type == "cuda"
+    step = GraphedDecodeStep(model, cache, batch, dev) if use_graph else \
+        (lambda t, p, c: forward_last(model, t, p, c))
+    token, pos = logits.argmax(-1, keepdim=True), torch.full((batch, 1), prompt, device=dev)
+    tok_s = []
+    with torch.no_grad(), autocast(s, graph):
+        for _ in range(warmup):
+            token, pos = step(token, pos, cache).argmax(-1, keepdim=True), pos + 1
+        for _ in range(repeats):
+            start = sync(dev)
+            for _ in range(steps):
+                token, pos = step(token, pos, cache).argmax(-1, keepdim=True), pos + 1
+            tok_s.append(batch * steps / (sync(dev) - start))
+    if isinstance(cache, OffloadedKVCache):
         cache.synchronize()
-    return {"decode_tok_s": batch * (new - 1) / seconds, "decode_steps": new - 1}
+    row = {"prefill_tok_s": batch * prompt / prefill_s if prefill_s else None,
+           "decode_tok_s": statistics.median(tok_s), "decode_tok_s_repeats": [round(x, 1) for x in tok_s],
+           "decode_steps": f"{warmup} warm-up + {repeats} x {steps}"}
+    if prefill_s is None:
+        row["note"] = (f"prefill not run: it would copy {refetch_bytes(model.args, batch, prompt, s) / 1e9:.3g} GB "
+                       "host-to-device; decode timed on a cache that claims the prompt's positions")
+    return row
 
 
-def run_ours(model: Transformer, method: str, batch: int, context: int, new: int, s: dict) -> dict:
-    chunk = prefill_chunk(model.args, batch, context, s)
-    refetch = refetch_bytes(model.args, batch, context, chunk, s)
-    if method == "offload" and refetch > s["refetch_limit"]:
-        return {**decode_only(model, method, batch, context, new, s), "prefill_chunk": chunk,
-                "note": f"prefill not run: in chunks of {chunk} it would copy {refetch / 1e9:.3g} GB "
-                        "host-to-device; decode timed on a synthetic cache"}
-    prompts = torch.randint(0, model.args.vocab_size, (batch, context - new)).tolist()
-    timings: dict = {}
-    generate_batch(model, [GenerationRequest(p, new) for p in prompts], -1, 0, dtype=s["dtype"],
-                   kv_offload=method == "offload", cuda_graph=method == "gpu+graph", prefill_chunk=chunk,
-                   timings=timings)
-    return {"prefill_tok_s": timings["prefill_tokens"] / timings["prefill_s"],
-            "decode_tok_s": batch * timings["decode_steps"] / timings["decode_s"] if timings["decode_s"] else None,
-            "decode_steps": timings["decode_steps"], "prefill_chunk": chunk}
-
-
-def run_hf(hf, batch: int, context: int, new: int, device: torch.device) -> dict:
-    ids = torch.randint(0, hf.config.vocab_size, (batch, context - new), device=device)
+def run_hf(hf, batch: int, context: int, s: dict) -> dict:
+    _, steps, repeats = s["decode"]["hf"]
+    dev = s["device"]
+    ids = torch.randint(0, hf.config.vocab_size, (batch, context - 1 - steps), device=dev)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def timed(n: int) -> float:
-        start = sync(device)
+        start = sync(dev)
         out = hf.generate(ids, max_new_tokens=n, **kwargs)
-        end = sync(device)
+        end = sync(dev)
         assert out.shape[1] == ids.shape[1] + n, f"HF generated {out.shape[1] - ids.shape[1]} of {n} tokens"
         return end - start
 
+    pairs = []
     with torch.no_grad():
-        one, full = timed(1), timed(new)
-    return {"prefill_tok_s": batch * ids.shape[1] / one,
-            "decode_tok_s": batch * (new - 1) / (full - one) if full > one else None,  # None: timing noise
-            "decode_steps": new - 1}
+        while len(pairs) < repeats:
+            one = timed(1)
+            pairs.append((one, timed(1 + steps)))
+            if one > 1.0:  # a pair is not cheap: one is enough
+                break
+    decode = [batch * steps / (full - one) for one, full in pairs if full > one]
+    return {"prefill_tok_s": batch * ids.shape[1] / statistics.median(p[0] for p in pairs),
+            "decode_tok_s": statistics.median(decode) if decode else None,  # None: timing noise
+            "decode_tok_s_repeats": [round(x, 1) for x in decode], "decode_steps": f"{len(pairs)} x {steps}"}
 
 
 def logits_difference(ours: Transformer, hf, s: dict) -> dict:
     """Both models on one random prompt: the weights are shared, so the logits must agree (to bf16 noise)."""
     tokens = torch.randint(0, ours.args.vocab_size, (1, 64), device=s["device"])
-    with torch.no_grad(), torch.autocast(s["device"].type, dtype=s["dtype"], enabled=s["dtype"] != torch.float32):
+    with torch.no_grad(), autocast(s):
         a, b = ours(tokens).float(), hf(tokens).logits.float()
     return {"max_abs_diff": round((a - b).abs().max().item(), 4), "logit_std": round(b.std().item(), 4),
             "same_argmax": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 3)}
 
 
-def skip_reason(args: ModelArgs, method: str, batch: int, context: int, s: dict) -> str | None:
+def does_not_fit(args: ModelArgs, offload: bool, batch: int, context: int, s: dict) -> str | None:
+    """The planner's verdict: a reason when the cache cannot fit (GPU, or pinned host memory), else None."""
     dtype_bytes = torch.empty((), dtype=s["dtype"]).element_size()
-    p = plan_generation(args, batch, context, dtype_bytes, s["gpu"], offload=method == "offload")
+    p = plan_generation(args, batch, context, dtype_bytes, s["gpu"], offload=offload)
     if s["device"].type == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
         if p.gpu_bytes > 0.92 * total:
-            return f"planner: needs {p.gpu_bytes / GIB:.1f} GiB of GPU memory before activations ({total / GIB:.0f})"
-    if p.cpu_cache_bytes > 0.8 * host_available_bytes():
-        return f"planner: needs {p.cpu_cache_bytes / GIB:.1f} GiB of pinned host memory " \
-               f"({host_available_bytes() / GIB:.0f} available)"
+            return f"weights + cache {p.gpu_bytes / GIB:.1f} GiB > 92% of {total / GIB:.0f} GiB GPU memory"
+    if p.cpu_cache_bytes > 0.7 * host_available_bytes():  # pinned pages cannot be swapped: leave headroom
+        return f"pinned cache {p.cpu_cache_bytes / GIB:.1f} GiB > 70% of {host_available_bytes() / GIB:.0f} " \
+               "GiB available host memory"
     return None
 
 
-def run_case(ours, hf, name, args, method, batch, context, s) -> dict:
+def run_case(ours, hf, name: str, args: ModelArgs, method: str, batch: int, context: int, s: dict) -> dict:
     row = {"model": name, "batch": batch, "context": context, "method": method}
     dtype_bytes = torch.empty((), dtype=s["dtype"]).element_size()
     plan = plan_generation(args, batch, context, dtype_bytes, s["gpu"], offload=method == "offload")
     row["plan_decode_tok_s"] = round(plan.decode_tokens_per_s, 1)
     if method == "gpu+graph" and s["device"].type != "cuda":
-        return {**row, "status": "skipped: CUDA graphs need a GPU"}
+        row["note"] = "no CUDA: the fixed-shape step runs eagerly"
     if method == "hf" and hf is None:
         return {**row, "status": "skipped: transformers is not installed"}
-    reason = skip_reason(args, method, batch, context, s)
+    reason = does_not_fit(args, method == "offload", batch, context, s)
     if reason:
-        return {**row, "status": f"skipped: {reason}"}
-    new = s["new_tokens"]["offload" if method == "offload" else ("hf" if method == "hf" else "gpu")]
+        return {**row, "status": f"does not fit (predicted): {reason}"}
     try:
-        result = run_hf(hf, batch, context, new, s["device"]) if method == "hf" else \
-            run_ours(ours, method, batch, context, new, s)
+        result = run_hf(hf, batch, context, s) if method == "hf" else run_ours(ours, method, batch, context, s)
         row.update(status="ok", **{k: round(v, 1) if isinstance(v, float) else v for k, v in result.items()})
     except Exception as e:  # noqa: BLE001 - one case's failure must not end the run; it is reported
-        row["status"] = "OOM" if is_oom(e) else f"error: {type(e).__name__}: {str(e)[:300]}"
-        if not is_oom(e):
-            traceback.print_exc()
+        row["status"] = failure(e)
     if s["device"].type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     free_memory()
@@ -254,116 +332,173 @@ def run_case(ours, hf, name, args, method, batch, context, s) -> dict:
 
 
 def fits(model: Transformer, context: int, offload: bool, s: dict) -> None:
-    """A cache of `context` positions and a decode step at its last position (batch 1)."""
-    cache = synthetic_cache(model, 1, context, offload, context - 1, s)
-    with torch.no_grad(), torch.autocast(s["device"].type, dtype=s["dtype"], enabled=s["dtype"] != torch.float32):
-        forward_last(model, torch.zeros(1, 1, dtype=torch.long, device=s["device"]),
-                     torch.full((1, 1), context - 1, device=s["device"]), cache)
-    sync(s["device"])
+    """A cache of `context` positions (batch 1) and a decode step at its last position."""
+    dev = s["device"]
+    cache = make_cache(model, 1, context, s["dtype"], offload, 0)
+    cache.set_prompt_mask(torch.ones(1, 1, dtype=torch.bool, device=dev))
+    cache.length = context - 1  # claims the positions before the last (not written: memory and a step only)
+    if offload:
+        cache.fetch(0)
+    else:
+        cache.pos.fill_(context - 1)
+    with torch.no_grad(), autocast(s):
+        forward_last(model, torch.zeros(1, 1, dtype=torch.long, device=dev),
+                     torch.full((1, 1), context - 1, device=dev), cache)
+    sync(dev)
     if offload:
         cache.synchronize()
 
 
-def longest_context(model: Transformer, args: ModelArgs, offload: bool, start: int, s: dict, deadline: float) -> dict:
-    """Double the context from `start` until it fails; the last that worked, and why the search stopped."""
-    best, ctx, low, cap = None, start, s["search"][0], s["search"][1]
-    while True:
-        if ctx > cap:
-            stop = f"cap {cap}"
-            break
-        if time.perf_counter() > deadline:
-            stop = "time budget"
-            break
-        reason = skip_reason(args, "offload" if offload else "gpu", 1, ctx, s) if offload else None
-        if reason:
-            stop = f"{ctx}: {reason}"
-            break
+def planner_limit(args: ModelArgs, offload: bool, s: dict) -> int:
+    """The longest context (a multiple of 1024, at most the cap) that `does_not_fit` accepts at batch 1."""
+    lo, hi = 0, s["search"][1] // 1024
+    while lo < hi:  # the planner is a pure function: a binary search on it costs nothing
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if does_not_fit(args, offload, 1, mid * 1024, s) is None else (lo, mid - 1)
+    return lo * 1024
+
+
+def longest_context(model: Transformer, args: ModelArgs, offload: bool, s: dict, deadline: float,
+                    known: int | None = None) -> dict:
+    """Probe the planner's limit (92% of GPU memory; offload: 70% of available host memory for the pinned
+    cache); if it fails, bisect between the longest known to fit (`known`, else the search's start) and
+    it, to 1/16 of that length. Bounded by a number of probes and the deadline (an offloaded probe pins
+    up to tens of GiB, seconds each). The longest that worked, and why the search stopped."""
+    low, _, max_probes = s["search"]
+    best, probes, tried = known, 0, []
+
+    def probe(n: int) -> bool:
+        nonlocal probes
+        probes += 1
         try:
-            fits(model, ctx, offload, s)
-            best, ctx = ctx, ctx * 2
+            fits(model, n, offload, s)
+            tried.append((n, "ok"))
+            return True
         except Exception as e:  # noqa: BLE001
-            stop = f"{ctx}: " + ("OOM" if is_oom(e) else f"{type(e).__name__}: {str(e)[:200]}")
-            break
+            tried.append((n, failure(e)))
+            return False
         finally:
             free_memory()
-    if best is None and start > low:
-        best = f"< {start} (not searched below)"
-    return {"offload": offload, "longest_context": best, "stopped": stop}
+
+    def budget_left() -> bool:
+        return probes < max_probes and time.perf_counter() < deadline
+
+    limit = planner_limit(args, offload, s)
+    if best is None and limit >= low and budget_left():
+        best = low if probe(low) else None  # nothing known yet: the search's start first
+    if best is not None and limit > best and budget_left():
+        if probe(limit):
+            best = limit
+        else:
+            failed = limit
+            while failed - best > max(1024, best // 16) and budget_left():
+                mid = (best + failed) // 2 // 1024 * 1024
+                if probe(mid):
+                    best = mid
+                else:
+                    failed = mid
+    stop = "; ".join(f"{n}: {r}" for n, r in tried if r != "ok") or \
+        ("reached the planner's limit" if best == limit else "probes or time budget")
+    return {"offload": offload, "longest_context": best, "planner_limit": limit, "known_to_fit": known,
+            "probes": probes, "tried": tried, "stopped": stop}
 
 
-def render(rows: list[dict], search: list[dict]) -> str:
-    lines = [f"{'model':<10} {'batch':>5} {'context':>7} {'method':<9} {'prefill tok/s':>13} {'decode tok/s':>12} "
-             f"{'plan decode':>11} {'peak GiB':>8}  status"]
+def render(kernels: list[dict], rows: list[dict], search: list[dict]) -> str:
+    lines = ["attention kernels (cached attention, GQA shapes):",
+             f"  {'phase':<14} {'batch':>5} {'keys':>6} {'path':<34} {'ms':>9}  without math backend"]
+    for r in kernels:
+        lines.append(f"  {r['phase']:<14} {r['batch']:>5} {r['keys']:>6} {r['path']:<34} "
+                     f"{r.get('ms', r.get('status', '')):>9}  {r.get('without_math', '')}")
+    lines += ["", f"{'model':<10} {'batch':>5} {'context':>7} {'method':<9} {'prefill tok/s':>13} "
+                  f"{'decode tok/s':>12} {'plan decode':>11} {'peak GiB':>8}  status"]
     for r in rows:
         lines.append(f"{r['model']:<10} {r['batch']:>5} {r['context']:>7} {r['method']:<9} "
                      f"{r.get('prefill_tok_s') or '':>13} {r.get('decode_tok_s') or '':>12} "
-                     f"{r['plan_decode_tok_s']:>11} {r.get('peak_gib', ''):>8}  {r['status']}"
-                     + (" (decode only, synthetic cache)" if r.get("note") else ""))
-    lines.append("")
-    lines.append("longest context at batch 1 (doubling):")
+                     f"{r.get('plan_decode_tok_s', ''):>11} {r.get('peak_gib', ''):>8}  {r['status']}"
+                     + (" (decode only: prompt positions claimed, not prefilled)" if "prefill not" in
+                        r.get("note", "") else ""))
+    lines += ["", "longest context at batch 1 (the planner's limit probed, bisection below it on failure; "
+                  "a cache and a decode step at its last position):"]
     for r in search:
+        known = f", {r['known_to_fit']} known from in-GPU" if r["known_to_fit"] else ""
         lines.append(f"  {r['model']:<10} {'offload' if r['offload'] else 'in-GPU':<8} {r['longest_context']}"
-                     f"  (stopped: {r['stopped']})")
+                     f"  (planner's limit {r['planner_limit']}; {r['probes']} probes{known}; "
+                     f"stopped: {r['stopped']})")
     return "\n".join(lines)
+
+
+def save(results: dict, smoke: bool, table: str | None = None) -> Path | None:
+    """The JSON (rewritten after every case, so a killed run keeps what it measured) and the table.
+    Smoke runs (CPU numbers mean nothing) write only under $OUT."""
+    payload = {"env": environment(), "smoke": smoke, **results}
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        if table is not None:
+            (out / "generate_table.txt").write_text(table + "\n")
+    if smoke:
+        if out is not None:
+            (out / "generate_smoke.json").write_text(json.dumps(payload, indent=2))
+        return None
+    return write_result(f"generate_{payload['env']['device'].replace(' ', '-')}.json", payload, out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, small contexts")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="start no case after this many seconds")
+    ap.add_argument("--smoke", "--tiny", action="store_true", help="CPU smoke test: the tiny preset, small contexts")
+    ap.add_argument("--budget-s", type=float, default=390.0, help="start no case or probe after this many seconds")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     ap.add_argument("--no-search", action="store_true", help="skip the longest-context search")
     a = ap.parse_args()
-    s = setup(a.tiny)
+    s = setup(a.smoke)
     methods = [m for m in a.methods.split(",") if m]
+    if unknown := set(methods) - set(METHODS):
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     deadline = time.perf_counter() + a.budget_s
-    rows, search, same_weights = [], [], []
+    results = {"budget_s": a.budget_s, "dtype": str(s["dtype"]), "prefill_chunk": s["chunk"],
+               "decode_steps": s["decode"], "attention_kernels": attention_kernels(s), "cases": [],
+               "longest_context": [], "ours_vs_hf_logits": []}
+    rows, search = results["cases"], results["longest_context"]
+    print(json.dumps(results["attention_kernels"]), flush=True)
+    save(results, a.smoke)
     for name, args in s["models"].items():
         try:
             ours, hf = build_models(args, s["device"], s["dtype"])
-            run_ours(ours, "gpu", 1, 2 * s["chunk"], 4, s)  # warm-up: kernels, cuBLAS handles
+            run_ours(ours, "gpu", 1, 2 * s["chunk"], s)  # warm-up: cuBLAS handles, kernel selection
             if hf is not None and "hf" in methods:
-                run_hf(hf, 1, 2 * s["chunk"], 4, s["device"])
-                same_weights.append({"model": name, **logits_difference(ours, hf, s)})
+                run_hf(hf, 1, 2 * s["chunk"], s)
+                results["ours_vs_hf_logits"].append({"model": name, **logits_difference(ours, hf, s)})
+            free_memory()
         except Exception as e:  # noqa: BLE001
-            rows.append({"model": name, "batch": 0, "context": 0, "method": "build", "plan_decode_tok_s": "",
-                         "status": f"error: {type(e).__name__}: {str(e)[:300]}"})
+            rows.append({"model": name, "batch": 0, "context": 0, "method": "build", "status": failure(e)})
             continue
         for context in s["contexts"]:
             for batch in s["batches"]:
                 for method in methods:
                     if time.perf_counter() > deadline:
                         rows.append({"model": name, "batch": batch, "context": context, "method": method,
-                                     "plan_decode_tok_s": "", "status": "skipped: time budget"})
+                                     "status": "skipped: time budget"})
                         continue
                     rows.append(run_case(ours, hf, name, args, method, batch, context, s))
                     print(json.dumps(rows[-1]), flush=True)
+                    save(results, a.smoke)
         if not a.no_search:
             del hf
             free_memory()
-            gpu = longest_context(ours, args, False, s["search"][0], s, deadline)
-            # Offload usually holds at least what fits in the GPU: start at the in-GPU result (saves
-            # pinning every smaller size; a failure there is reported as "< start").
-            start = gpu["longest_context"] if isinstance(gpu["longest_context"], int) else s["search"][0]
-            search += [{"model": name, **gpu}, {"model": name, **longest_context(ours, args, True, start, s, deadline)}]
+            gpu = longest_context(ours, args, False, s, deadline)
+            # What fits in the GPU fits offloaded (less GPU memory): the offload search starts above it,
+            # which saves pinning every smaller size.
+            off = longest_context(ours, args, True, s, deadline, known=gpu["longest_context"])
+            search += [{"model": name, **gpu}, {"model": name, **off}]
             print(json.dumps(search[-2:]), flush=True)
+            save(results, a.smoke)
         del ours
         free_memory()
-    table = render(rows, search)
+    table = render(results["attention_kernels"], rows, search)
     print(table)
-    payload = {"env": environment(), "tiny": a.tiny, "cases": rows, "longest_context": search,
-               "ours_vs_hf_logits": same_weights,
-               "budget_s": a.budget_s, "dtype": str(s["dtype"]), "prefill_chunk": s["chunk"]}
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "generate_table.txt").write_text(table + "\n")
-    if a.tiny:
-        if out is not None:
-            (out / "generate_tiny.json").write_text(json.dumps(payload, indent=2))
-    else:
-        device = payload["env"]["device"].replace(" ", "-")
-        print(f"written: {write_result(f'generate_{device}.json', payload, out)}")
+    path = save(results, a.smoke, table)
+    if path is not None:
+        print(f"written: {path}")
 
 
 if __name__ == "__main__":

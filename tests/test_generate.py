@@ -8,7 +8,12 @@ import torch
 
 from tracetrain.config import DataSection
 from tracetrain.data import ByteTokenizer
-from tracetrain.models.generate import GenerationRequest, generate_batch, generate_jsonl, read_prompts_jsonl
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+from tracetrain.models.attention import cached_attention, lower_right_causal_mask
+from tracetrain.models.generate import (GenerationRequest, forward_last, generate_batch, generate_jsonl, left_pad,
+                                        make_cache, read_prompts_jsonl)
+from tracetrain.models.kv_cache import causal_valid_mask
 from tracetrain.models.llama import ModelArgs, Transformer
 
 NEVER = -1  # an EOS id the model cannot sample: rows run to their budget
@@ -81,18 +86,117 @@ def test_chunked_prefill_and_full_recompute(model):
         assert seq[len(prompt):] == result.tokens
 
 
-def test_decode_step_has_static_shapes(model):
-    """What CUDA-graph capture needs: every decode step sees the same mask and K/V shapes."""
+def _record_attention(monkeypatch):
+    """Wrap the model's cached attention: (q shape, k shape, mask shape or 'causal') per call."""
+    import tracetrain.models.llama as llama
+    from tracetrain.models.attention import cached_attention, lower_right_causal_mask
     seen = []
-    core = model.layers[0].self_attn.attn_core
-    handle = core.register_forward_pre_hook(lambda m, a: seen.append((tuple(a[1].shape), tuple(a[3].shape))))
-    try:
-        generate_batch(model, [GenerationRequest(p, 6) for p in PROMPTS[:2]], NEVER, 0)
-    finally:
-        handle.remove()
-    max_len = len(PROMPTS[0]) + 6
-    assert seen[0] == ((2, 2, 9, 16), (2, 1, 9, 9))  # prefill: the written positions only
-    assert set(seen[1:]) == {((2, 2, max_len, 16), (2, 1, 1, max_len))}  # 5 decode steps, one shape
+
+    def wrapper(q, k, v, mask):
+        seen.append((tuple(q.shape), tuple(k.shape), "causal" if isinstance(mask, CausalBias) else tuple(mask.shape)))
+        return cached_attention(q, k, v, mask)
+    monkeypatch.setattr(llama, "cached_attention", wrapper)
+    return seen
+
+
+def test_decode_step_shapes_and_masks(model, monkeypatch):
+    """A graph-ready step (cuda_graph; eager on CPU) reads all max_len positions with a dense mask at every
+    step; an eager step reads the written positions; an unpadded batch attends with no mask tensor."""
+    seen = _record_attention(monkeypatch)
+    max_len, layers = len(PROMPTS[0]) + 6, model.args.n_layers
+    generate_batch(model, [GenerationRequest(p, 6) for p in PROMPTS[:2]], NEVER, 0, cuda_graph=True)
+    calls = seen[::layers]
+    assert calls[0] == ((2, 4, 9, 16), (2, 2, 9, 16), (2, 1, 9, 9))  # prefill: the written positions only
+    assert set(calls[1:]) == {((2, 4, 1, 16), (2, 2, max_len, 16), (2, 1, 1, max_len))}  # 5 decode steps
+    seen.clear()
+    generate_batch(model, [GenerationRequest(p, 6) for p in PROMPTS[:2]], NEVER, 0)
+    assert [c[1][2] for c in seen[::layers]] == [9, 10, 11, 12, 13, 14] and seen[-1][2] == (2, 1, 1, 14)
+    seen.clear()
+    generate_batch(model, [GenerationRequest(p, 6) for p in (PROMPTS[0], PROMPTS[0][::-1])], NEVER, 0,
+                   prefill_chunk=4)
+    assert {c[2] for c in seen} == {"causal"} and [c[1][2] for c in seen[::layers]] == [4, 8, 9, 10, 11, 12, 13, 14]
+
+
+def _reference_attention(q, k, v, mask):
+    """Float64 attention with K/V repeated to every query head: the definition, (batch, heads, s, head_dim)."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(n_rep, 1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).float()
+
+
+@pytest.mark.parametrize("n_rep", [1, 2, 4])
+@pytest.mark.parametrize("s", [1, 5])
+@pytest.mark.parametrize("kind", ["padded", "causal"])
+def test_cached_attention_matches_reference(n_rep, s, kind):
+    """Grouped decode/prefill (dense mask) and the mask-free path (CausalBias) against float64 math; q, k
+    and v laid out as the model and the caches hand them over (non-contiguous views)."""
+    torch.manual_seed(n_rep * 10 + s)
+    batch, kv_heads, head_dim, cached, max_len = 3, 2, 16, 7, 20
+    keys = cached + s
+    q = torch.randn(batch, s, kv_heads * n_rep, head_dim).transpose(1, 2)
+    store = torch.randn(2, batch, kv_heads, max_len, head_dim)
+    k, v = store[0, :, :, :keys], store[1, :, :, :keys]
+    valid = torch.ones(batch, max_len, dtype=torch.bool)
+    if kind == "padded":
+        valid[0, :3] = False  # rows 0 and 1 left-padded
+        valid[1, :1] = False
+    dense = causal_valid_mask(valid, torch.arange(cached, keys), keys)  # (batch, 1, s, keys)
+    mask = dense if kind == "padded" else causal_lower_right(s, keys)
+    out = cached_attention(q, k, v, mask)
+    assert out.shape == (batch, kv_heads * n_rep, s, head_dim)
+    torch.testing.assert_close(out, _reference_attention(q, k, v, dense), atol=2e-6, rtol=1e-5)
+    if kind == "padded":  # a fixed-shape decode step also reads unwritten positions, masked
+        wide = causal_valid_mask(valid, torch.arange(cached, keys), max_len)
+        out = cached_attention(q, store[0], store[1], wide)
+        torch.testing.assert_close(out, _reference_attention(q, store[0], store[1], wide), atol=2e-6, rtol=1e-5)
+
+
+def test_lower_right_causal_mask_is_causal_bias():
+    """The dense mask used for GQA in fp32 on CUDA (no flash there) is the CausalBias it replaces."""
+    for s, keys in [(1, 1), (1, 6), (4, 4), (3, 9)]:
+        expected = causal_lower_right(s, keys)._materialize(torch.device("cpu"))
+        assert torch.equal(lower_right_causal_mask(s, keys, torch.device("cpu"))[0, 0], expected)
+
+
+def _decode_logits(model, prompts, steps, chunk, **cache_options):
+    """Prefill (in chunks) and greedy decode straight on a cache; per-step logits (steps, batch, vocab)."""
+    tokens, valid, positions = left_pad(prompts, 0, torch.device("cpu"))
+    cache = make_cache(model, len(prompts), tokens.shape[1] + steps, torch.float32, **cache_options)
+    cache.set_prompt_mask(valid)
+    out = []
+    with torch.no_grad():
+        for a in range(0, tokens.shape[1], chunk):
+            logits = forward_last(model, tokens[:, a:a + chunk], positions[:, a:a + chunk], cache)
+        pos = positions[:, -1:] + 1
+        for _ in range(steps):
+            out.append(logits)
+            logits, pos = forward_last(model, logits.argmax(-1, keepdim=True), pos, cache), pos + 1
+    return torch.stack(out)
+
+
+CACHES = {"static": dict(kv_offload=False, gpu_window=0), "fixed-shape": dict(kv_offload=False, gpu_window=0,
+          fixed_shape=True), "offload": dict(kv_offload=True, gpu_window=3)}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("prompts", [PROMPTS, [PROMPTS[0], PROMPTS[0][::-1]]], ids=["padded", "same-length"])
+def test_gqa_generation_matches_cache_free_recompute(cache, prompts):
+    """GQA ratio 4, prompts of different lengths (dense-mask kernels) or of one length (mask-free kernels),
+    chunked prefill: every row's greedy tokens equal a cache-free full recompute of that row alone, and
+    its logits agree within fp32 rounding."""
+    torch.manual_seed(1)
+    gqa = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=128, vocab_size=97)).eval()
+    steps = 5
+    logits = _decode_logits(gqa, prompts, steps, chunk=4, **CACHES[cache])
+    for row, prompt in enumerate(prompts):
+        seq = list(prompt)
+        with torch.no_grad():
+            for t in range(steps):
+                expected = gqa(torch.tensor([seq]))[0, -1]  # training attention path (is_causal), no cache
+                torch.testing.assert_close(logits[t, row], expected, atol=1e-5, rtol=1e-5)
+                assert int(logits[t, row].argmax()) == int(expected.argmax())
+                seq.append(int(expected.argmax()))
 
 
 def test_sampling_is_seeded_and_timings_are_filled(model):
@@ -152,3 +256,24 @@ def test_cli_prompts_file_end_to_end(tmp_path):
         outs.append([json.loads(x) for x in out.read_text().splitlines()])
     assert outs[0] == outs[1] and [o["prompt"] for o in outs[0]] == ["reverse: abc", "upper: q"]
     assert all(o["finish_reason"] in ("eos", "stop", "length") for o in outs[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks which SDPA kernels take the calls")
+@pytest.mark.parametrize("s", [1, 64])
+@pytest.mark.parametrize("kind", ["padded", "causal"])
+def test_cached_attention_runs_without_math_fallback_on_cuda(s, kind):
+    """Llama-3 shapes (GQA ratio 4, head_dim 128) in bf16 with the math backend disabled: SDPA raises
+    "No available kernel" if a call would need it. Results against float64 math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    dev, batch, cached = torch.device("cuda"), 2, 1000
+    keys = cached + s
+    q = torch.randn(batch, s, 32, 128, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = torch.randn(2, batch, 8, keys + 24, 128, device=dev, dtype=torch.bfloat16)[:, :, :, :keys].unbind(0)
+    valid = torch.ones(batch, keys, dtype=torch.bool, device=dev)
+    valid[0, :17] = kind != "padded"
+    dense = causal_valid_mask(valid, torch.arange(cached, keys, device=dev), keys)
+    mask = dense if kind == "padded" else causal_lower_right(s, keys)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        out = cached_attention(q, k, v, mask)
+    torch.testing.assert_close(out.float(), _reference_attention(q, k, v, dense), atol=2e-2, rtol=2e-2)

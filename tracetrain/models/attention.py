@@ -15,6 +15,9 @@ per batch, shared by every layer), or None for unpacked rows.
 
 FlexAttention needs CUDA for training: in torch 2.13 its CPU path runs the forward only (eager,
 materialising the scores) and raises on backward, so "auto" picks "flex" only on CUDA with packed rows.
+
+Generation with a KV cache does not go through `attn_core`: `cached_attention` takes the mask the cache
+built and picks a kernel that handles grouped-query heads (GQA) without the math fallback (see there).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias
 
 AttentionBackend = Literal["auto", "sdpa", "flex"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
@@ -35,6 +39,64 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """SDPA with a dense bool mask, or causal when there is none (lets SDPA pick the flash kernel)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | CausalBias) -> torch.Tensor:
+    """Attention of a forward with a KV cache: q (batch, heads, s, head_dim), k/v (batch, kv_heads, keys,
+    head_dim), `mask` from the cache's `attention_mask(s)`.
+
+    SDPA's kernels (torch 2.11, CUDA): flash takes GQA but no mask and no non-square causal; the
+    memory-efficient kernel takes a mask but not GQA; anything else falls to the math backend, which
+    copies K/V to every query head and materialises the scores (slow, and gigabytes at 32k context).
+    So the cache says what the attention needs and this picks the kernel:
+
+    - a `CausalBias` (no row is padded, the keys are exactly the written positions): lower-right causal.
+      s == 1 needs no mask at all (flash's decode path, split over the keys); s > 1 goes through
+      `CausalBias`, which runs flash with bottom-right causal alignment (GQA native).
+    - a dense bool mask (batch, 1, s, keys) (left padding, or a fixed-shape decode step that also reads
+      unwritten positions): `grouped_masked_attention`, with as many query heads as K/V heads, so the
+      memory-efficient kernel takes it.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, CausalBias):
+        if not gqa or q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16):
+            if mask.seq_len_q == 1:  # one query at the last position sees every key
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        # GQA in fp32 on CUDA: flash does not run fp32, so SDPA would take its math backend
+        mask = lower_right_causal_mask(mask.seq_len_q, mask.seq_len_kv, q.device)
+    return grouped_masked_attention(q, k, v, mask)
+
+
+def lower_right_causal_mask(s: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, s, keys) bool: query i (the last s of `keys` positions) sees keys up to keys - s + i."""
+    return torch.ones(s, keys, dtype=torch.bool, device=device).tril(keys - s)[None, None]
+
+
+def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with a dense bool mask (batch, 1, s, keys) and K/V heads shared by groups of query heads, with
+    no copy of K/V: every call sees as many query heads as K/V heads (exact, not an approximation).
+
+    Decode (s == 1): the n_rep query heads of a K/V head become n_rep query rows of that head,
+    q (batch, kv_heads, n_rep, head_dim); the one mask row broadcasts over them, and K/V are read once.
+    Prefill (s > 1): rows (n_rep x s) would need the mask repeated n_rep times, so instead one call per
+    position in the group, each on query heads g, g + n_rep, ... (a strided view); the bool mask is
+    turned into an additive one once, not once per call.
+    """
+    b, h, s, d = q.shape
+    num_kv_heads = k.shape[1]
+    n_rep = h // num_kv_heads
+    if n_rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if s == 1:
+        out = F.scaled_dot_product_attention(q.reshape(b, num_kv_heads, n_rep, d), k, v, attn_mask=mask)
+        return out.reshape(b, h, 1, d)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out = q.new_empty(b, h, s, d)
+    for g in range(n_rep):
+        out[:, g::n_rep] = F.scaled_dot_product_attention(q[:, g::n_rep], k, v, attn_mask=bias)
+    return out
 
 
 class SDPACore(nn.Module):

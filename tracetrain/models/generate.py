@@ -6,13 +6,19 @@ ids count only real tokens, so each row generates what it would alone (greedy, f
 batch of one; with sampling the rows share one random generator).
 
 One forward per new token, on a cache from `kv_cache.py`:
-- in-GPU (`StaticKVCache`): the decode step has fixed shapes and reads its write position from a device
-  tensor, so `cuda_graph=True` can capture it once and replay it for every token (CUDA only);
+- in-GPU (`StaticKVCache`): eager decode steps read the positions written so far; with `cuda_graph=True`
+  the step has fixed shapes and reads its write position from a device tensor, so it is captured once
+  and replayed for every token (CUDA only);
 - offloaded (`kv_offload=True`, `OffloadedKVCache`): K/V in pinned CPU memory, streamed layer by layer
   through two GPU staging buffers; `gpu_window` keeps the most recent positions resident.
 
-The prompt is prefilled in chunks of `prefill_chunk` tokens (bounds the activations and the dense mask of
-a long prompt), and only the last position goes through the output head.
+The prompt is prefilled in chunks of `prefill_chunk` tokens (bounds the activations and, with padding,
+the dense mask of a long prompt), and only the last position goes through the output head.
+
+Attention kernel (`attention.cached_attention`): a batch without left padding attends with no mask
+tensor (flash, GQA included, for prefill chunks and eager decode steps); left padding or a fixed-shape
+graphed step needs a dense mask, and then the query heads of each K/V head are grouped so that SDPA's
+memory-efficient kernel runs (no K/V copy, no math fallback).
 
 Host synchronisation: the host reads each sampled token to check EOS, stop strings and budgets. It
 enqueues the next decode step before it waits for the token, so the device computes step t + 1 while the
@@ -141,6 +147,7 @@ class GraphedDecodeStep:
     """
 
     def __init__(self, model: Transformer, cache: StaticKVCache, batch: int, device: torch.device) -> None:
+        assert cache.fixed_shape, "a captured decode step needs a fixed-shape cache"
         self.model, self.cache = model, cache
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -175,11 +182,12 @@ class GraphedDecodeStep:
 
 
 def make_cache(model: Transformer, batch: int, max_len: int, dtype: torch.dtype, kv_offload: bool,
-               gpu_window: int) -> StaticKVCache | OffloadedKVCache:
+               gpu_window: int, fixed_shape: bool = False) -> StaticKVCache | OffloadedKVCache:
+    """The cache `generate_batch` uses; `fixed_shape` (in-GPU only) for a CUDA-graph decode step."""
     device = model.embed_tokens.weight.device
     if kv_offload:
         return OffloadedKVCache(model.args, batch, max_len, device, dtype, gpu_window)
-    return StaticKVCache(model.args, batch, max_len, device, dtype)
+    return StaticKVCache(model.args, batch, max_len, device, dtype, fixed_shape)
 
 
 def _sync(device: torch.device) -> float:
@@ -198,8 +206,9 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
 
     `decode` (ids -> text) is needed for stop strings and fills `GenerationResult.text`. `dtype`: the
     autocast and cache dtype (default: the model's). `cuda_graph` (CUDA, in-GPU cache only) replays the
-    decode step as a graph. `timings`, when given, receives prefill_s, decode_s (decode steps after the
-    first, which includes graph capture), decode_steps and prefill_tokens; it adds two device syncs.
+    decode step as a graph (on CPU the step runs eagerly, with the graph's fixed shapes). `timings`, when
+    given, receives prefill_s, decode_s (decode steps after the first, which includes graph capture),
+    decode_steps and prefill_tokens; it adds two device syncs.
     """
     if any(r.stop for r in requests) and decode is None:
         raise ValueError("stop strings need `decode` (token ids -> text)")
@@ -217,8 +226,8 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
         return [row.result() for row in rows]
     tokens, valid, positions = left_pad([r.prompt for r in requests], pad_id, device)
     batch, longest = tokens.shape
-    cache = make_cache(model, batch, longest + num_steps, dtype, kv_offload, gpu_window)
-    cache.valid[:, :longest] = valid
+    cache = make_cache(model, batch, longest + num_steps, dtype, kv_offload, gpu_window, fixed_shape=cuda_graph)
+    cache.set_prompt_mask(valid)
     graphed = cuda_graph and device.type == "cuda"
     step = GraphedDecodeStep(model, cache, batch, device) if graphed else \
         (lambda t, p, c: forward_last(model, t, p, c))

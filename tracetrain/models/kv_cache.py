@@ -2,11 +2,16 @@
 `layers[i].update(k, v) -> (k_all, v_all)`, `attention_mask(s)`, `advance(s)`, `length`, `max_len` and a
 `valid` (batch, max_len) bool mask that marks left padding.
 
-- `StaticKVCache`: the whole cache on the compute device, like `llama.KVCache`, but a decode step
-  (s == 1) has fixed shapes: it reads all `max_len` positions (unwritten ones are zeros and masked out)
-  and finds its write position in a device tensor (`pos`), so the step needs no host value that
-  changes from token to token and can be captured as a CUDA graph. A prefill chunk (s > 1) attends only
-  to the `length + s` positions written so far.
+The mask a cache hands the attention (`attention_mask(s)`, read by `attention.cached_attention`) is what
+decides the kernel: when no row is left-padded (`set_prompt_mask` notes that on the host, once per
+batch) and the attention reads exactly the positions written so far, it is a lower-right `CausalBias`
+and no mask tensor exists (flash kernels, GQA included); otherwise a dense bool mask (batch, 1, s, keys).
+
+- `StaticKVCache`: the whole cache on the compute device, like `llama.KVCache`. With `fixed_shape`
+  (what a CUDA graph needs) a decode step (s == 1) reads all `max_len` positions (unwritten ones are
+  zeros and masked out) and finds its write position in a device tensor (`pos`), so the step needs no
+  host value that changes from token to token and can be captured. Without it, and for every prefill
+  chunk (s > 1), the attention reads only the `length + s` positions written so far.
 
 - `OffloadedKVCache`: every layer's K/V live in (pinned) CPU memory; a forward streams them through two
   GPU staging buffers. Timeline of one forward, layer i using staging buffer i % 2:
@@ -38,6 +43,7 @@ import math
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from tracetrain.models.llama import ModelArgs
 
@@ -50,6 +56,42 @@ def causal_valid_mask(valid: torch.Tensor, q_pos: torch.Tensor, num_keys: int) -
     causal = k_pos[None, :] <= q_pos[:, None]  # (s, num_keys)
     own = k_pos[None, :] == q_pos[:, None]
     return ((causal[None] & valid[:, None, :num_keys]) | own[None]).unsqueeze(1)
+
+
+class CacheMask:
+    """What both caches share: the valid mask of left padding and the attention mask of a forward.
+
+    Subclasses set `valid` (batch, max_len) bool, `length` and `max_len`, and may override `num_keys`
+    and `query_positions`."""
+
+    valid: torch.Tensor
+    length: int
+    max_len: int
+    padded: bool = True  # host flag; until `set_prompt_mask` says otherwise, assume padding
+
+    def set_prompt_mask(self, valid: torch.Tensor) -> None:
+        """(batch, prompt_len) bool, False at left padding. Notes on the host whether any row is padded
+        (one device sync, before the prefill): unpadded batches attend without a mask tensor."""
+        self.valid[:, :valid.shape[1]] = valid
+        self.padded = not bool(valid.all())
+
+    def num_keys(self, s: int) -> int:
+        """Keys the attention of an s-token forward reads: the positions written so far."""
+        return self.length + s
+
+    def query_positions(self, s: int) -> torch.Tensor:
+        return torch.arange(self.length, self.length + s, device=self.valid.device)
+
+    def attention_mask(self, s: int) -> torch.Tensor | CausalBias:
+        """A lower-right `CausalBias` (s, keys) when no row is padded and the keys are exactly the written
+        positions; else a dense (batch, 1, s, keys) bool mask (`causal_valid_mask`)."""
+        end = self.length + s
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; {end} requested")
+        num_keys = self.num_keys(s)
+        if not self.padded and num_keys == end:
+            return causal_lower_right(s, num_keys)
+        return causal_valid_mask(self.valid, self.query_positions(s), num_keys)
 
 
 class StaticKVLayer:
@@ -67,11 +109,12 @@ class StaticKVLayer:
         return self.k[:, :, :n], self.v[:, :, :n]
 
 
-class StaticKVCache:
-    """Whole cache on the compute device; decode steps have static shapes (module docstring)."""
+class StaticKVCache(CacheMask):
+    """Whole cache on the compute device; with `fixed_shape`, decode steps have static shapes (module
+    docstring)."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, fixed_shape: bool = False) -> None:
         shape = (batch, args.n_kv_heads, max_len, args.head_dim)
         # Zeros, not empty: a decode step reads unwritten positions too (masked, but 0 * NaN = NaN).
         self.layers = [StaticKVLayer(self, torch.zeros(shape, device=device, dtype=dtype),
@@ -80,16 +123,14 @@ class StaticKVCache:
         self.length = 0  # host copy of the write position: bounds checks and prefill slicing
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # what a captured step reads
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        self.fixed_shape = fixed_shape
 
     def num_keys(self, s: int) -> int:
-        """Keys the attention sees: all of them for a decode step (fixed shape), else those written."""
-        return self.max_len if s == 1 else self.length + s
+        """Keys the attention sees: all of them for a fixed-shape decode step, else those written."""
+        return self.max_len if s == 1 and self.fixed_shape else self.length + s
 
-    def attention_mask(self, s: int) -> torch.Tensor:
-        if self.length + s > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens; {self.length + s} requested")
-        q_pos = self.pos + torch.arange(s, device=self.valid.device)
-        return causal_valid_mask(self.valid, q_pos, self.num_keys(s))
+    def query_positions(self, s: int) -> torch.Tensor:
+        return self.pos + torch.arange(s, device=self.valid.device)  # device value: right on graph replay
 
     def advance(self, s: int) -> None:
         self.length += s
@@ -146,7 +187,7 @@ class OffloadedKVLayer:
         return tuple(buf[:end].permute(1, 2, 0, 3) for buf in stage)  # (batch, kv_heads, end, head_dim)
 
 
-class OffloadedKVCache:
+class OffloadedKVCache(CacheMask):
     """K/V in (pinned) CPU memory, streamed through two staging buffers; see the module docstring."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype,
@@ -210,13 +251,6 @@ class OffloadedKVCache:
         with self._on_copy_stream():
             for dst, buf in zip(self.store[i], stage):
                 dst[start:end].copy_(buf[start:end], non_blocking=True)
-
-    def attention_mask(self, s: int) -> torch.Tensor:
-        end = self.length + s
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens; {end} requested")
-        q_pos = torch.arange(self.length, end, device=self.valid.device)
-        return causal_valid_mask(self.valid, q_pos, end)
 
     def advance(self, s: int) -> None:
         self.length += s

@@ -14,7 +14,8 @@ attend only to earlier tokens of the same document (a block-diagonal causal mask
 Seams for speed transforms (tracetrain/kernels, tracetrain/models/attention.py), so that no model code
 branches on an optimisation: `Transformer.mask_fn` turns document ids into whatever the attention
 backend needs (a dense bool mask by default, a FlexAttention BlockMask after `apply_attention`),
-`Attention.attn_core` is the attention kernel behind the projections (SDPA by default), and
+`Attention.attn_core` is the attention kernel behind the projections (SDPA by default; a forward with a
+KV cache uses `attention.cached_attention` instead, whose kernel choice follows the cache's mask), and
 `Attention.rope_fn` applies the rotary embedding to q and k together (a fused kernel can replace it).
 """
 
@@ -28,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tracetrain.models.attention import SDPACore
+from tracetrain.models.attention import SDPACore, cached_attention
 
 if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
     from torch.nn.attention.flex_attention import BlockMask
 
 
@@ -137,15 +139,18 @@ class Attention(nn.Module):
         self.attn_core: nn.Module = SDPACore()  # (q, k, v, mask) -> (batch, heads, seq, head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | CausalBias | None,
+                cache: "KVCacheLayer | None" = None) -> torch.Tensor:
         b, s, _ = x.shape  # (batch, seq, dim)
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rope_fn(q, k, cos, sin)
-        if cache is not None:
+        if cache is not None:  # generation: the cache's mask picks a GQA-capable kernel (attention.py)
             k, v = cache.update(k, v)  # (batch, kv_heads, cached + seq, head_dim)
-        out = self.attn_core(q, k, v, mask)  # (batch, heads, seq, head_dim)
+            out = cached_attention(q, k, v, mask)  # (batch, heads, seq, head_dim)
+        else:
+            out = self.attn_core(q, k, v, mask)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -169,7 +174,8 @@ class TransformerBlock(nn.Module):
         self.mlp = FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None, cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | CausalBias | None,
+                cache: "KVCacheLayer | None" = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
