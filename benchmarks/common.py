@@ -67,7 +67,7 @@ def run_peer(peer_script: Path, args: list[str]) -> dict | None:
     return {"error": "out of memory" if "OutOfMemory" in tail else tail}
 
 
-def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict:
+def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int, cap_gib: float | None = None) -> dict:
     """Build model, optimizer and transforms exactly as `tracetrain train` does for `cfg`, then time
     `train_step` on random full-length rows (median over `steps` after `warmup`). Peak memory counts
     the steps only (the stats are reset after the build)."""
@@ -102,8 +102,19 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict
     warmup_peak = torch.cuda.max_memory_allocated()
     # What a step starts from (weights, optimizer states): peak minus this is the step's activations.
     base = torch.cuda.memory_allocated()
+    if cap_gib is not None:
+        # Timed steps under a hard cap on what the caching allocator may hold: a step that needs more
+        # raises OutOfMemoryError; memory a side stream still reads is waited for (the allocator syncs
+        # on its events) before that, so the throughput under the cap includes any such stall.
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
     torch.cuda.reset_peak_memory_stats()
-    times = time_steps(lambda: train_step(model, opt, micro, ctx), 0, steps)
+    try:
+        times = time_steps(lambda: train_step(model, opt, micro, ctx), 0, steps)
+    finally:
+        if cap_gib is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
     # "active" also counts memory freed while a side stream still reads it (record_stream): the
     # allocator cannot reuse it yet, but "allocated" already dropped it.
     step_active_peak = torch.cuda.memory_stats()["active_bytes.all.peak"]
@@ -119,7 +130,8 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int) -> dict
               "mfu": tokens_per_s * flops.model / peak if peak else None,
               "peak_gib": max(warmup_peak, torch.cuda.max_memory_allocated()) / 2**30,
               "base_gib": base / 2**30, "step_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-              "step_active_peak_gib": step_active_peak / 2**30, "activation_gib": (step_active_peak - base) / 2**30}
+              "step_active_peak_gib": step_active_peak / 2**30, "activation_gib": (step_active_peak - base) / 2**30,
+              "cap_gib": cap_gib, "step_reserved_peak_gib": torch.cuda.max_memory_reserved() / 2**30}
     if hasattr(opt, "close"):
         opt.close()
     del model, opt, micro, rows, offload

@@ -17,7 +17,11 @@ activation memory ("act vs bf16" <= 0.60).
   python3 benchmarks/memory.py [--only 1b-full,offload] [--steps 10]
 
 `--only` takes model keys and/or "offload" (the offload rows with their bf16 and full-recompute
-references only: the quick check of activation offload, ~7 minutes on an H100).
+references only: the quick check of activation offload, ~3 minutes per model on an H100).
+`--cap-activations 0.6` re-runs every streamed-offload row with the caching allocator capped at the
+bf16 row's base + 60% of its activation memory (+ `--cap-slack` GiB): the goal's memory budget made
+hard. A row that needs more raises OOM; one that only needs to wait for its copies to the host to finish
+before the memory is reused pays that wait in its tokens/s.
 """
 
 from __future__ import annotations
@@ -57,13 +61,14 @@ MODELS = {
 EXTRA = {"1b-full": {"optimizer offload": ["--memory.optimizer_offload=true"]}}
 
 
-def run_row(margs: list[str], name: str, sargs: list[str], warmup: int, steps: int) -> dict:
+def run_row(margs: list[str], name: str, sargs: list[str], warmup: int, steps: int,
+            cap_gib: float | None = None) -> dict:
     cfg = load_config(None, [*margs, *sargs, "--data.seq_len=2048", "--data.pack=false",
                              "--train.precision=" + ("fp16" if name == "fp16" else "bf16")])
     try:
-        r = bench_train_step(cfg, 4, 2048, warmup, steps)
+        r = bench_train_step(cfg, 4, 2048, warmup, steps, cap_gib=cap_gib)
     except Exception as e:  # record and go on: one failing switch must not lose the table
-        r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        r = {"error": f"{type(e).__name__}: {str(e)[:200]}", "cap_gib": cap_gib}
     gc.collect()
     # Memory a row leaves behind inflates every later row's peak (its activation column is immune).
     r["leftover_gib"] = torch.cuda.memory_allocated() / 2**30
@@ -89,6 +94,11 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated model keys and/or 'offload' (default: all)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--cap-activations", type=float, default=0.0,
+                    help="also run each streamed-offload row with the allocator capped at the bf16 row's "
+                         "base + this share of its activation memory + --cap-slack GiB (e.g. 0.6: the goal's "
+                         "40%% less activation memory); OOM means it does not fit in that budget")
+    ap.add_argument("--cap-slack", type=float, default=0.5, help="GiB of allocator slack added to the cap")
     a = ap.parse_args()
     only = set(filter(None, a.only.split(",")))
     unknown = only - {*MODELS, "offload"}
@@ -100,15 +110,22 @@ def main() -> None:
         for name, sargs in {**SWITCHES, **EXTRA.get(model, {})}.items():
             if "offload" in only and name not in OFFLOAD_ROWS:
                 continue
-            r = run_row(MODELS[model], name, sargs, a.warmup, a.steps)
-            rows.append({"model": model, "switch": name, **r})
-            print(f"{model} {name}: {r.get('tokens_per_s', 0):,.0f} tok/s, {r.get('peak_gib', 0):.1f} GiB peak, "
-                  f"{r.get('activation_gib', 0):.1f} GiB act, {r['leftover_gib']:.1f} GiB left "
-                  f"{r.get('error', '')}", flush=True)
+            runs = [(name, None)]
+            ref = next((x for x in rows if x["model"] == model and x["switch"] == "bf16" and "base_gib" in x), None)
+            if a.cap_activations > 0 and name.startswith("offload streamed") and ref is not None:
+                cap = ref["base_gib"] + a.cap_activations * ref["activation_gib"] + a.cap_slack
+                runs.append((f"{name} @cap", cap))
+            for label, cap in runs:
+                r = run_row(MODELS[model], name, sargs, a.warmup, a.steps, cap_gib=cap)
+                rows.append({"model": model, "switch": label, **r})
+                print(f"{model} {label}: {r.get('tokens_per_s', 0):,.0f} tok/s, {r.get('peak_gib', 0):.1f} GiB "
+                      f"peak, {r.get('activation_gib', 0):.1f} GiB act, {r['leftover_gib']:.1f} GiB left"
+                      + (f", cap {cap:.1f} GiB" if cap else "") + f" {r.get('error', '')}", flush=True)
     print_table(rows)
     env = environment()
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     suffix = "".join(f"_{key}" for key in sorted(only))  # a partial run does not overwrite the full table
+    suffix += "_capped" if a.cap_activations > 0 else ""
     write_result(f"memory{suffix}_{env['device'].replace(' ', '-')}.json", {**env, "rows": rows}, out)
 
 
