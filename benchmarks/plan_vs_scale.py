@@ -2,6 +2,11 @@
 needed: reads the committed results JSON and plans each case for the GPU it ran on).
 
   python3 benchmarks/plan_vs_scale.py benchmarks/results/scale_NVIDIA-H200.json
+  python3 benchmarks/plan_vs_scale.py benchmarks/results/scale_trainer_NVIDIA-H200.json
+
+A `scale_trainer` result (benchmarks/scale_trainer.py: `tracetrain train` itself under torchrun) is
+planned with the trainer's CUDA defaults instead (packed rows, compile, FlexAttention, fused loss where
+the layout allows it), from that script's CASES table.
 
 Each case is planned from the very overrides scale.py ran it with (its GROUPS table: model, layout,
 micro-batch per data-parallel rank, sequence length), plus what scale.py's `run_case` fixes: no
@@ -19,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import GROUPS  # noqa: E402
+from scale_trainer import CASES as TRAINER_CASES  # noqa: E402
 
 from tracetrain.config import load_config  # noqa: E402
 from tracetrain.plan import plan, plan_input_from_config  # noqa: E402
@@ -37,15 +43,32 @@ def overrides(case: dict) -> list[str] | None:
     return None
 
 
+def trainer_cases(data: dict) -> dict:
+    """A scale_trainer result in plan_vs_scale's shape: the overrides the trainer ran with (its defaults
+    otherwise: packed rows, compile, FlexAttention, fused loss), measured step time and peak."""
+    env = {k: data[k] for k in ("device", "torch", "cuda", "commit", "date") if k in data}
+    cases = []
+    for r in data["rows"]:
+        if r["status"] != "ok":
+            continue
+        gpus, args, micro_batch, _ = TRAINER_CASES[r["case"]]
+        cases.append({"case": r["case"], "gpus": gpus, "peak_gib": r["peak_gib"], "step_s_median": r["step_s_median"],
+                      "args": [*args, "--data.seq_len=2048", f"--train.micro_batch_size={micro_batch}",
+                               "--data.pack=true", "--train.precision=bf16"]})
+    return {"environment": env, "cases": cases}
+
+
 def main(path: str) -> None:
     data = json.loads(Path(path).read_text())
+    if "rows" in data and "cases" not in data:  # benchmarks/scale_trainer.py
+        data = trainer_cases(data)
     env = data["environment"]
     gpu = env["device"]
     rows = []
     print(f"{gpu}, torch {env['torch']}, commit {env['commit']} (measured); planned offline")
     print(f"{'case':<46} {'peak GiB':>8} {'planned':>8} {'err':>7} {'step s':>7} {'planned':>8} {'err':>7}  goal")
     for case in data["cases"]:
-        args = overrides(case)
+        args = case.get("args") or overrides(case)
         if args is None:
             print(f"{case['case'][:46]:<46} not in scale.GROUPS any more: skipped")
             continue
