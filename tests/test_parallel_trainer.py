@@ -29,15 +29,26 @@ def losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     run_cli("train", *ARGS, "--train.micro_batch_size=8", f"--train.output_dir={out}", "--train.run_name=one")
-    return losses(out / "one")
+    return out / "one"
 
 
-@pytest.mark.parametrize("layout", [["--parallel.dp_shard=2"], ["--parallel.tp=2"]], ids=["fsdp2", "tp2"])
-def test_layouts_match_the_single_process_losses(tmp_path, reference, layout):
-    # Same global batch: 8 rows per step, split over the data-parallel ranks (or shared under TP).
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return losses(reference_run)
+
+
+@pytest.fixture(scope="module")
+def reference_eval(reference_run):
+    return json.loads((reference_run / "summary.json").read_text())["eval_loss"]
+
+
+@pytest.mark.parametrize("layout", [["--parallel.dp_shard=2"], ["--parallel.tp=2"], ["--parallel.cp=2"]],
+                         ids=["fsdp2", "tp2", "cp2"])
+def test_layouts_match_the_single_process_losses(tmp_path, reference, reference_eval, layout):
+    # Same global batch: 8 rows per step, split over the data-parallel ranks (or shared under TP / CP).
     per_rank = 4 if "--parallel.dp_shard=2" in layout else 8
     torchrun(2, *ARGS, *layout, f"--train.micro_batch_size={per_rank}", f"--train.output_dir={tmp_path}",
              "--train.run_name=r")
@@ -45,7 +56,11 @@ def test_layouts_match_the_single_process_losses(tmp_path, reference, layout):
     assert len(got) == 4
     assert got == pytest.approx(reference, rel=1e-4)
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and "eval_loss" in summary
+    assert summary["world_size"] == 2
+    assert "eval_loss" in summary
+    if per_rank == 8:  # the same held-out batches (of micro_batch_size rows) as the single process
+        # TP: vocabulary-sharded loss; CP: each rank scores its sequence chunks and the sums are added.
+        assert summary["eval_loss"] == pytest.approx(reference_eval, rel=1e-4)
     assert (tmp_path / "r" / "logs" / "rank1.log").is_file()
 
 

@@ -126,6 +126,17 @@ class ParallelModel:
         """Summed cross-entropy over target tokens (float32, plain tensor), vocab-sharded logits allowed."""
         return cross_entropy_sum(logits, labels)
 
+    def shard_eval_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A held-out batch for this rank: every data-parallel rank evaluates all rows (eval batches need
+        not split evenly), each context-parallel rank its sequence chunks (CP attention expects them)."""
+        cp = self._size("cp")
+        return shard_sequence(batch, self.mesh.local_rank("cp"), cp) if self.mesh is not None and cp > 1 else batch
+
+    def reduce_eval_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A held-out batch's summed loss from this rank's chunks: summed over the cp group."""
+        group = self.mesh.group("cp") if self.mesh is not None and self._size("cp") > 1 else None
+        return all_reduce_sum(loss, group)
+
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss from this rank's share (local sum / global count): summed over dp and cp."""
         group = self.mesh.group("dp_cp") if self.mesh is not None and self._size("dp_cp") > 1 else None

@@ -283,8 +283,8 @@ class _Run:
         return None
 
     def can_evaluate(self) -> bool:
-        """Held-out loss needs a full forward on every rank: not with pipeline or context parallelism."""
-        return self.cfg.parallel.pp == 1 and self.cfg.parallel.cp == 1
+        """Held-out loss needs the whole model's forward on every rank: not with pipeline parallelism."""
+        return self.cfg.parallel.pp == 1
 
     def evaluate(self, done: int) -> None:
         if not self.can_evaluate():
@@ -318,8 +318,8 @@ class _Run:
 
     def _final_evaluation(self) -> dict[str, Any]:
         if not self.can_evaluate():
-            self.reporter.note("held-out evaluation skipped: it needs a full forward on every rank "
-                               "(not available with pipeline or context parallelism yet)")
+            self.reporter.note("held-out evaluation skipped: it needs the whole model on every rank "
+                               "(not available with pipeline parallelism yet); run `tracetrain eval` after")
             return {}
         cfg = self.cfg
         if self.dist.is_distributed and cfg.train.eval_generate:

@@ -159,9 +159,14 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], ctx: Step
     num_targets = 0
     for batch in batches:
         num_targets += int((batch["labels"] != IGNORE_INDEX).sum())
-        # Several ranks: the same loss-parallel context as training (vocabulary-sharded logits under TP).
+        # Several ranks: the same loss-parallel context as training (vocabulary-sharded logits under TP);
+        # under context parallelism each rank scores its sequence chunks and the sums are added up.
         with ctx.par.micro_batch(is_last=True) if ctx.par is not None else contextlib.nullcontext():
-            total += loss_sum(model, to_device(batch, ctx.device), ctx).double()
+            if ctx.par is not None:
+                local = loss_sum(model, to_device(ctx.par.shard_eval_batch(batch), ctx.device), ctx)
+                total += ctx.par.reduce_eval_loss(local).double()
+            else:
+                total += loss_sum(model, to_device(batch, ctx.device), ctx).double()
     model.train(was_training)
     loss = total.item() / max(1, num_targets)
     return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp()), "eval_tokens": num_targets}
