@@ -147,3 +147,18 @@ def test_fp16_autocast_caches_copies_of_a_bf16_lora_base():
     peak = {p: plan(plan_input_from_config(load_config(None, [*common, f"--train.precision={p}"]), 1, "h100-sxm"))
             .memory.peak_bytes / 2**30 for p in ("bf16", "fp16")}
     assert 11.0 < peak["fp16"] - peak["bf16"] < 14.0  # ~6.6B frozen linear weights x 2 bytes
+
+
+def test_fp8_lora_adds_the_two_e4m3_copies_of_every_frozen_block_weight():
+    from tracetrain.config import load_config
+    from tracetrain.models.accounting import num_matmul_params
+    from tracetrain.plan import plan, plan_input_from_config
+    common = ["--model.preset=llama2-7b", "--train.mode=lora", "--data.seq_len=2048", "--train.micro_batch_size=4"]
+    bf16 = plan_input_from_config(load_config(None, common), 1, "h100-sxm")
+    fp8 = plan_input_from_config(load_config(None, [*common, "--train.fp8=rowwise"]), 1, "h100-sxm")
+    assert bf16.precision == "bf16" and fp8.precision == "fp8"
+    a = bf16.model
+    block_weights = num_matmul_params(a) - a.vocab_size * a.dim  # lm_head is not converted
+    got = plan(fp8).memory.breakdown["weights"] - plan(bf16).memory.breakdown["weights"]
+    assert got == block_weights * 2
+    assert plan(fp8).step_s < plan(bf16).step_s  # FP8 GEMMs at the FP8 peak

@@ -233,6 +233,8 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
 
     t, mem, par = cfg.train, cfg.memory, cfg.parallel
     precision = "bf16" if t.precision == "auto" else t.precision
+    if t.fp8 != "none":  # FP8 GEMMs (kernels/fp8.py); everything else as bf16
+        precision = "fp8"
     # 'auto' switches as models/build.py resolves them on CUDA: compile on, fused kernels only without
     # compile, FlexAttention for packed rows.
     compile_on = t.compile != "off"

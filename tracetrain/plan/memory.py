@@ -4,7 +4,7 @@ the peak, which is the largest phase and not the sum of every item's maximum.
 Static items (P = parameters on this GPU after tp/pp/ep, see params.py; fsdp = dp_shard * cp;
 ZeRO stage z shards optimizer states (z >= 1), gradients (z >= 2) and weights (z = 3) over fsdp):
   weights            4P for tracetrain's fp32 full-FT params; LoRA: frozen base at its dtype (2 for bf16)
-                     + 4 per fp32 adapter; with optimizer offload the GPU keeps 2-byte bf16 weights
+                     + 4 per fp32 adapter (+ 2 per block weight under fp8: its two E4M3 copies); with optimizer offload the GPU keeps 2-byte bf16 weights
   gradients          4 per trainable param; optimizer offload (tracetrain.memory.optimizer_offload)
                      copies each bf16 grad out as soon as it is complete: one weight's worth on the GPU
   AdamW states       8 per trainable param (exp_avg + exp_avg_sq, fp32); +4 fp32 master if param_dtype=bf16;
@@ -173,6 +173,10 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     sp = stage_params(inp, stage)
     first, last = stage == 0, stage == inp.pp - 1
     items, cpu = _static(inp, sp, nm)
+    if inp.precision == "fp8" and inp.mode == "lora":
+        # kernels/fp8.py quantises each frozen base weight once, in the two E4M3 layouts _scaled_mm
+        # needs (forward and input gradient): 2 bytes per block matmul weight, next to the bf16 base.
+        items["weights"] = items["weights"] + Affine(2.0 * sp.num_blocks * sp.block_linear)
     items.update(_activations(inp, stage, nm, cpu))
     n = sp.num_blocks
     n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)

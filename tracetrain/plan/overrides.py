@@ -58,7 +58,7 @@ def plan_to_config_overrides(p: Plan) -> list[str]:
     if i.num_experts:
         wanted += [("parallel.ep", i.ep), ("model.num_experts", i.num_experts), ("model.experts_top_k", i.top_k)]
     if i.precision == "fp8":
-        wanted.append(("train.fp8", True))
+        wanted.append(("train.fp8", "rowwise"))
     keys = _config_keys()
     out, missing = [], []
     for key, value in wanted:
