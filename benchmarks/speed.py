@@ -512,25 +512,16 @@ def main() -> None:
     def save() -> None:
         write_result(f"speed_{gpu}.json", result, out_dir)
 
-    for enabled, key, fn in ((a.checks, "checks", check_kernels), (a.checks, "addmm_out_dtype", probe_addmm_out_dtype),
-                             (a.attention, "attention", check_attention)):
-        if not enabled:
-            continue
-        try:
-            result[key] = fn()
-        except Exception as e:  # recorded and printed; the runs below still go ahead
-            traceback.print_exc()
-            result[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            free()
-        save()
-    extra = []
+    tasks = [(key, fn) for enabled, key, fn in ((a.checks, "checks", check_kernels),
+                                                 (a.checks, "addmm_out_dtype", probe_addmm_out_dtype),
+                                                 (a.attention, "attention", check_attention)) if enabled]
     if a.grad_check:
         case, data, variants = a.grad_check.split(":")
-        extra.append(("grad_check", lambda: grad_check(case, data, variants.split(","), a.lr)))
+        tasks.append(("grad_check", lambda: grad_check(case, data, variants.split(","), a.lr)))
     if a.profile:
         pcase, pdata, pvariant = a.profile.split(":")
-        extra.append(("profile", lambda: profile_run(pcase, pdata, pvariant, a.lr, out_dir)))
-    for key, fn in extra:
+        tasks.append(("profile", lambda: profile_run(pcase, pdata, pvariant, a.lr, out_dir)))
+    for key, fn in tasks:
         try:
             result[key] = fn()
         except Exception as e:  # recorded and printed; the runs below still go ahead
