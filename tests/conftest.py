@@ -26,3 +26,15 @@ def one_thread_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+# The tiny GQA model the generation and KV-offload tests decode with (3 layers, 2 KV heads for 4 query heads).
+GEN_ARGS_KW = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97)
+
+
+@pytest.fixture(scope="module")
+def gen_model(one_thread_torch):
+    """That model in eval mode, seeded, with torch on one thread for the whole module."""
+    from tracetrain.models.llama import ModelArgs, Transformer
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(**GEN_ARGS_KW)).eval()

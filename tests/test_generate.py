@@ -30,9 +30,8 @@ def _one_thread(one_thread_torch):
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97)).eval()
+def model(gen_model):
+    return gen_model
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16], [17]]

@@ -11,8 +11,10 @@ from tracetrain.models.llama import KVCache, ModelArgs, Transformer
 from tracetrain.models.presets import get_preset
 from tracetrain.plan import plan_generation
 
+from conftest import GEN_ARGS_KW
+
 CPU = torch.device("cpu")
-ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97)
+ARGS = ModelArgs(**GEN_ARGS_KW)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20], [21]]
 
 
@@ -22,9 +24,8 @@ def _one_thread(one_thread_torch):
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ARGS).eval()
+def model(gen_model):
+    return gen_model
 
 
 def reference_tokens(model, prompts, steps):
