@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, median, run_peer, write_result  # noqa: E402
@@ -73,6 +74,11 @@ VARIANTS = {
 # `--fp8`: the 7B LoRA rows (unpacked, as the peers run, with the bf16 baseline; and packed), ~6 min.
 FP8_RUNS = ("7b-lora:unpacked:compile,7b-lora:unpacked:compile_fp8,7b-lora:unpacked:compile_fp8_rowwise,"
             "7b-lora:packed:compile_fp8,7b-lora:packed:compile_fp8_rowwise")
+# Inductor settings a run can add to its variant as "+name" suffixes (e.g. compile_fp8_rowwise+mk): the
+# patch is active while the variant compiles and runs. mk: multi-kernel (persistent and looped variants
+# of each reduction, benchmarked at first call; persistent reductions up to 16x longer rows, which the
+# rowwise FP8 amax over 4096/11008 columns needs); cdt: coordinate-descent tuning of kernel block sizes.
+INDUCTOR_KNOBS = {"mk": {"triton.multi_kernel": 1}, "cdt": {"coordinate_descent_tuning": True}}
 FUSED_CE_CHUNK = 4096
 T0 = time.time()
 
@@ -536,12 +542,17 @@ def main() -> None:
             result["skipped"].append(run)
             continue
         case, data, variant = run.split(":")
+        variant, *knobs = variant.split("+")
         try:
-            row = bench_run(case, data, variant, a.warmup, a.steps, base_losses, a.lr)
+            patch = {k: v for knob in knobs for k, v in INDUCTOR_KNOBS[knob].items()}
+            with torch._inductor.config.patch(patch):
+                row = bench_run(case, data, variant, a.warmup, a.steps, base_losses, a.lr)
+            if knobs:
+                row.update(system=f"tracetrain:{'+'.join([variant, *knobs])}", inductor=patch)
         except Exception as e:  # recorded and printed: one failing variant must not lose the others' numbers
             traceback.print_exc()
             kind = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
-            row = {"case": case, "data": data, "system": f"tracetrain:{variant}", "error": f"{kind}: {str(e)[:300]}"}
+            row = {"case": case, "data": data, "system": f"tracetrain:{'+'.join([variant, *knobs])}", "error": f"{kind}: {str(e)[:300]}"}
             free()
         result["rows"].append(row)
         print(f"{run}: {row.get('tokens_per_s', 0):,.0f} tok/s  {row.get('peak_gib', 0):.1f} GiB  "
