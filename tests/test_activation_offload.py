@@ -131,7 +131,7 @@ def test_rejects_unknown_mode() -> None:
 @pytest.mark.parametrize("recompute,fraction", [("none", 1.0), ("full", 1.0), ("selective", 1.0), ("none", 0.5),
                                                ("full", 0.5)])
 def test_streamed_on_cuda(recompute: str, fraction: float) -> None:
-    """The real path: pinned buffers, D2H/H2D streams, events, record_stream, prefetch, 1 MiB threshold.
+    """The real path: pinned buffers, D2H/H2D streams, events, stream-ordered release, prefetch, 1 MiB threshold.
     The math attention backend keeps attention deterministic, so the comparison is exact, except for the
     embedding gradient:
     CUDA's embedding backward accumulates with atomics (it differs by ~1e-9 between two plain runs)."""
@@ -198,6 +198,42 @@ def test_prefetch_spreads_over_backward(fraction: float, expected: list[tuple[in
     assert isinstance(offload, StreamedOffload)
     step(wrapped, offload)
     assert offload.stats.prefetches == expected and offload.stats.num_on_demand == 0
+
+
+@pytest.mark.parametrize("fraction,expected", [
+    # k offloaded blocks, lag n - k: block k - 1 is released when the last block starts (before the peak).
+    (0.5, [(4, 0), (5, 1), (6, 2), (7, 3)]),
+    (0.25, [(6, 0), (7, 1)]),
+    (1.0, [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (6, 5), (7, 6)]),
+])
+def test_release_is_lagged_so_every_offloaded_block_is_freed_before_the_last_block(
+        fraction: float, expected: list[tuple[int, int]]) -> None:
+    wrapped = tiny_model(DEEP)
+    offload = apply_activation_offload(wrapped, "streamed", min_offload_bytes=0, fraction=fraction)
+    assert isinstance(offload, StreamedOffload)
+    step(wrapped, offload)
+    assert offload.stats.release_lag == DEEP.n_layers - num_offloaded_blocks(DEEP.n_layers, fraction)
+    assert offload.stats.releases == expected and not offload._in_flight
+    other = tiny_model(DEEP)
+    lag2 = apply_activation_offload(other, "streamed", min_offload_bytes=0, fraction=0.5, release_lag=2)
+    assert isinstance(lag2, StreamedOffload)
+    step(other, lag2)
+    assert lag2.stats.releases == [(2, 0), (3, 1), (4, 2), (5, 3)]
+
+
+def test_peak_falls_with_the_offloaded_share() -> None:
+    """Over a whole step (forward and backward, prefetches included) the peak drops by at least 40% of
+    the bytes offloaded, more the more blocks are offloaded."""
+    batch = packed_batch(DEEP.vocab_size, batch=4, seq=128)
+    plain = tiny_model(DEEP)
+    peaks = [peak_step_bytes(plain, None, batch)]
+    for fraction in (0.25, 0.5, 1.0):
+        wrapped = copy.deepcopy(plain)
+        offload = apply_activation_offload(wrapped, "streamed", min_offload_bytes=0, fraction=fraction)
+        assert isinstance(offload, StreamedOffload)
+        peaks.append(peak_step_bytes(wrapped, offload, batch))
+        assert peaks[-1] <= peaks[0] - 0.4 * offload.stats.offloaded_bytes, (fraction, peaks)
+    assert peaks == sorted(peaks, reverse=True), peaks
 
 
 class _PeakLive(TorchDispatchMode):
