@@ -111,7 +111,15 @@ def main() -> None:
     if unknown:
         sys.exit(f"--only: unknown {', '.join(sorted(unknown))}; allowed: {', '.join([*MODELS, 'offload'])}")
     models = [m for m in MODELS if m in only] or list(MODELS)
-    rows = []
+    rows: list[dict] = []
+    env = environment()
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    suffix = "".join(f"_{key}" for key in sorted(only))  # a partial run does not overwrite the full table
+    suffix += "_capped" if a.cap_activations > 0 else ""
+
+    def save() -> None:  # after every row: a run cut short by a time limit keeps what it measured
+        write_result(f"memory{suffix}_{env['device'].replace(' ', '-')}.json", {**env, "rows": rows}, out)
+
     for model in models:
         for name, sargs in {**SWITCHES, **EXTRA.get(model, {})}.items():
             if ("offload" in only and name not in OFFLOAD_ROWS) or (chosen and name not in chosen | {"bf16"}):
@@ -127,12 +135,9 @@ def main() -> None:
                 print(f"{model} {label}: {r.get('tokens_per_s', 0):,.0f} tok/s, {r.get('peak_gib', 0):.1f} GiB "
                       f"peak, {r.get('activation_gib', 0):.1f} GiB act, {r['leftover_gib']:.1f} GiB left"
                       + (f", cap {cap:.1f} GiB" if cap else "") + f" {r.get('error', '')}", flush=True)
+                save()
     print_table(rows)
-    env = environment()
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    suffix = "".join(f"_{key}" for key in sorted(only))  # a partial run does not overwrite the full table
-    suffix += "_capped" if a.cap_activations > 0 else ""
-    write_result(f"memory{suffix}_{env['device'].replace(' ', '-')}.json", {**env, "rows": rows}, out)
+    save()
 
 
 if __name__ == "__main__":
