@@ -124,6 +124,25 @@ def test_fused_linear_cross_entropy_matches_float64(chunk):
     torch.testing.assert_close(w.grad, gw, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_fused_ce_weight_gradient_accumulates_in_float32_in_the_gemm_on_cuda():
+    """bf16 operands, several chunks: the float32 weight gradient (accumulated by the GEMM's epilogue)
+    is within bf16 GEMM rounding of the float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    h64 = torch.randn(512, 64, generator=g, **f64)
+    w64 = torch.randn(1000, 64, generator=g, **f64) * 0.1
+    y = torch.randint(0, 1000, (512,), generator=g)
+    _, gw_ref = torch.autograd.grad(F.cross_entropy(h64 @ w64.t(), y, reduction="sum"),
+                                    (h64.requires_grad_(), w64.requires_grad_()))
+    h = h64.detach().to("cuda", torch.bfloat16).requires_grad_()
+    w = w64.detach().to("cuda", torch.float32).requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused_linear_cross_entropy(h, w, y.cuda(), chunk_tokens=64).backward()
+    assert w.grad.dtype == torch.float32
+    err = ((w.grad.double().cpu() - gw_ref).norm() / gw_ref.norm()).item()
+    assert err < 1e-2, err
+
+
 def test_fused_linear_cross_entropy_frozen_head_and_no_grad():
     h = torch.randn(20, 8, requires_grad=True)
     w = torch.randn(30, 8)  # frozen lm_head (LoRA): no weight gradient is computed

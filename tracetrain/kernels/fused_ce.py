@@ -9,7 +9,8 @@ activations of the step. Here, for each chunk of `chunk_tokens` rows:
   loss_rows, grad = CE rows              float32 log-sum-exp; grad = softmax - onehot written over
                                          the logits buffer in place (Triton: 2 reads + 1 write)
   grad_h[chunk] = grad @ W               (chunk, dim)
-  grad_W += grad^T @ h_chunk             float32 accumulator (only when W is trained)
+  grad_W += grad^T @ h_chunk             float32 accumulator (only when W is trained; on CUDA the
+                                         GEMM accumulates into it in float32, `_accumulate_weight_grad`)
 
 The gradients are computed in the forward pass (with d loss = 1) and scaled by the incoming gradient in
 backward, so the lm_head GEMMs run three times, as in the eager step, not four. Logits are rounded to
@@ -71,10 +72,25 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
         if need_h:
             torch.mm(logits, w, out=grad_h[start:end])
         if need_w:
-            # bf16 GEMM output added into a float32 accumulator (a (vocab, dim) pass per chunk).
-            part = logits.t() @ h_chunk
-            grad_w = part.to(losses.dtype) if grad_w is None else grad_w.add_(part)
+            grad_w = _accumulate_weight_grad(grad_w, logits.t(), h_chunk, losses.dtype)
     return losses.sum(), grad_h, grad_w
+
+
+def _accumulate_weight_grad(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                            acc_dtype: torch.dtype) -> torch.Tensor:
+    """acc + a @ b in `acc_dtype` (float32): a (vocab, chunk), b (chunk, dim), both in compute dtype.
+
+    On CUDA with bf16/fp16 operands the GEMM writes float32 itself and adds into the accumulator in its
+    epilogue (`out_dtype`, beta = 1): no half-precision (vocab, dim) product, no separate add pass (for
+    the 1B head each is a 1 GiB float32 read and write per chunk), and the sum is not rounded to bf16
+    per chunk. Elsewhere (CPU, float32/64 tests) a plain GEMM and an add.
+    """
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32:
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    part = a @ b
+    return part.to(acc_dtype) if acc is None else acc.add_(part)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
