@@ -130,10 +130,9 @@ def test_fused_ce_weight_gradient_accumulates_in_float32_in_the_gemm_on_cuda():
     is within bf16 GEMM rounding of the float64 reference."""
     g = torch.Generator().manual_seed(0)
     h64 = torch.randn(512, 64, generator=g, **f64)
-    w64 = torch.randn(1000, 64, generator=g, **f64) * 0.1
+    w64 = (torch.randn(1000, 64, generator=g, **f64) * 0.1).requires_grad_()
     y = torch.randint(0, 1000, (512,), generator=g)
-    _, gw_ref = torch.autograd.grad(F.cross_entropy(h64 @ w64.t(), y, reduction="sum"),
-                                    (h64.requires_grad_(), w64.requires_grad_()))
+    (gw_ref,) = torch.autograd.grad(F.cross_entropy(h64 @ w64.t(), y, reduction="sum"), (w64,))
     h = h64.detach().to("cuda", torch.bfloat16).requires_grad_()
     w = w64.detach().to("cuda", torch.float32).requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):
