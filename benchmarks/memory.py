@@ -9,10 +9,10 @@ script (benchmarks/offload_check.py).
 
 Columns: step time and peak allocated memory as before, and "act GiB": the activation memory of a
 step, the peak of *active* memory over the timed steps minus what the step starts from (weights,
-optimizer states). Active, not allocated: memory freed with `record_stream` (the H2D copies' pinned
-staging, any tensor freed while a side stream may still read it) leaves "allocated" at once but the
-allocator cannot reuse it yet. The issue #4 goal reads off it directly: offload <= 15% slower than bf16 at >= 40% less
-activation memory ("act vs bf16" <= 0.60).
+optimizer states). Active, not allocated: a tensor freed with `record_stream` while a side stream may
+still read it (optimizer offload's gradient copies) leaves "allocated" at once but the allocator
+cannot reuse it yet. The issue #4 goal reads off it directly: offload <= 15% slower than bf16 at
+>= 40% less activation memory ("act vs bf16" <= 0.60).
 
   python3 benchmarks/memory.py [--only 1b-full,offload] [--steps 10]
 
