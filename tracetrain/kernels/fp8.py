@@ -15,6 +15,12 @@ Two paths, one per kind of weight:
   re-quantised only when the bf16 weight changes (its version counter or storage moves, e.g. a checkpoint
   was loaded into it); see `Float8FrozenLinear.refresh_if_stale`.
 
+  A block MLP whose gate, up and down projections are all plain frozen linears (LoRA's default targets
+  leave them so) runs as one `Float8FrozenFeedForward` instead (fp8_mlp.py): gate and up in one GEMM, and
+  SwiGLU fused with the quantisation of its output, forward and backward. It saves one (tokens, 2 ffn)
+  activation, gate|up, for backward. `probe_amax` does not see inside it (use `fused_mlp=False` to probe
+  the MLP's linears one by one).
+
 * **Trained weights** (full fine-tuning): torchao's `convert_to_float8_training` with its recipe of the
   same name (weights change every step, and torchao handles the weight-gradient GEMM too). torchao is an
   optional dependency: `pip install 'tracetrain[fp8]'`.
@@ -48,12 +54,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from tracetrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tracetrain.kernels.fp8_mlp import Float8FrozenFeedForward
 
 Recipe = Literal["tensorwise", "rowwise"]
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -191,14 +200,16 @@ def fp8_compatible(linear: nn.Linear) -> bool:
 
 # ---------------------------------------------------------------------------------------- transform
 
-def apply_fp8(model: nn.Module, recipe: Recipe) -> int:
+def apply_fp8(model: nn.Module, recipe: Recipe, fused_mlp: bool = True) -> int:
     """Run the blocks' linear layers in FP8, in place; returns how many were converted.
 
     Frozen `nn.Linear`s of `model.layers` (LoRA bases and un-adapted projections) become
     `Float8FrozenLinear`; if any block weight is trained (full fine-tuning), the block linears go through
-    torchao instead. `lm_head`, the embedding and the adapters (LoRA A and B) stay as they are. Layers
-    whose dims are not multiples of 16 stay bf16 (one warning). Apply after LoRA (the bases must exist
-    and be frozen) and before recomputation and compile (both must see the FP8 modules).
+    torchao instead. With `fused_mlp`, a block MLP that `fp8_mlp.fp8_mlp_eligible` accepts (three plain
+    frozen linears) becomes one `Float8FrozenFeedForward` instead, counted as its three linears.
+    `lm_head`, the embedding and the adapters (LoRA A and B) stay as they are. Layers whose dims are not
+    multiples of 16 stay bf16 (one warning). Apply after LoRA (the bases must exist and be frozen) and
+    before recomputation and compile (both must see the FP8 modules).
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; allowed: {', '.join(RECIPES)}")
@@ -211,13 +222,16 @@ def apply_fp8(model: nn.Module, recipe: Recipe) -> int:
     trained = [m for _, m in linears if m.weight.requires_grad]
     if trained:
         return _apply_torchao(model, recipe, set(skipped))
+    from tracetrain.kernels.fp8_mlp import fp8_mlp_eligible, to_float8_frozen_mlp  # it imports this module
     count = 0
     for block in model.layers:
+        mlps = [to_float8_frozen_mlp(block.mlp, recipe)] if fused_mlp and fp8_mlp_eligible(block.mlp) else []
+        inside = set(block.mlp.children()) if mlps else set()  # the fused MLP's own linears stay nn.Linear
         frozen = [to_float8_frozen(m, recipe) for n, m in block.named_modules()
-                  if type(m) is nn.Linear and not _is_adapter(n) and fp8_compatible(m)]
-        if frozen:
-            block.register_forward_pre_hook(_refresh_hook(frozen))
-        count += len(frozen)
+                  if type(m) is nn.Linear and m not in inside and not _is_adapter(n) and fp8_compatible(m)]
+        if frozen or mlps:
+            block.register_forward_pre_hook(_refresh_hook([*frozen, *mlps]))
+        count += len(frozen) + 3 * len(mlps)
     return count
 
 
@@ -225,11 +239,11 @@ def _is_adapter(name: str) -> bool:
     return name.rpartition(".")[2] in ("lora_A", "lora_B")
 
 
-def _refresh_hook(linears: list[Float8FrozenLinear]) -> Callable[..., None]:
+def _refresh_hook(modules: list[Float8FrozenLinear | Float8FrozenFeedForward]) -> Callable[..., None]:
     """Block forward pre-hook (runs eagerly even when the block is compiled): re-quantise stale weights."""
     def hook(module: nn.Module, args: Any) -> None:
-        for linear in linears:
-            linear.refresh_if_stale()
+        for fp8_module in modules:
+            fp8_module.refresh_if_stale()
     return hook
 
 
