@@ -86,20 +86,17 @@ def probe(a: argparse.Namespace, fp8: str, root: Path) -> dict:
     from tracetrain.config import load_config
     from tracetrain.data.loader import build_datasets, build_loader
     from tracetrain.data.tokenizer import load_tokenizer
-    from tracetrain.kernels.fp8 import apply_fp8, probe_amax
+    from tracetrain.kernels.fp8 import probe_amax
     from tracetrain.models.build import build_model
     from tracetrain.train.step import IGNORE_INDEX, StepContext, loss_sum, to_device
 
     # Eager sdpa for the probe: eager FlexAttention would materialise every score matrix.
-    # The feed-forward as three FP8 linears (fused_mlp=False), so the probe sees each projection's tensors:
-    # the same values the fused MLP quantises (it scales gate's and up's gradients with one row scale).
-    overrides = [*run_args(a, "none", root / "probe"), "--train.compile=off", "--train.attention=sdpa"]
+    overrides = [*run_args(a, fp8, root / "probe"), "--train.compile=off", "--train.attention=sdpa"]
     cfg = load_config(None, overrides)
     device = torch.device("cuda")
     ds, _, _ = build_datasets(cfg.data, load_tokenizer(cfg.data.tokenizer))
     batch = to_device(next(build_loader(ds, a.batch, cfg.data, seed=cfg.data.seed)), device)
     model = build_model(cfg, device, base_dtype=torch.bfloat16 if a.mode == "lora" else None)
-    apply_fp8(model, fp8, fused_mlp=False)  # type: ignore[arg-type]
     ctx = StepContext(device, torch.bfloat16, 1.0, use_document_mask=True, fused_skip=True,
                       fused_ce_chunk=cfg.train.fused_ce_chunk)
     targets = int((batch["labels"] != IGNORE_INDEX).sum())

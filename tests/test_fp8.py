@@ -221,7 +221,7 @@ def _tokens() -> torch.Tensor:
 def test_lora_model_converts_frozen_block_linears_only(recipe):
     ref, model = _lora_model(), _lora_model()
     keys = set(model.state_dict())
-    count = apply_fp8(model, recipe, fused_mlp=False)  # type: ignore[arg-type]
+    count = apply_fp8(model, recipe)  # type: ignore[arg-type]
     fp8 = [n for n, m in model.named_modules() if isinstance(m, Float8FrozenLinear)]
     assert count == len(fp8) == 7 * ARGS.n_layers  # 2 LoRA bases + 5 plain projections per block
     assert all(not any(s in n for s in ("lora_A", "lora_B", "lm_head")) for n in fp8)
@@ -253,7 +253,7 @@ def test_layers_with_odd_dims_stay_bf16_with_one_warning():
 @needs_scaled_mm
 def test_probe_reports_amax_scale_and_underflow_per_layer():
     model = _lora_model()
-    apply_fp8(model, "tensorwise", fused_mlp=False)
+    apply_fp8(model, "tensorwise")
     tokens = _tokens()
     rows = probe_amax(model, lambda: model(tokens).float().logsumexp(-1).mean().backward())
     assert len(rows) == 7 * ARGS.n_layers

@@ -214,7 +214,7 @@ def _loss_and_adapter_grads(model: nn.Module) -> tuple[torch.Tensor, torch.Tenso
 def test_apply_fp8_fuses_the_unadapted_mlps_and_keeps_the_state_dict(recipe):
     ref, unfused, fused = _lora_model(), _lora_model(), _lora_model()
     keys = list(fused.state_dict())
-    assert apply_fp8(unfused, recipe, fused_mlp=False) == apply_fp8(fused, recipe) == 7 * ARGS.n_layers
+    assert apply_fp8(unfused, recipe, fused_mlp=False) == apply_fp8(fused, recipe, fused_mlp=True) == 7 * ARGS.n_layers
     assert list(fused.state_dict()) == keys  # the FP8 copies are non-persistent buffers
     assert all(type(b.mlp) is Float8FrozenFeedForward and type(b.mlp.down_proj) is nn.Linear for b in fused.layers)
     assert sum(isinstance(m, Float8FrozenLinear) for m in fused.modules()) == 4 * ARGS.n_layers
@@ -231,7 +231,7 @@ def test_an_adapted_mlp_projection_keeps_the_per_linear_path():
     torch.manual_seed(0)
     model = Transformer(ARGS)
     apply_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=["q_proj", "gate_proj"])
-    assert apply_fp8(model, "rowwise") == 7 * ARGS.n_layers
+    assert apply_fp8(model, "rowwise", fused_mlp=True) == 7 * ARGS.n_layers
     mlp = model.layers[0].mlp
     assert type(mlp) is FeedForward and type(mlp.up_proj) is Float8FrozenLinear
     assert type(mlp.gate_proj.base) is Float8FrozenLinear
@@ -240,7 +240,7 @@ def test_an_adapted_mlp_projection_keeps_the_per_linear_path():
 @needs_scaled_mm
 def test_model_forward_requantises_after_a_checkpoint_load():
     model = _lora_model()
-    apply_fp8(model, "rowwise")
+    apply_fp8(model, "rowwise", fused_mlp=True)
     mlp = model.layers[1].mlp
     state = model.state_dict()
     state["layers.1.mlp.up_proj.weight"] = -state["layers.1.mlp.up_proj.weight"]
@@ -257,7 +257,7 @@ def test_compiled_block_runs_the_fused_mlp_and_its_pre_hook_requantises():
     one_layer = dataclasses.replace(ARGS, n_layers=1)  # one block graph to compile, not two
     eager, compiled = _lora_model(one_layer), _lora_model(one_layer)
     for model in (eager, compiled):
-        apply_fp8(model, "rowwise")
+        apply_fp8(model, "rowwise", fused_mlp=True)
     apply_compile(compiled)  # fullgraph=True: a graph break raises
     for step in range(2):
         (loss_eager, g_eager), (loss, g) = (_loss_and_adapter_grads(m) for m in (eager, compiled))

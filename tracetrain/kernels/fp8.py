@@ -15,11 +15,12 @@ Two paths, one per kind of weight:
   re-quantised only when the bf16 weight changes (its version counter or storage moves, e.g. a checkpoint
   was loaded into it); see `Float8FrozenLinear.refresh_if_stale`.
 
-  A block MLP whose gate, up and down projections are all plain frozen linears (LoRA's default targets
-  leave them so) runs as one `Float8FrozenFeedForward` instead (fp8_mlp.py): gate and up in one GEMM, and
-  SwiGLU fused with the quantisation of its output, forward and backward. It saves one (tokens, 2 ffn)
-  activation, gate|up, for backward. `probe_amax` does not see inside it (use `fused_mlp=False` to probe
-  the MLP's linears one by one).
+  Opt-in (`apply_fp8(..., fused_mlp=True)`, Python API only): a block MLP whose gate, up and down
+  projections are all plain frozen linears runs as one `Float8FrozenFeedForward` (fp8_mlp.py): gate and
+  up in one GEMM, SwiGLU fused with the quantisation of its output, forward and backward. Measured on an
+  H100 (7B LoRA, commit cb02d8e) it is slower end to end than the three FP8 linears (27,585 vs 28,463
+  tok/s: its row kernels save ~50 us per layer, the fused GEMM shapes lose more), so it is not the
+  default (docs/speed.md). `probe_amax` does not see inside it.
 
 * **Trained weights** (full fine-tuning): torchao's `convert_to_float8_training` with its recipe of the
   same name (weights change every step, and torchao handles the weight-gradient GEMM too). torchao is an
@@ -200,13 +201,14 @@ def fp8_compatible(linear: nn.Linear) -> bool:
 
 # ---------------------------------------------------------------------------------------- transform
 
-def apply_fp8(model: nn.Module, recipe: Recipe, fused_mlp: bool = True) -> int:
+def apply_fp8(model: nn.Module, recipe: Recipe, fused_mlp: bool = False) -> int:
     """Run the blocks' linear layers in FP8, in place; returns how many were converted.
 
     Frozen `nn.Linear`s of `model.layers` (LoRA bases and un-adapted projections) become
     `Float8FrozenLinear`; if any block weight is trained (full fine-tuning), the block linears go through
-    torchao instead. With `fused_mlp`, a block MLP that `fp8_mlp.fp8_mlp_eligible` accepts (three plain
-    frozen linears) becomes one `Float8FrozenFeedForward` instead, counted as its three linears.
+    torchao instead. With `fused_mlp` (off by default: slower on the H100, see the module doc), a block
+    MLP that `fp8_mlp.fp8_mlp_eligible` accepts (three plain frozen linears) becomes one
+    `Float8FrozenFeedForward` instead, counted as its three linears.
     `lm_head`, the embedding and the adapters (LoRA A and B) stay as they are. Layers whose dims are not
     multiples of 16 stay bf16 (one warning). Apply after LoRA (the bases must exist and be frozen) and
     before recomputation and compile (both must see the FP8 modules).

@@ -1,4 +1,4 @@
-"""A frozen SwiGLU feed-forward in FP8 with two GEMMs forward, two backward (`apply_fp8(fused_mlp=True)`).
+"""A frozen SwiGLU feed-forward in FP8 with two GEMMs forward, two backward (opt-in: `apply_fp8(..., fused_mlp=True)`).
 
 As three `Float8FrozenLinear`s (fp8.py), a frozen MLP costs three forward and three input-gradient GEMMs,
 and its activation and its quantisation are separate passes over (tokens, ffn) tensors: compiled, Inductor
