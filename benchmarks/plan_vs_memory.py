@@ -2,6 +2,11 @@
 committed benchmarks/results/memory_<gpu>.json and plans the same configurations for that GPU).
 
   python3 benchmarks/plan_vs_memory.py benchmarks/results/memory_NVIDIA-H100-80GB-HBM3.json
+  python3 benchmarks/plan_vs_memory.py --compiled benchmarks/results/memory_7b-lora_offload_capped_NVIDIA-H100-80GB-HBM3.json
+
+`--compiled`: the results were measured with the trainer's CUDA defaults (compile, FlexAttention, fused
+CE), as every run since the offload re-measurement is; without it, the eager path of the first table.
+Rows run under an allocator cap ("@cap") plan as their uncapped twin.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from tracetrain.config import load_config  # noqa: E402
 from tracetrain.plan import plan, plan_input_from_config  # noqa: E402
 
 
-def main(path: str) -> None:
+EAGER = ["--train.compile=off", "--train.fused_kernels=off", "--train.fused_ce=false"]
+
+
+def main(path: str, compiled: bool) -> None:
     data = json.loads(Path(path).read_text())
     out = []
     print(f"{data['device']}, torch {data['torch']}, commit {data['commit']}")
@@ -25,11 +33,9 @@ def main(path: str) -> None:
     for r in data["rows"]:
         if "peak_gib" not in r:
             continue
-        sargs = {**SWITCHES, **EXTRA.get(r["model"], {})}[r["switch"]]
+        sargs = {**SWITCHES, **EXTRA.get(r["model"], {})}[r["switch"].removesuffix(" @cap")]
         cfg = load_config(None, [*MODELS[r["model"]], *sargs, "--data.seq_len=2048", "--data.pack=false",
-                                        # measured on the eager path (before compile and the fused CE)
-                                        "--train.compile=off", "--train.fused_kernels=off", "--train.fused_ce=false",
-                                 "--train.micro_batch_size=4",
+                                 *(["--train.device=cuda"] if compiled else EAGER), "--train.micro_batch_size=4",
                                  "--train.precision=" + ("fp16" if r["switch"] == "fp16" else "bf16")])
         p = plan(plan_input_from_config(cfg, 1, data["device"]))
         peak, step = p.memory.peak_bytes / 2**30, p.step_s
@@ -44,4 +50,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = [a for a in sys.argv[1:] if a != "--compiled"]
+    if len(args) != 1:
+        sys.exit("usage: plan_vs_memory.py [--compiled] RESULTS_JSON")
+    main(args[0], "--compiled" in sys.argv[1:])

@@ -120,6 +120,36 @@ def test_recompute_and_offload_reduce_activations() -> None:
     assert off.peak_bytes < peaks[0] and off.cpu_bytes["offloaded activations"] > 20 * GIB
 
 
+def test_partial_streamed_offload_keeps_the_unoffloaded_blocks() -> None:
+    """`memory.activation_offload_fraction`: the first k blocks go to the host; n - k stay, plus the one
+    copied back first. Each further offloaded block moves one block's activations to the CPU."""
+    base = PlanInput(model=get_preset("llama2-7b"), mode="lora", micro_batch=4, seq_len=2048, gpu="h100",
+                     activation_offload="streamed")
+    fractions = (0.25, 0.5, 1.0)
+    plans = [plan_memory(base.replace(activation_offload_fraction=f)) for f in fractions]
+    peaks = [p.peak_bytes for p in plans]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 3
+    moved = [p.cpu_bytes["offloaded activations"] for p in plans]
+    per_block = (moved[2] - moved[1]) / (31 - 16)  # k = 31 (all but the last) vs k = 16 of 32 blocks
+    assert moved[1] - moved[0] == pytest.approx(per_block * (16 - 8), rel=1e-6)
+    assert peaks[0] - peaks[1] == pytest.approx(moved[1] - moved[0], rel=0.05)
+
+
+def test_calibration_7b_lora_partial_offload_h100() -> None:
+    """Measured on an H100 with stream-ordered release (commit 078f79a, memory_7b-lora_offload_capped_*):
+    26.44 GiB allocated at fraction 0.5, 32.63 GiB at 0.25 (compiled CUDA defaults)."""
+    from tracetrain.config import load_config
+    from tracetrain.plan import plan_input_from_config
+    for fraction, measured in ((0.5, 26.44), (0.25, 32.63)):
+        cfg = load_config(None, ["--model.preset=llama2-7b", "--train.mode=lora", "--data.seq_len=2048",
+                                 "--data.pack=false", "--train.device=cuda", "--train.micro_batch_size=4",
+                                 "--memory.activation_offload=streamed",
+                                 f"--memory.activation_offload_fraction={fraction}"])
+        inp = plan_input_from_config(cfg, 1, "NVIDIA H100 80GB HBM3")
+        assert inp.activation_offload_fraction == fraction
+        assert plan(inp).peak_gib == pytest.approx(measured, rel=0.03)
+
+
 def test_calibration_llama32_1b_full_h200() -> None:
     """Measured on one H200 (benchmarks/results/train_speed_NVIDIA-H200.json): 43.84 GiB allocated."""
     p = plan(PlanInput(model=get_preset("llama3.2-1b"), mode="full", micro_batch=4, seq_len=2048, gpu="h200"))

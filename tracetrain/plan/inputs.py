@@ -108,6 +108,7 @@ class PlanInput:
     recompute: Recompute = "none"
     recompute_every: int = 1
     activation_offload: ActOffload = "none"
+    activation_offload_fraction: float = 1.0   # streamed: share of blocks offloaded, the first ones
     optimizer_offload: bool = False
     unified_memory: Literal["none", "optimizer", "model"] = "none"
     expandable_segments: bool = True
@@ -271,6 +272,7 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
         peak_tflops=cfg.logging.peak_tflops or None,
         recompute=mem.recompute, recompute_every=mem.recompute_every,  # type: ignore[arg-type]
         activation_offload=mem.activation_offload, optimizer_offload=mem.optimizer_offload,  # type: ignore[arg-type]
+        activation_offload_fraction=mem.activation_offload_fraction,
         unified_memory=mem.unified_memory, expandable_segments=mem.expandable_segments,  # type: ignore[arg-type]
         num_experts=cfg.model.num_experts, top_k=cfg.model.experts_top_k if cfg.model.num_experts else 1,
         ep=par.ep, zero_stage=par.zero_stage, reshard_after_forward=par.reshard_after_forward,  # type: ignore[arg-type]

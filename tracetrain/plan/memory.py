@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tracetrain.memory.activation_offload import num_offloaded_blocks
 from tracetrain.plan import activations as act
 from tracetrain.plan.activations import Affine
 from tracetrain.plan.inputs import PlanInput
@@ -84,6 +85,18 @@ class MemoryModel:
 
     def peak(self, tokens: float, seq: float) -> tuple[str, float]:
         return max(((p, self.phase_bytes(p, tokens, seq)) for p in self.phases), key=lambda kv: kv[1])
+
+
+def resident_blocks(inp: PlanInput, n: int) -> int:
+    """Blocks' worth of offloadable activations on the GPU at the peak with activation offload.
+
+    save_on_cpu: the one block whose tensors are being copied. streamed: the n - k blocks that are never
+    offloaded (k = `num_offloaded_blocks`, the first ones; the last block always stays) and the one
+    offloaded block copied back first when backward starts (its memory replaces the last block's).
+    """
+    if inp.activation_offload == "save_on_cpu":
+        return 1
+    return min(n, n - num_offloaded_blocks(n, inp.activation_offload_fraction) + 1)
 
 
 def in_flight(inp: PlanInput, stage: int) -> float:
@@ -158,9 +171,8 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
     k = in_flight(inp, stage)
     blocks = per_mb * k
     if inp.activation_offload != "none" and n * k > 2:
-        # streamed: the last block is never offloaded and one more is in transfer; save_on_cpu: one block.
         biggest = blk_none if n_ckpt < n else kept
-        on_gpu = biggest * (2 if inp.activation_offload == "streamed" else 1)
+        on_gpu = biggest * resident_blocks(inp, n)
         cpu["offloaded activations"] = (blocks - on_gpu) * (1 / inp.cp)
         blocks = on_gpu
     return {"activations": (blocks + outside * k) * (1 / inp.cp),
@@ -197,7 +209,7 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     casts_kept = casts_all - n_ckpt * per_block_cast
     if inp.activation_offload != "none" and n * k > 2:
         # Copies are not parameters: offload moves them with the activations (but the last block's).
-        on_gpu = per_block_cast * (1 if inp.activation_offload == "save_on_cpu" else 2) + 2 * cast_outside
+        on_gpu = per_block_cast * resident_blocks(inp, n) + 2 * cast_outside
         cpu["offloaded weight copies"] = Affine(max(0.0, casts_kept - on_gpu) * k)
         casts_kept = min(casts_kept, on_gpu)
         if inp.activation_offload == "save_on_cpu" and inp.mode == "lora" and nm.w == nm.c:
