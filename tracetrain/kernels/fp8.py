@@ -116,10 +116,15 @@ def quantize_weight(weight: torch.Tensor, recipe: Recipe) -> dict[str, torch.Ten
 def fp8_matmul(a: torch.Tensor, a_dtype: torch.dtype, b_fp8_t: torch.Tensor, b_inv: torch.Tensor,
                recipe: Recipe, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """`a (M, K) @ b^T` with `a` quantised now and `b_fp8_t` (N, K) quantised before; returns (M, N)."""
-    rowwise = recipe == "rowwise"
-    a_q, a_inv = quantize(a, a_dtype, rowwise=rowwise)
+    a_q, a_inv = quantize(a, a_dtype, rowwise=recipe == "rowwise")
+    return scaled_matmul(a_q, a_inv, b_fp8_t, b_inv, recipe, out_dtype, fast_accum)
+
+
+def scaled_matmul(a_q: torch.Tensor, a_inv: torch.Tensor, b_fp8_t: torch.Tensor, b_inv: torch.Tensor,
+                  recipe: Recipe, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """`a_q (M, K) @ b^T` for two operands quantised before (b_fp8_t is (N, K)); returns (M, N) in out_dtype."""
     # The rowwise (CUTLASS) kernel writes bf16 only; other output dtypes are cast from it.
-    mm_dtype = torch.bfloat16 if rowwise else out_dtype
+    mm_dtype = torch.bfloat16 if recipe == "rowwise" else out_dtype
     out = torch._scaled_mm(a_q, b_fp8_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype,
                            use_fast_accum=fast_accum)
     return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -33,7 +33,7 @@ from torch import nn
 
 from tracetrain.kernels import triton_available
 from tracetrain.kernels.fp8 import (E4M3, E5M2, FAST_ACCUM_FORWARD, Recipe, fp8_compatible, fp8_matmul, quantize,
-                                    quantize_weight)
+                                    quantize_weight, scaled_matmul)
 from tracetrain.models.llama import FeedForward
 
 # ------------------------------------------------------------------------------------ the row kernels
@@ -100,15 +100,6 @@ if triton_available():
 
 # ---------------------------------------------------------------------------------------- the MLP
 
-def _scaled_mm(a_q: torch.Tensor, a_inv: torch.Tensor, b_fp8_t: torch.Tensor, b_inv: torch.Tensor,
-               recipe: Recipe, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """`a_q (M, K) @ b^T` for operands quantised before, b_fp8_t (N, K); as `fp8_matmul` minus the quantisation."""
-    mm_dtype = torch.bfloat16 if recipe == "rowwise" else out_dtype  # the rowwise kernel writes bf16 only
-    out = torch._scaled_mm(a_q, b_fp8_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype,
-                           use_fast_accum=fast_accum)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
-
-
 class _Float8FeedForward(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with frozen, pre-quantised weights: the diagram in the module docstring."""
 
@@ -120,7 +111,7 @@ class _Float8FeedForward(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])                                                  # (tokens, dim)
         gu = fp8_matmul(x2, E4M3, w13, w13_inv, recipe, out_dtype, FAST_ACCUM_FORWARD)  # (tokens, 2 ffn)
         h_q, h_inv = swiglu_quant(gu, E4M3, rowwise)                                     # (tokens, ffn)
-        y = _scaled_mm(h_q, h_inv, w2, w2_inv, recipe, out_dtype, FAST_ACCUM_FORWARD)   # (tokens, dim)
+        y = scaled_matmul(h_q, h_inv, w2, w2_inv, recipe, out_dtype, FAST_ACCUM_FORWARD)   # (tokens, dim)
         ctx.save_for_backward(gu, w13t, w13t_inv, w2t, w2t_inv)  # one activation; the rest are buffers
         ctx.recipe, ctx.x_dtype = recipe, x.dtype
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -133,7 +124,7 @@ class _Float8FeedForward(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])                                        # (tokens, dim)
         dh = fp8_matmul(dy, grad_dtype, w2t, w2t_inv, ctx.recipe, gu.dtype, fast_accum=False)  # (tokens, ffn)
         dgu_q, dgu_inv = swiglu_bwd_quant(dh, gu, grad_dtype, rowwise)                       # (tokens, 2 ffn)
-        dx = _scaled_mm(dgu_q, dgu_inv, w13t, w13t_inv, ctx.recipe, ctx.x_dtype, fast_accum=False)  # (tokens, dim)
+        dx = scaled_matmul(dgu_q, dgu_inv, w13t, w13t_inv, ctx.recipe, ctx.x_dtype, fast_accum=False)  # (tokens, dim)
         return (dx.view(*grad_out.shape[:-1], dx.shape[-1]), *([None] * 10))
 
 
