@@ -104,8 +104,9 @@ def main() -> None:
                     "selection; 'bf16' is always run first, the reference of every ratio)")
     a = ap.parse_args()
     chosen = set(filter(None, a.switches.split(",")))
-    if chosen - set(SWITCHES) - {n for e in EXTRA.values() for n in e}:
-        sys.exit(f"--switches: unknown {', '.join(sorted(chosen - set(SWITCHES)))}; allowed: {', '.join(SWITCHES)}")
+    known = [*SWITCHES, *(n for e in EXTRA.values() for n in e)]
+    if chosen - set(known):
+        sys.exit(f"--switches: unknown {', '.join(sorted(chosen - set(known)))}; allowed: {', '.join(known)}")
     only = set(filter(None, a.only.split(",")))
     unknown = only - {*MODELS, "offload"}
     if unknown:

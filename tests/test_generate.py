@@ -24,9 +24,7 @@ def letters(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_thread_torch):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread_torch")  # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")

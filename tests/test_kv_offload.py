@@ -18,9 +18,7 @@ ARGS = ModelArgs(**GEN_ARGS_KW)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20], [21]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_thread_torch):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread_torch")  # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")
