@@ -12,7 +12,7 @@ import torch
 
 from tracetrain.config import DataSection
 from tracetrain.data import (ByteTokenizer, PackedDataset, build_datasets, build_loader, exact_match,
-                             generate_examples, iter_batches, load_tokenizer)
+                             format_prompt, generate_examples, iter_batches, load_tokenizer)
 from tracetrain.data.packing import pack_documents, shift_labels
 from tracetrain.errors import DataError
 
@@ -122,6 +122,16 @@ def test_templates_in_rows(tmp_path: Path) -> None:
                                 ("plain", "Add.\n2 and 3\n5")):
         train, _, _ = build_datasets(data_cfg(path=path, template=template, seq_len=256, eval_fraction=0), TOK)
         assert must_have in TOK.decode(train[0]["input_ids"].tolist())
+
+
+def test_alpaca_template_is_stanford_alpacas_wording() -> None:
+    assert format_prompt("alpaca", "Add.") == (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the "
+        "request.\n\n### Instruction:\nAdd.\n\n### Response:\n")
+    assert format_prompt("alpaca", "Add.", "2 and 3") == (
+        "Below is an instruction that describes a task, paired with an input that provides further context. "
+        "Write a response that appropriately completes the request.\n\n### Instruction:\nAdd.\n\n"
+        "### Input:\n2 and 3\n\n### Response:\n")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -69,9 +69,21 @@ def gpt2() -> HFTokenizer:
 
 
 def test_gpt2_specials(gpt2: HFTokenizer) -> None:
+    # A bare tokenizer.json with exactly one special token: it is BOS, EOS and PAD (GPT-2's convention).
     assert gpt2.vocab_size == 50257
     assert gpt2.bos_id == gpt2.eos_id == GPT2_ENDOFTEXT
-    assert gpt2.pad_id == GPT2_ENDOFTEXT  # no pad token: falls back to EOS
+    assert gpt2.pad_id == GPT2_ENDOFTEXT
+    assert gpt2.stop_ids == (GPT2_ENDOFTEXT,) and gpt2.add_bos and gpt2.source_dir is None
+
+
+def test_specials_come_from_the_folder_not_from_names(tmp_path: Path) -> None:
+    # GPT-2's tokenizer.json in a folder whose config names another EOS: the config wins over any spelling.
+    if not GPT2_JSON.is_file():
+        pytest.skip(f"GPT-2 tokenizer.json not available at {GPT2_JSON}")
+    (tmp_path / "tokenizer.json").write_text(GPT2_JSON.read_text())
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": null, "eos_token": "\u010a"}')  # "\n" = id 198
+    tok = load_tokenizer(str(tmp_path))
+    assert (tok.eos_id, tok.pad_id, tok.add_bos, tok.stop_ids, tok.source_dir) == (198, 198, False, (198,), tmp_path)
 
 
 def test_gpt2_encode_decode(gpt2: HFTokenizer) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -47,22 +48,33 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    kind: str = fld("synthetic", "Dataset kind.", choices=("synthetic", "instruction", "text"))
-    path: str = fld("", "Training data: JSONL (instruction) or a text file (text). Unused for synthetic.")
+    kind: str = fld("synthetic", "Dataset kind: generated task, instruction/response pairs, multi-turn chat "
+                                 "(messages or ShareGPT conversations), or plain text.",
+                    choices=("synthetic", "instruction", "chat", "text"))
+    path: str = fld("", "Training data: JSONL, a JSON array, Parquet or a datasets save_to_disk folder (text also "
+                        "takes a plain text file). Unused for synthetic.")
     eval_path: str = fld("", "Held-out data file; '' = split eval_fraction off the training data.")
     eval_fraction: float = fld(0.05, "Share of examples held out for eval when eval_path is ''.", ge=0, le=0.5)
-    tokenizer: str = fld("byte", "'byte' (built-in byte-level) or a path to a Hugging Face tokenizer.json.")
+    tokenizer: str = fld("auto", "'auto' (model.init_from's tokenizer when it has a tokenizer.json, else 'byte'), "
+                                 "'byte' (built-in byte-level), or a Hugging Face tokenizer folder or tokenizer.json.")
     seq_len: int = fld(128, "Tokens per training sequence.", gt=1)
     pack: bool = fld(True, "Pack several examples into each sequence (document-masked attention).")
     template: str = fld("alpaca", "Prompt template for instruction data.", choices=("alpaca", "plain", "chatml"))
+    chat_template: str = fld("auto", "Chat data: 'auto' (the tokenizer's own chat_template), a built-in name "
+                                     "(chatml, llama-3, mistral) or a path to a .jinja file.")
+    messages_field: str = fld("messages", "Chat data: field with the list of {role, content} messages; rows with "
+                                          "ShareGPT 'conversations' ({from, value}) are read too.")
+    text_field: str = fld("text", "Text data in JSONL/JSON/Parquet/datasets form: the field holding each document.")
     instruction_field: str = fld("instruction", "JSONL field holding the instruction / question / prompt.")
     context_field: str = fld("context", "JSONL field holding optional context ('' = none).")
     response_field: str = fld("response", "JSONL field holding the target response / answer.")
-    train_on_prompt: bool = fld(False, "Also compute loss on prompt tokens (default: response only).")
+    train_on_prompt: bool = fld(False, "Also compute loss on prompt tokens (default: response only; for chat: "
+                                       "every assistant turn with its end-of-turn token).")
     tokenize: str = fld("ahead", "Tokenise all data before training ('ahead'), or each row as the loader asks for it "
                                  "('on_the_fly': no start-up cost, work moves into data.num_workers; needs pack = false).",
                         choices=("ahead", "on_the_fly"))
-    skip_bad_lines: bool = fld(False, "Skip malformed JSONL lines (and report how many) instead of failing.")
+    skip_bad_lines: bool = fld(False, "Skip bad rows (malformed JSON, missing fields, bad chat messages) and "
+                                      "report how many, instead of failing.")
     synthetic_examples: int = fld(20000, "Number of generated examples for the built-in synthetic task.", gt=0)
     num_workers: int = fld(0, "DataLoader worker processes.", ge=0)
     pin_memory: bool = fld(True, "Pin host batches for faster, asynchronous copies to the GPU.")
@@ -74,6 +86,9 @@ class DataSection:
 class TrainSection:
     mode: str = fld("full", "Train every weight ('full') or low-rank adapters only ('lora').", choices=("full", "lora"))
     steps: int = fld(600, "Optimizer steps to run.", gt=0)
+    epochs: float = fld(0.0, "Passes over the training data instead of train.steps (0 = use steps): steps = "
+                             "ceil(epochs * batches per epoch / grad_accum_steps), sized once the data is built.",
+                        ge=0)
     micro_batch_size: int = fld(16, "Sequences per forward/backward pass.", gt=0)
     grad_accum_steps: int = fld(1, "Micro-batches accumulated per optimizer step.", gt=0)
     precision: str = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU); fp16 uses dynamic "
@@ -101,7 +116,9 @@ class TrainSection:
 
 @dataclass
 class OptimSection:
-    lr: float = fld(1e-3, "Peak learning rate.", gt=0)
+    # An AdamW step moves each weight by about lr, whatever the gradient's scale: beyond 1 a single step
+    # outweighs any pre-trained weight, so larger values are typos (1e39 for 1e-3), not experiments.
+    lr: float = fld(1e-3, "Peak learning rate (AdamW: 0 < lr <= 1).", gt=0, le=1)
     min_lr_ratio: float = fld(0.1, "Final learning rate as a fraction of lr.", ge=0, le=1)
     schedule: str = fld("cosine", "Decay after warmup.", choices=("cosine", "linear", "constant"))
     warmup_steps: int = fld(50, "Linear warmup steps.", ge=0)
@@ -242,6 +259,9 @@ def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
         raise ConfigError(f"config key '{key}': {value!r} is not {_describe(tp)}")
     if float in kinds:
         value = float(value)
+        # TOML spells inf and nan, and 1e400 overflows to inf: no float setting means anything there.
+        if not math.isfinite(value):
+            raise ConfigError(f"config key '{key}': {value!r} is not a finite number")
     if list in kinds and not all(isinstance(v, str) for v in value):
         raise ConfigError(f"config key '{key}': {value!r} must be a list of strings")
     meta = f.metadata
@@ -285,8 +305,46 @@ def from_dict(raw: dict[str, Any], where: str = "") -> Config:
     return cfg
 
 
+def check_device_spec(spec: str, key: str = "config key 'train.device'") -> None:
+    """The one rule for device names: 'auto', 'cpu', 'cuda' or 'cuda:N' (`key` names the setting in errors)."""
+    if not (spec in ("auto", "cpu", "cuda") or (spec.startswith("cuda:") and spec[5:].isdigit())):
+        raise ConfigError(f"{key}: {spec!r} is not allowed; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def check_warmup(optim: OptimSection, total_steps: int, where: str = "", source: str = "train.steps") -> None:
+    """Warmup must end before the run does: else the learning rate never reaches optim.lr and never decays.
+
+    `total_steps` is the run's resolved number of optimizer steps: train.steps, or the count derived from
+    train.epochs once the data is built (that caller passes it, and `source` = e.g. "train.epochs = 2").
+    """
+    if optim.warmup_steps >= total_steps:
+        raise ConfigError(f"{where}config key 'optim.warmup_steps': {optim.warmup_steps} is not shorter than the "
+                          f"run ({total_steps} steps from {source}); set it below {total_steps} "
+                          f"(e.g. --optim.warmup_steps={total_steps // 10})")
+
+
+def _check_data_path_used(data: DataSection, where: str) -> None:
+    """Synthetic data reads no file: a data path given with it would be silently ignored."""
+    if data.kind != "synthetic":
+        return
+    for key in ("path", "eval_path"):
+        if getattr(data, key):
+            # Listed from the field's own choices, so a new data kind needs no edit here.
+            kinds = [k for k in _field(DataSection, "kind").metadata["choices"] if k != "synthetic"]
+            raise ConfigError(f"{where}config key 'data.{key}': {getattr(data, key)!r} is ignored with "
+                              f"data.kind = 'synthetic'; set data.kind to one of {', '.join(kinds)}")
+
+
+def _field(section: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(section) if f.name == name)
+
+
 def _check_cross_fields(cfg: Config, where: str) -> None:
-    if cfg.data.kind in ("instruction", "text") and not cfg.data.path:
+    _check_data_path_used(cfg.data, where)
+    if cfg.train.epochs and cfg.train.steps != TrainSection.steps:  # steps left at its default: epochs decides
+        raise ConfigError(f"{where}config keys 'train.steps' ({cfg.train.steps}) and 'train.epochs' "
+                          f"({cfg.train.epochs}) are both set; set one (epochs sizes the run from the data)")
+    if cfg.data.kind in ("instruction", "chat", "text") and not cfg.data.path:
         raise ConfigError(f"{where}config key 'data.path' is required when data.kind = '{cfg.data.kind}'")
     if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind == "text"):
         raise ConfigError(f"{where}config key 'data.tokenize': 'on_the_fly' needs data.pack = false and "
@@ -303,10 +361,7 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
     if cfg.train.attention == "flex" and cfg.train.device == "cpu":
         raise ConfigError(f"{where}config key 'train.attention': 'flex' trains on CUDA only (FlexAttention has no "
                           "CPU backward); use 'sdpa' or 'auto'")
-    dev = cfg.train.device
-    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise ConfigError(f"{where}config key 'train.device': {dev!r} is not allowed; "
-                          "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    check_device_spec(cfg.train.device, f"{where}config key 'train.device'")
 
 
 def parse_override(arg: str) -> tuple[str, Any]:
@@ -322,6 +377,28 @@ def parse_override(arg: str) -> tuple[str, Any]:
     return key, value
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The tables of a TOML config file; every way reading it can fail is one ConfigError naming the file."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a .toml file")
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8")  # TOML is UTF-8 by definition, whatever the locale says
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text "
+                          "(TOML files must be saved as UTF-8)") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a TOML config (or the defaults when `path` is None), apply overrides, validate once."""
     raw: dict[str, Any] = {}
@@ -329,12 +406,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         where = f"{path}: "
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        raw = _read_toml(path)
     for arg in overrides or []:
         key, value = parse_override(arg)
         section, name = key.split(".", 1)

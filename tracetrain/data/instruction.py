@@ -1,9 +1,11 @@
-"""Instruction data: JSONL records -> prompt/response pairs -> tokenised, loss-masked documents.
+"""Instruction data: rows of a data file (see files.py) -> prompt/response pairs -> tokenised, loss-masked documents.
 
 One document per example:
 
     BOS  prompt tokens  response tokens  EOS
          (no loss)      (loss)           (loss)      <- unless data.train_on_prompt
+
+(BOS only when the tokenizer adds one, `tok.add_bos`.)
 
 The prompt and the response are tokenised separately, so the boundary between "no loss" and "loss"
 is exact even for BPE tokenizers (a merge across the boundary would otherwise blur it).
@@ -14,14 +16,14 @@ the answer did not end there); if not even one response token fits, it is droppe
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
 from tracetrain.config import DataSection
+# open_data_file is re-exported: models/generate.py imports it from here.
+from tracetrain.data.files import open_data_file, read_rows  # noqa: F401
 from tracetrain.data.packing import (DataStats, Document, PackedDataset, empty_rows, fill_row_stats,
                                      pack_documents, shift_labels)
 from tracetrain.data.tokenizer import Tokenizer
@@ -30,9 +32,11 @@ from tracetrain.errors import DataError
 # (prompt_text, response_text): the prompt already has its template applied.
 Example = tuple[str, str]
 
-_ALPACA_INTRO = ("The following is a task for you to complete. Write a response that carries it out.")
-_ALPACA_INTRO_CONTEXT = ("The following is a task for you to complete, together with input that gives "
-                         "more context. Write a response that carries it out.")
+# Stanford Alpaca's two prompt preambles, with and without an input.
+_ALPACA_INTRO = ("Below is an instruction that describes a task. Write a response that appropriately "
+                 "completes the request.")
+_ALPACA_INTRO_CONTEXT = ("Below is an instruction that describes a task, paired with an input that provides "
+                         "further context. Write a response that appropriately completes the request.")
 
 
 def format_prompt(template: str, instruction: str, context: str = "") -> str:
@@ -50,55 +54,18 @@ def format_prompt(template: str, instruction: str, context: str = "") -> str:
     raise ValueError(f"unknown template {template!r}")  # config validation rules this out
 
 
-def open_data_file(path: str, key: str) -> TextIO:
-    """Open a data file for text reading, or raise DataError naming the path and the config key."""
-    if not Path(path).is_file():
-        raise DataError(f"data file {path} does not exist (config key '{key}')")
-    return open(path, encoding="utf-8")
+def _string_fields(row: dict[str, Any], required: list[str], optional: list[str]) -> dict[str, str]:
+    """The named string fields of one row; DataError with the reason (the caller adds the location).
 
-
-def read_jsonl(path: str, key: str, required: list[str], optional: list[str],
-               skip_bad_lines: bool) -> tuple[list[dict[str, str]], int]:
-    """String fields of every JSONL line -> (records, number of bad lines skipped).
-
-    Blank lines are ignored. An optional field that is absent or null reads as ''. A bad line raises
-    DataError `file:LINE: ...` unless `skip_bad_lines`, in which case it is counted and skipped.
+    An optional field that is absent or null reads as ''.
     """
-    records, bad = [], 0
-    with open_data_file(path, key) as f:
-        try:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(_parse_line(line, required, optional))
-                except DataError as e:
-                    if not skip_bad_lines:
-                        raise DataError(f"{path}:{line_no}: {e}") from None
-                    bad += 1
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start} of a chunk)") from None
-    if not records:
-        what = f"all {bad} non-blank lines are bad" if bad else "the file has no JSON lines"
-        raise DataError(f"{path}: no usable examples ({what}; config key '{key}')")
-    return records, bad
-
-
-def _parse_line(line: str, required: list[str], optional: list[str]) -> dict[str, str]:
-    """One JSONL line -> its fields; DataError with the reason (the caller adds file:line)."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"not a JSON object (got {type(obj).__name__})")
     out = {}
     for name in required + optional:
-        value = obj.get(name)
+        value = row.get(name)
         if value is None and name in optional:
             value = ""
-        if name not in obj and name in required:
-            present = ", ".join(map(repr, obj)) or "none"
+        if name not in row and name in required:
+            present = ", ".join(map(repr, row)) or "none"
             raise DataError(f"missing field {name!r} (fields present: {present})")
         if not isinstance(value, str):
             raise DataError(f"field {name!r} is {type(value).__name__}, expected a string")
@@ -106,14 +73,34 @@ def _parse_line(line: str, required: list[str], optional: list[str]) -> dict[str
     return out
 
 
+def read_records(path: str, key: str, required: list[str], optional: list[str],
+                 skip_bad_lines: bool) -> tuple[list[tuple[str, dict[str, str]]], int]:
+    """String fields of every row of a data file (JSONL, JSON array, Parquet, datasets folder) ->
+    ([(where, fields)], bad rows skipped). A bad row raises DataError `<where>: ...` unless `skip_bad_lines`."""
+    return read_rows(path, key, lambda row: _string_fields(row, required, optional), skip_bad_lines)
+
+
 def read_instruction_file(path: str, key: str, data: DataSection) -> tuple[list[Example], int]:
-    """A JSONL file -> (templated examples, bad lines skipped), fields named by the data config."""
+    """A data file -> (templated examples, bad rows skipped), fields named by the data config."""
+    examples, bad = read_located_examples(path, key, data)
+    return [ex for _, ex in examples], bad
+
+
+def read_located_examples(path: str, key: str, data: DataSection) -> tuple[list[tuple[str, Example]], int]:
+    """As `read_instruction_file`, each example with its location ("file:LINE" / "file: row N")."""
     optional = [data.context_field] if data.context_field else []
-    records, bad = read_jsonl(path, key, [data.instruction_field, data.response_field], optional,
-                              data.skip_bad_lines)
-    examples = [(format_prompt(data.template, r[data.instruction_field], r.get(data.context_field, "")),
-                 r[data.response_field]) for r in records]
+    records, bad = read_records(path, key, [data.instruction_field, data.response_field], optional,
+                                data.skip_bad_lines)
+    examples = [(where, (format_prompt(data.template, r[data.instruction_field], r.get(data.context_field, "")),
+                         r[data.response_field])) for where, r in records]
     return examples, bad
+
+
+def tokenize_example(example: Example, tok: Tokenizer, train_on_prompt: bool) -> tuple[list[int], list[bool]]:
+    """(ids, is_target) of one whole example: [BOS] prompt response EOS, loss on response + EOS."""
+    p, r = tok.encode(example[0]), tok.encode(example[1])
+    bos = [tok.bos_id] if tok.add_bos else []
+    return bos + p + r + [tok.eos_id], [False] * len(bos) + [train_on_prompt] * len(p) + [True] * (len(r) + 1)
 
 
 def held_out_split(num_examples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -132,7 +119,8 @@ def tokenize_examples(examples: list[Example], tok: Tokenizer, seq_len: int, tra
     responses = tok.encode_batch([r for _, r in examples])
     docs, kept = [], []
     for example, p, r in zip(examples, prompts, responses):
-        room = seq_len - 1 - len(p)  # tokens left for the response after BOS + prompt
+        bos = [tok.bos_id] if tok.add_bos else []
+        room = seq_len - len(bos) - len(p)  # tokens left for the response after [BOS] + prompt
         if not example[1].strip() or room <= 0:
             stats.examples_dropped += 1
             continue
@@ -140,8 +128,8 @@ def tokenize_examples(examples: list[Example], tok: Tokenizer, seq_len: int, tra
         if len(target) > room:
             target = target[:room]
             stats.examples_truncated += 1
-        ids = [tok.bos_id] + p + target
-        is_target = [False] + [train_on_prompt] * len(p) + [True] * len(target)
+        ids = bos + p + target
+        is_target = [False] * len(bos) + [train_on_prompt] * len(p) + [True] * len(target)
         docs.append((ids, shift_labels(ids, is_target)))
         kept.append(example)
     return docs, kept
@@ -201,8 +189,8 @@ def build_instruction_datasets(data: DataSection, tok: Tokenizer) -> tuple[Packe
 
 
 def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
-    """The ids a model is given to generate a response: BOS + prompt, as in training."""
-    return [tok.bos_id] + tok.encode(prompt)
+    """The ids a model is given to generate a response: [BOS] + prompt, as in training."""
+    return ([tok.bos_id] if tok.add_bos else []) + tok.encode(prompt)
 
 
 _FINAL_NUMBER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")

@@ -18,10 +18,11 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from tracetrain.config import DataSection
-from tracetrain.data.instruction import build_instruction_datasets
-from tracetrain.data.packing import DataStats, PackedDataset
-from tracetrain.data.synthetic import build_synthetic_datasets
-from tracetrain.data.text import build_text_datasets
+from tracetrain.data.chat import build_chat_datasets, iter_chat_examples
+from tracetrain.data.instruction import build_instruction_datasets, read_located_examples, tokenize_example
+from tracetrain.data.packing import DataStats, PackedDataset, TokenizedExample
+from tracetrain.data.synthetic import build_synthetic_datasets, generate_examples
+from tracetrain.data.text import build_text_datasets, read_documents
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 
@@ -30,6 +31,7 @@ Batch = dict[str, torch.Tensor]  # each (batch, seq_len) int64
 _BUILDERS: dict[str, Callable[[DataSection, Tokenizer], tuple[PackedDataset, PackedDataset, DataStats]]] = {
     "synthetic": build_synthetic_datasets,
     "instruction": build_instruction_datasets,
+    "chat": build_chat_datasets,
     "text": build_text_datasets,
 }
 
@@ -37,6 +39,29 @@ _BUILDERS: dict[str, Callable[[DataSection, Tokenizer], tuple[PackedDataset, Pac
 def build_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
     """(train, eval, stats) for `data.kind`; the eval split may have zero rows."""
     return _BUILDERS[data.kind](data, tok)
+
+
+def tokenize_rows(data: DataSection, tok: Tokenizer, path: str = "") -> Iterator[TokenizedExample]:
+    """Every example of a data file (default `data.path`) as the model sees it, in file order, before
+    splitting, shuffling and packing: its location, text, ids and per-token trained mask.
+
+    For inspection (statistics, showing trained tokens). Chat conversations are cut to `data.seq_len`
+    as in training; other kinds are whole. Bad rows raise or are skipped as in `build_datasets`.
+    """
+    path = path or data.path
+    if data.kind == "chat":
+        yield from iter_chat_examples(data, tok, path, "data.path", DataStats())
+    elif data.kind == "instruction":
+        for where, ex in read_located_examples(path, "data.path", data)[0]:
+            yield TokenizedExample(where, ex[0] + ex[1], *tokenize_example(ex, tok, data.train_on_prompt))
+    elif data.kind == "synthetic":
+        for i, ex in enumerate(generate_examples(data.synthetic_examples, data.seed)):
+            yield TokenizedExample(f"synthetic: {i}", ex[0] + ex[1], *tokenize_example(ex, tok, data.train_on_prompt))
+    else:
+        bos = [tok.bos_id] if tok.add_bos else []
+        for i, doc in enumerate(read_documents(path, "data.path", data.skip_bad_lines, data.text_field)[0]):
+            ids = bos + tok.encode(doc) + [tok.eos_id]
+            yield TokenizedExample(f"{path}: document {i}", doc, ids, [False] + [True] * (len(ids) - 1))
 
 
 def batches_per_epoch(num_rows: int, batch_size: int, drop_last: bool) -> int:

@@ -34,6 +34,16 @@ PAD_DOCUMENT = -1
 Document = tuple[list[int], list[int]]
 
 
+@dataclass(frozen=True)
+class TokenizedExample:
+    """One example as the model sees it, before packing: for inspection (`tokenize_rows`) and packing."""
+
+    where: str  # its location for messages: "file:LINE", "file: row N", "synthetic: N"
+    text: str  # the text it was tokenised from (template applied; a BOS id may precede it)
+    ids: list[int]
+    is_target: list[bool]  # per token: does predicting this token carry a loss
+
+
 @dataclass
 class DataStats:
     """What building the datasets did, for the trainer to print and the run directory to keep."""

@@ -1,8 +1,9 @@
 """Plain-text corpora for pre-training style runs: every token carries a loss.
 
-Input is a UTF-8 text file or a JSONL file with a `text` field per line. A text file is one document
+Input is a UTF-8 text file, or a data file of rows (JSONL, JSON array, Parquet, datasets folder) with the
+document in `data.text_field` ("text"). A text file is one document
 unless it contains separator lines `<|endoftext|>` (the GPT-2 convention), which split it into several.
-Each document becomes BOS + tokens + EOS; the documents are concatenated into one stream and cut into
+Each document becomes [BOS] + tokens + EOS; the documents are concatenated into one stream and cut into
 `seq_len` rows (`pack=True`), or each document is cut into its own rows (`pack=False`).
 
 The held-out split is the *last* `eval_fraction` of the stream (no shuffle: neighbouring text is
@@ -17,7 +18,8 @@ import numpy as np
 import torch
 
 from tracetrain.config import DataSection
-from tracetrain.data.instruction import open_data_file, read_jsonl
+from tracetrain.data.files import is_record_file, open_data_file
+from tracetrain.data.instruction import read_records
 from tracetrain.data.packing import (IGNORE_INDEX, DataStats, PackedDataset, chunk_stream, empty_rows,
                                      fill_row_stats)
 from tracetrain.data.tokenizer import Tokenizer
@@ -27,11 +29,15 @@ SEPARATOR = "<|endoftext|>"
 _SEPARATOR_LINE = re.compile(r"^[ \t]*<\|endoftext\|>[ \t]*(?:\r?\n|$)", re.MULTILINE)
 
 
-def read_documents(path: str, key: str, skip_bad_lines: bool) -> tuple[list[str], int]:
-    """(documents, bad JSONL lines skipped); whitespace-only documents are left out."""
-    if path.endswith(".jsonl"):
-        records, bad = read_jsonl(path, key, ["text"], [], skip_bad_lines)
-        docs = [r["text"] for r in records]
+def read_documents(path: str, key: str, skip_bad_lines: bool, text_field: str = "text") -> tuple[list[str], int]:
+    """(documents, bad rows skipped); whitespace-only documents are left out.
+
+    A data file of rows (JSONL, JSON, Parquet, datasets folder: see files.py) gives one document per
+    row, from `text_field`; any other file is plain UTF-8 text.
+    """
+    if is_record_file(path):
+        records, bad = read_records(path, key, [text_field], [], skip_bad_lines)
+        docs = [r[text_field] for _, r in records]
     else:
         with open_data_file(path, key) as f:
             try:
@@ -48,17 +54,18 @@ def read_documents(path: str, key: str, skip_bad_lines: bool) -> tuple[list[str]
 def token_stream(docs: list[str], tok: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Documents -> (ids, shifted labels, document index), each of shape (total_tokens,).
 
-    Every token but BOS is a target, so labels[t] = ids[t+1] within a document; a document's EOS
-    gets -100 (the next token belongs to another document).
+    Every token but the first is a target, so labels[t] = ids[t+1] within a document; a document's EOS
+    gets -100 (the next token belongs to another document). BOS starts a document where `tok.add_bos`.
     """
     encoded = tok.encode_batch(docs)
-    lengths = np.array([len(e) + 2 for e in encoded], dtype=np.int64)
+    lengths = np.array([len(e) + 1 + tok.add_bos for e in encoded], dtype=np.int64)
     ids = np.empty(int(lengths.sum()), dtype=np.int64)
     ends = np.cumsum(lengths)
     starts = ends - lengths
     for start, end, e in zip(starts, ends, encoded):
-        ids[start] = tok.bos_id
-        ids[start + 1:end - 1] = e
+        if tok.add_bos:
+            ids[start] = tok.bos_id
+        ids[end - len(e) - 1:end - 1] = e
         ids[end - 1] = tok.eos_id
     labels = np.empty_like(ids)
     labels[:-1] = ids[1:]
@@ -85,10 +92,10 @@ def _rows(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, data: DataSectio
 def build_text_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
     """`data.kind = "text"`: a corpus -> train and eval datasets of `seq_len` rows plus stats."""
     stats = DataStats()
-    docs, stats.bad_lines_skipped = read_documents(data.path, "data.path", data.skip_bad_lines)
+    docs, stats.bad_lines_skipped = read_documents(data.path, "data.path", data.skip_bad_lines, data.text_field)
     ids, labels, doc = token_stream(docs, tok)
     if data.eval_path:
-        eval_docs, bad = read_documents(data.eval_path, "data.eval_path", data.skip_bad_lines)
+        eval_docs, bad = read_documents(data.eval_path, "data.eval_path", data.skip_bad_lines, data.text_field)
         stats.bad_lines_skipped += bad
         eval_stream = token_stream(eval_docs, tok)
         stats.examples_read = len(docs) + len(eval_docs)

@@ -1,13 +1,27 @@
-"""Tokenizers: a built-in byte-level one and Hugging Face `tokenizer.json` files.
+"""Tokenizers: a built-in byte-level one and Hugging Face tokenizers (a folder, or a bare tokenizer.json).
 
 Both follow one small interface (`Tokenizer`). `encode` never adds special tokens: the data pipeline
-places BOS/EOS itself, so that the same code handles tokenizers whose post-processor adds a BOS
-(Llama) and those that add nothing (GPT-2). `decode` drops special ids, so generated text reads clean.
+places BOS/EOS itself (BOS only where `add_bos`), so that the same code handles tokenizers whose
+post-processor adds a BOS (Llama) and those that add nothing (GPT-2, Qwen). `decode` drops special
+ids, so generated text reads clean.
 
 The byte tokenizer needs no files and gives the tiny default model a 259-id vocabulary:
 
     ids 0..255  the UTF-8 bytes
     256 BOS, 257 EOS, 258 PAD
+
+Special tokens of a Hugging Face tokenizer are read, never guessed from their spelling:
+
+- a tokenizer folder (tokenizer.json + tokenizer_config.json, as `save_pretrained` writes it):
+  bos/eos/pad from tokenizer_config.json (strings or {"content": ...} dicts; a key set to null means
+  "none", e.g. Qwen's bos_token), else special_tokens_map.json; `add_bos_token` from tokenizer_config
+  (absent: True when there is a BOS); stop ids = EOS plus generation_config.json `eos_token_id` (an
+  int or a list: chat models end a turn with `<|eot_id|>` / `<|im_end|>`); the chat template from
+  tokenizer_config.json `chat_template` (a list of named templates -> the "default" one) or a sibling
+  `chat_template.jinja`. No EOS anywhere (nor a generation_config eos id) is an error.
+- a bare tokenizer.json (no tokenizer_config.json beside it): it must have exactly one special added
+  token, which is then BOS, EOS and PAD at once, as in GPT-2 (`<|endoftext|>`); with any other number
+  the roles cannot be told apart without the folder, so that is an error asking for it.
 """
 
 from __future__ import annotations
@@ -15,28 +29,37 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 from tracetrain.errors import DataError
 
-# Special-token spellings by family, most specific first. GPT-2 has only <|endoftext|>, so it ends up
-# as both BOS and EOS, which is how GPT-2 itself was trained.
-_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>")
-_EOS_NAMES = ("<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>", "<|endoftext|>")
-_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+# The named special tokens transformers passes to chat templates as variables (its
+# SPECIAL_TOKENS_ATTRIBUTES), in its order.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' "no limit" model_max_length, written when the source folder gives none.
+_NO_MAX_LENGTH = int(1e30)
 
 
 class Tokenizer(ABC):
-    """Text <-> ids. Subclasses set `name`, `vocab_size`, `bos_id`, `eos_id` and `pad_id`."""
+    """Text <-> ids. Subclasses set every attribute below."""
 
     name: str
     vocab_size: int
-    bos_id: int
+    bos_id: int  # with no BOS token (add_bos False) this is the EOS id, so old callers still get an int
     eos_id: int
     pad_id: int
+    add_bos: bool  # documents start with bos_id
+    stop_ids: tuple[int, ...]  # ids that end a generated answer: EOS plus end-of-turn ids
+    chat_template: str | None  # the tokenizer's own Jinja chat template
+    source_dir: Path | None  # the Hugging Face tokenizer folder it came from
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without any special tokens added."""
+
+    @abstractmethod
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, [start, end) character span of `text` each id came from), no special tokens added."""
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
@@ -46,9 +69,19 @@ class Tokenizer(ABC):
         """`encode` over many texts; subclasses override it where a batched path is faster."""
         return [self.encode(t) for t in texts]
 
+    def special_tokens(self) -> dict[str, str]:
+        """Template variables bos_token, eos_token, ... -> their text (only those the tokenizer has)."""
+        return {}
+
+    @property
+    def bos_text(self) -> str | None:
+        """The text of the BOS token when it is a real token of the vocabulary, else None."""
+        return self.special_tokens().get("bos_token") if self.add_bos else None
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, "
-                f"bos={self.bos_id}, eos={self.eos_id}, pad={self.pad_id})")
+                f"bos={self.bos_id if self.add_bos else None}, eos={self.eos_id}, pad={self.pad_id}, "
+                f"stop={list(self.stop_ids)})")
 
 
 class ByteTokenizer(Tokenizer):
@@ -58,9 +91,20 @@ class ByteTokenizer(Tokenizer):
         self.name = "byte"
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
         self.vocab_size = 259
+        self.add_bos, self.stop_ids = True, (257,)
+        self.chat_template, self.source_dir = None, None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for i, ch in enumerate(text):
+            raw = ch.encode("utf-8")
+            ids += raw
+            offsets += [(i, i + 1)] * len(raw)
+        return ids, offsets
 
     def decode(self, ids: list[int]) -> str:
         # A model can emit a byte sequence that is not valid UTF-8 (e.g. half a character); replace
@@ -68,55 +112,117 @@ class ByteTokenizer(Tokenizer):
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, {} when absent; DataError when it is not a JSON object."""
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _token_text(value: Any) -> str | None:
+    """A special-token entry: "<s>" or {"content": "<s>", ...} -> "<s>"; null -> None."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _named_template(value: Any) -> str | None:
+    """tokenizer_config.json `chat_template`: a string, or a list of {name, template} -> "default"."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return None
+
+
 class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizer.json`, run by the `tokenizers` library (Rust, batched)."""
+    """A Hugging Face tokenizer run by the `tokenizers` library (Rust, batched): a folder or a tokenizer.json."""
 
     def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
-
         path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        if not path.is_file():
-            raise DataError(f"tokenizer file {path} does not exist (config key 'data.tokenizer')")
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-            self._tok = RustTokenizer.from_file(str(path))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}: not valid JSON, so not a tokenizer.json ({e})") from None
-        except Exception as e:  # the Rust side raises a bare Exception for a schema mismatch
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"{path}: not a Hugging Face tokenizer.json ({reason})") from None
-        # Some tokenizer.json files carry truncation/padding settings from their training pipeline;
-        # the data pipeline does both itself, so they must not silently cut or pad our texts.
-        self._tok.no_truncation()
-        self._tok.no_padding()
-        self.name = str(path)
+        folder = path if path.is_dir() else None
+        if not path.is_dir() and path.name == "tokenizer.json" and (path.parent / "tokenizer_config.json").is_file():
+            folder = path.parent  # a folder's tokenizer.json: its config files belong to it
+        file = folder / "tokenizer.json" if folder else path
+        self._tok = _load_rust_tokenizer(file)
+        self.name = str(folder or file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id, self.eos_id, self.pad_id = self._find_specials(path)
+        self.source_dir = folder
+        self._config: dict[str, Any] = {}
+        if folder:
+            self._read_folder(folder)
+        else:
+            self._read_bare(file)
 
-    def _find_specials(self, path: Path) -> tuple[int, int, int]:
-        """(bos, eos, pad) ids, looked up among the added tokens first, then the whole vocabulary."""
-        added = {tok.content: i for i, tok in self._tok.get_added_tokens_decoder().items()}
+    def _id_of(self, text: str, where: str) -> int:
+        i = self._tok.token_to_id(text)
+        if i is None:
+            raise DataError(f"{where} names the token {text!r}, which tokenizer.json does not have")
+        return i
 
-        def first(names: tuple[str, ...]) -> int | None:
-            for name in names:
-                if name in added:
-                    return added[name]
-            for name in names:
-                if (i := self._tok.token_to_id(name)) is not None:
-                    return i
-            return None
+    def _read_folder(self, folder: Path) -> None:
+        cfg = _read_json(folder / "tokenizer_config.json")
+        stm = _read_json(folder / "special_tokens_map.json")
+        gen = _read_json(folder / "generation_config.json")
+        self._config = cfg
+        texts: dict[str, str | None] = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            # A key present in tokenizer_config.json wins even when null (null = "this tokenizer has none").
+            texts[key] = _token_text(cfg[key]) if key in cfg else _token_text(stm.get(key))
+        self._specials = {k: v for k, v in texts.items() if v is not None}
+        where = f"{folder}/tokenizer_config.json"
+        gen_eos = gen.get("eos_token_id")
+        gen_eos_ids = [gen_eos] if isinstance(gen_eos, int) else [i for i in gen_eos or [] if isinstance(i, int)]
+        if texts["eos_token"] is not None:
+            self.eos_id = self._id_of(texts["eos_token"], where)
+        elif gen_eos_ids:
+            self.eos_id = gen_eos_ids[0]
+            self._specials["eos_token"] = self._tok.id_to_token(self.eos_id)
+        else:
+            raise DataError(f"{folder}: no eos_token in tokenizer_config.json or special_tokens_map.json, and no "
+                            "eos_token_id in generation_config.json; add one (the data pipeline ends documents "
+                            "with it)")
+        bos = texts["bos_token"]
+        self.bos_id = self._id_of(bos, where) if bos is not None else self.eos_id
+        add_bos = cfg.get("add_bos_token")
+        self.add_bos = bos is not None and (add_bos if isinstance(add_bos, bool) else True)
+        pad = texts["pad_token"]
+        self.pad_id = self._id_of(pad, where) if pad is not None else self.eos_id
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *gen_eos_ids]))
+        self.chat_template = _named_template(cfg.get("chat_template"))
+        if self.chat_template is None and (folder / "chat_template.jinja").is_file():
+            self.chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
 
-        bos, eos, pad = first(_BOS_NAMES), first(_EOS_NAMES), first(_PAD_NAMES)
-        if eos is None:
-            raise DataError(f"{path}: no end-of-sequence token found (looked for {', '.join(_EOS_NAMES)})")
-        # No BOS (e.g. Qwen2): the EOS doubles as the document separator, as in GPT-2.
-        # No PAD: padding positions carry label -100 and their own document id, so any id will do.
-        return (eos if bos is None else bos), eos, (eos if pad is None else pad)
+    def _read_bare(self, file: Path) -> None:
+        specials = sorted((i, t.content) for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        if len(specials) != 1:
+            names = ", ".join(text for _, text in specials) or "none"
+            raise DataError(f"{file}: a bare tokenizer.json with {len(specials)} special tokens ({names}) does not "
+                            "say which is BOS or EOS; set data.tokenizer to the Hugging Face tokenizer folder "
+                            "(with its tokenizer_config.json)")
+        # GPT-2's convention: its one special token separates documents, so it is BOS, EOS and PAD.
+        only_id, only_text = specials[0]
+        self.bos_id = self.eos_id = self.pad_id = only_id
+        self.add_bos, self.stop_ids = True, (only_id,)
+        self.chat_template = None
+        self._specials = {"bos_token": only_text, "eos_token": only_text}
+
+    def special_tokens(self) -> dict[str, str]:
+        return dict(self._specials)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, list(enc.offsets)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # One call into Rust tokenises the whole list in parallel threads.
@@ -125,9 +231,79 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def save_hf_files(self, out_dir: Path, chat_template: str | None) -> list[str]:
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`, so that
+        `transformers.AutoTokenizer.from_pretrained(out_dir)` has the same ids, specials and template.
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """'byte' -> ByteTokenizer; otherwise a path to a tokenizer.json (or a folder holding one)."""
+        Returns the file names written.
+        """
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(out_dir / "tokenizer.json"))
+        specials = self.special_tokens()
+        if self.pad_id != self.eos_id or "pad_token" in specials:
+            specials["pad_token"] = self._tok.id_to_token(self.pad_id)
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **{k: specials.get(k) for k in ("bos_token", "eos_token", "pad_token")},
+            **{k: v for k, v in specials.items() if k not in ("bos_token", "eos_token", "pad_token")},
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+            "model_max_length": self._config.get("model_max_length", _NO_MAX_LENGTH),
+            "clean_up_tokenization_spaces": bool(self._config.get("clean_up_tokenization_spaces", False)),
+        }
+        if chat_template is not None:
+            config["chat_template"] = chat_template
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                       encoding="utf-8")
+        (out_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n",
+                                                         encoding="utf-8")
+        return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def _load_rust_tokenizer(file: Path) -> Any:
+    from tokenizers import Tokenizer as RustTokenizer
+
+    if not file.is_file():
+        raise DataError(f"tokenizer file {file} does not exist (config key 'data.tokenizer')")
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+        tok = RustTokenizer.from_file(str(file))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{file}: not valid JSON, so not a tokenizer.json ({e})") from None
+    except Exception as e:  # the Rust side raises a bare Exception for a schema mismatch
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{file}: not a Hugging Face tokenizer.json ({reason})") from None
+    # Some tokenizer.json files carry truncation/padding settings from their training pipeline;
+    # the data pipeline does both itself, so they must not silently cut or pad our texts.
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
+    """`data.tokenizer` -> 'byte' or a path. 'auto' = the `model.init_from` checkpoint's own tokenizer
+    when it has a tokenizer.json, else 'byte' (a random-init run, or a checkpoint without tokenizer files)."""
+    if spec != "auto":
+        return spec
+    if not init_from:
+        return "byte"
+    folder = Path(init_from)
+    if (folder / "tokenizer.json").is_file():
+        return str(folder)
+    slow = [n for n in ("tokenizer.model", "vocab.json", "tokenizer_config.json") if (folder / n).is_file()]
+    if slow:
+        # Falling back to bytes here would train a checkpoint on ids it never saw: refuse instead.
+        raise DataError(f"{folder} has tokenizer files ({', '.join(slow)}) but no tokenizer.json, which is the "
+                        "format tracetrain reads; save it with a fast tokenizer (tokenizer.save_pretrained) or set "
+                        "data.tokenizer")
+    return "byte"
+
+
+def load_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
+    """'byte' -> ByteTokenizer; 'auto' -> see `resolve_tokenizer_spec`; otherwise a Hugging Face tokenizer
+    folder or a tokenizer.json file. Pass `model.init_from` as `init_from` for 'auto'."""
+    spec = resolve_tokenizer_spec(spec, init_from)
     if spec == "byte":
         return ByteTokenizer()
     return HFTokenizer(spec)

@@ -1,0 +1,290 @@
+"""Chat data: conversations -> the chat template's text -> tokens, with loss on every assistant turn.
+
+A row holds `messages` (a list of {role, content}; the field is `data.messages_field`) or, when that
+field is absent, ShareGPT `conversations` (a list of {from, value}, from = human / gpt / system / tool).
+Each conversation is rendered ONCE with the chat template (`data.chat_template`: the tokenizer's own
+with "auto", a built-in name, or a .jinja file) and tokenised ONCE with character offsets; a token
+carries a loss when its characters overlap an assistant span:
+
+- with `{% generation %}` markers in the template, the spans are the marked blocks (as transformers'
+  `return_assistant_tokens_mask`);
+- otherwise assistant turn i spans from the end of render(messages[:i], add_generation_prompt=True)
+  to the end of render(messages[:i+1]) less trailing whitespace, i.e. exactly what a model must
+  generate after the generation prompt: the answer and its end-of-turn token (`<|eot_id|>`,
+  `<|im_end|>`, `</s>`), not the newline a template puts after it.
+
+Both renderings must be prefixes of the whole conversation's rendering, and the answer must appear in
+it verbatim; a template that breaks this cannot be masked reliably, and is an error naming it (never a
+wrong mask). `data.train_on_prompt` puts the loss on every token instead.
+
+A document is BOS (only when the tokenizer adds one and the rendered text does not already start with
+the BOS token's text) + the rendered tokens. A conversation longer than `seq_len` is cut at the end
+(counted); if no trained token is left it is a bad row. Documents are packed whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import torch
+
+from tracetrain.config import DataSection
+from tracetrain.data.chat_templates import BUILTIN_TEMPLATES, has_generation_markers, render
+from tracetrain.data.files import read_rows
+from tracetrain.data.instruction import held_out_split
+from tracetrain.data.packing import (DataStats, Document, PackedDataset, TokenizedExample, empty_rows,
+                                     fill_row_stats, pack_documents, shift_labels)
+from tracetrain.data.tokenizer import Tokenizer
+from tracetrain.errors import DataError
+
+SHAREGPT_FIELD = "conversations"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+
+
+class TemplateMismatch(DataError):
+    """The template renders conversations in a way that assistant tokens cannot be located in: a property
+    of the template, not of one row, so it is never skipped as a bad row."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    name: str  # how messages name it: "built-in 'chatml'", "<folder>'s chat_template", a file path
+    source: str
+
+
+def chat_template_for(data: DataSection, tok: Tokenizer) -> ChatTemplate | None:
+    """The template `data.chat_template` names; None for 'auto' when the tokenizer has none."""
+    spec = data.chat_template
+    if spec == "auto":
+        if tok.chat_template is None:
+            return None
+        return ChatTemplate(f"the chat_template of tokenizer {tok.name}", tok.chat_template)
+    if spec in BUILTIN_TEMPLATES:
+        return ChatTemplate(f"built-in template '{spec}'", BUILTIN_TEMPLATES[spec])
+    path = Path(spec)
+    if path.suffix == ".jinja" or path.is_file():
+        if not path.is_file():
+            raise DataError(f"chat template file {path} does not exist (config key 'data.chat_template')")
+        return ChatTemplate(str(path), path.read_text(encoding="utf-8"))
+    raise DataError(f"config key 'data.chat_template': {spec!r} is not 'auto', a built-in template "
+                    f"({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
+
+
+def resolve_chat_template(data: DataSection, tok: Tokenizer) -> str | None:
+    """The chat template a run trains with: 'auto' -> the tokenizer's own; a built-in name -> its text;
+    a path -> the file's text. None when 'auto' and the tokenizer has none (not chat data)."""
+    template = chat_template_for(data, tok)
+    return template.source if template else None
+
+
+def _require_template(data: DataSection, tok: Tokenizer) -> ChatTemplate:
+    template = chat_template_for(data, tok)
+    if template is None:
+        raise DataError(f"tokenizer {tok.name} has no chat_template (tokenizer_config.json or chat_template.jinja), "
+                        f"and data.chat_template = 'auto'; set data.chat_template to one of "
+                        f"{', '.join(BUILTIN_TEMPLATES)} or a .jinja file")
+    return template
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rows -> messages
+
+def parse_conversation(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
+    """A row -> its messages as {role, content, ...}; DataError with the reason for a bad row."""
+    if field in row:
+        messages, sharegpt = row[field], False
+    elif SHAREGPT_FIELD in row:
+        messages, sharegpt = row[SHAREGPT_FIELD], True
+    else:
+        present = ", ".join(map(repr, row)) or "none"
+        raise DataError(f"missing field {field!r} (or ShareGPT {SHAREGPT_FIELD!r}; fields present: {present})")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"field {field if not sharegpt else SHAREGPT_FIELD!r} must be a non-empty list of messages")
+    out = [_sharegpt_message(m, i) if sharegpt else _message(m, i) for i, m in enumerate(messages)]
+    if not any(m["role"] == "assistant" for m in out):
+        raise DataError("no assistant message, so nothing to train on (roles: "
+                        f"{', '.join(m['role'] for m in out)})")
+    return out
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+        raise DataError(f"message {i} is not an object with a string 'role' (system, user, assistant, tool, ...)")
+    content = m.get("content")
+    if not isinstance(content, str):
+        raise DataError(f"message {i} ({m['role']}) has content of type {type(content).__name__}, expected a string")
+    if not content.strip():
+        raise DataError(f"message {i} ({m['role']}) has empty content")
+    return dict(m)
+
+
+def _sharegpt_message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, dict) or m.get("from") not in SHAREGPT_ROLES:
+        got = m.get("from") if isinstance(m, dict) else m
+        raise DataError(f"ShareGPT message {i} has from = {got!r}; allowed: {', '.join(SHAREGPT_ROLES)}")
+    return _message({"role": SHAREGPT_ROLES[m["from"]], "content": m.get("value")}, i)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Messages -> text, spans, tokens
+
+def _render(template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]], *,
+            add_generation_prompt: bool = False, track: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    try:
+        return render(template.source, tok.special_tokens(), messages, add_generation_prompt=add_generation_prompt,
+                      track=track)
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateMismatch(f"{template.name} is not a valid Jinja template (line {e.lineno}: "
+                               f"{e.message})") from None
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{template.name} raised an error for this conversation: {reason}") from None
+
+
+def _spans_by_prefix(template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]],
+                     full: str) -> list[tuple[int, int]]:
+    """Assistant spans found by rendering each conversation prefix (see the module doc)."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        plain, _ = _render(template, tok, messages[:i])
+        prompt, _ = _render(template, tok, messages[:i], add_generation_prompt=True)
+        turn, _ = _render(template, tok, messages[:i + 1])
+        for rendered, last in ((plain, i - 1), (turn, i)):
+            if not full.startswith(rendered):
+                raise TemplateMismatch(f"{template.name}: rendering messages 0..{last} does not give a prefix of "
+                                       f"the whole conversation's rendering, so assistant message {i} cannot be "
+                                       "located; add {% generation %} markers to the template or use another one")
+        # A template without a generation prompt (or one that is not a prefix) is located by its content.
+        has_prompt = prompt != plain and full.startswith(prompt)
+        start = len(prompt) if has_prompt else len(plain)
+        content_at = full.find(m["content"].strip(), start, len(turn))
+        if content_at < 0:
+            raise TemplateMismatch(f"{template.name} does not render assistant message {i}'s content verbatim, so "
+                                   "its tokens cannot be located; use a template that keeps message text as is")
+        spans.append((start if has_prompt else content_at, len(turn.rstrip())))
+    return spans
+
+
+def _check_all_rendered(template: ChatTemplate, messages: list[dict[str, Any]], full: str) -> None:
+    """Every message's text must be in the rendering: a role the template drops is a bad row, and an
+    answer it rewrites makes the template unusable for masking."""
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and m["content"].strip() not in full:
+            raise TemplateMismatch(f"{template.name} does not render assistant message {i}'s content verbatim, so "
+                                   "its tokens cannot be located; use a template that keeps message text as is")
+        if m["content"].strip() not in full:
+            raise DataError(f"message {i} (role {m['role']!r}) is not in the text {template.name} renders: it "
+                            "renders nothing for that role (roles chat templates render: system, user, assistant)")
+
+
+def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Per token: do its characters [a, b) overlap any span [s, e)? (both sorted by position)"""
+    mask, k = [], 0
+    for a, b in offsets:
+        while k < len(spans) and spans[k][1] <= a:
+            k += 1
+        mask.append(k < len(spans) and spans[k][0] < b and a < spans[k][1])
+    return mask
+
+
+def tokenize_conversation(template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]],
+                          train_on_prompt: bool = False) -> TokenizedExample:
+    """One conversation -> its rendered text, ids (BOS included where due) and per-token trained mask."""
+    markers = has_generation_markers(template.source)
+    full, spans = _render(template, tok, messages, track=markers)
+    _check_all_rendered(template, messages, full)
+    if markers and not spans:
+        raise TemplateMismatch(f"{template.name} has {{% generation %}} markers but marks nothing in a conversation "
+                               "with assistant messages")
+    if not markers:
+        spans = _spans_by_prefix(template, tok, messages, full)
+    ids, offsets = tok.encode_with_offsets(full)
+    is_target = [True] * len(ids) if train_on_prompt else _token_mask(offsets, spans)
+    bos_text = tok.bos_text
+    if tok.add_bos and not (bos_text and full.startswith(bos_text)):
+        ids, is_target = [tok.bos_id] + ids, [train_on_prompt] + is_target
+    return TokenizedExample("", full, ids, is_target)
+
+
+def render_generation_prompt(template: str, tok: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """The ids a model is given to answer `messages` (add_generation_prompt=True), with no double BOS."""
+    text, _ = _render(ChatTemplate("the chat template", template), tok, messages, add_generation_prompt=True)
+    ids = tok.encode(text)
+    bos_text = tok.bos_text
+    if tok.add_bos and not (bos_text and text.startswith(bos_text)):
+        ids = [tok.bos_id] + ids
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files -> datasets
+
+def iter_chat_examples(data: DataSection, tok: Tokenizer, path: str, key: str,
+                       stats: DataStats) -> Iterator[TokenizedExample]:
+    """Every usable conversation of `path`, tokenised and cut to `data.seq_len` (`where` = file:line or
+    file: row N). A bad row raises DataError `<where>: <reason>`, or with `data.skip_bad_lines` is counted
+    in `stats.bad_lines_skipped`; truncations are counted in `stats.examples_truncated`."""
+    template = _require_template(data, tok)
+    rows, bad = read_rows(path, key, lambda r: parse_conversation(r, data.messages_field), data.skip_bad_lines)
+    stats.bad_lines_skipped += bad
+    for where, messages in rows:
+        try:
+            ex = _truncate(tokenize_conversation(template, tok, messages, data.train_on_prompt), data.seq_len, stats)
+        except TemplateMismatch as e:
+            raise TemplateMismatch(f"{where}: {e}") from None
+        except DataError as e:
+            if not data.skip_bad_lines:
+                raise DataError(f"{where}: {e}") from None
+            stats.bad_lines_skipped += 1
+            continue
+        yield TokenizedExample(where, ex.text, ex.ids, ex.is_target)
+
+
+def _truncate(ex: TokenizedExample, seq_len: int, stats: DataStats) -> TokenizedExample:
+    if len(ex.ids) <= seq_len:
+        return ex
+    if not any(ex.is_target[1:seq_len]):
+        raise DataError(f"every trained token lies past data.seq_len = {seq_len} (the conversation has "
+                        f"{len(ex.ids)} tokens)")
+    stats.examples_truncated += 1
+    return TokenizedExample(ex.where, ex.text, ex.ids[:seq_len], ex.is_target[:seq_len])
+
+
+def _pack(examples: list[TokenizedExample], data: DataSection, tok: Tokenizer, name: str,
+          shuffle: bool) -> PackedDataset:
+    docs: list[Document] = [(ex.ids, shift_labels(ex.ids, ex.is_target)) for ex in examples]
+    if shuffle:  # packing is greedy in order, and neighbouring rows of a file are often alike
+        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(data.seed)).tolist()
+        docs = [docs[i] for i in order]
+    rows = pack_documents(docs, data.seq_len, tok.pad_id, data.pack) if docs else empty_rows(data.seq_len)
+    return PackedDataset(rows, name=name)
+
+
+def build_chat_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
+    """`data.kind = "chat"`: conversation file(s) -> train and eval datasets plus stats."""
+    if data.tokenize == "on_the_fly":
+        raise DataError("config key 'data.tokenize': 'on_the_fly' is not supported for data.kind = 'chat' yet; "
+                        "use 'ahead'")
+    stats = DataStats()
+    examples = list(iter_chat_examples(data, tok, data.path, "data.path", stats))
+    if data.eval_path:
+        train, eval_ = examples, list(iter_chat_examples(data, tok, data.eval_path, "data.eval_path", stats))
+    else:
+        train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
+        train, eval_ = [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
+    if not train:
+        raise DataError(f"{data.path}: no usable conversations ({stats.bad_lines_skipped} bad rows skipped; "
+                        "config key 'data.path')")
+    stats.examples_read = len(examples) + (len(eval_) if data.eval_path else 0)
+    train_ds = _pack(train, data, tok, "train", shuffle=True)
+    eval_ds = _pack(eval_, data, tok, "eval", shuffle=False)
+    stats.train_examples, stats.eval_examples = len(train), len(eval_)
+    fill_row_stats(stats, train_ds, eval_ds)
+    return train_ds, eval_ds, stats

@@ -1,0 +1,218 @@
+"""Readers for the data files users have, shared by every data kind: rows of fields from
+
+    JSONL                  one JSON object per line (also a `.json` file that is really JSONL)
+    JSON array             a `.json` file holding one list of objects
+    Parquet                a `.parquet` file (needs pyarrow: `pip install tracetrain[parquet]`)
+    datasets folder        what `datasets.Dataset.save_to_disk` writes (Arrow files + state.json), or a
+                           DatasetDict folder, whose "train" split is read (needs pyarrow too)
+
+Every row is located for error messages: `file:LINE` for JSONL, `file: row N` (0-based) for arrays,
+Parquet and datasets folders. A bad row raises one-line DataError `<where>: <reason>`, or, with
+`data.skip_bad_lines`, is counted and skipped. A JSON value nested too deeply for Python's parser is a
+bad row like any other, not a RecursionError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
+
+from tracetrain.errors import DataError
+
+T = TypeVar("T")
+# (where, the row's value or the DataError that says why it is unreadable)
+RawRow = tuple[str, Any]
+
+_ARROW_EXTRA = "pip install 'tracetrain[parquet]'"
+
+
+def open_data_file(path: str, key: str) -> TextIO:
+    """Open a data file for text reading, or raise DataError naming the path and the config key."""
+    if not Path(path).is_file():
+        raise DataError(f"data file {path} does not exist (config key '{key}')")
+    return open(path, encoding="utf-8")
+
+
+def is_record_file(path: str) -> bool:
+    """Does `path` hold rows of fields (JSONL, JSON, Parquet, a datasets folder) rather than plain text?"""
+    return Path(path).is_dir() or Path(path).suffix.lower() in (".jsonl", ".json", ".parquet")
+
+
+def read_rows(path: str, key: str, parse: Callable[[dict[str, Any]], T],
+              skip_bad_lines: bool) -> tuple[list[tuple[str, T]], int]:
+    """`parse` applied to every row of `path` -> ([(where, parsed row)], number of bad rows skipped).
+
+    `parse` gets a dict and raises DataError with the reason (without the location) for a bad row.
+    Raises DataError when no row is usable.
+    """
+    out: list[tuple[str, T]] = []
+    bad = 0
+    for where, value in _raw_rows(path, key):
+        try:
+            if isinstance(value, DataError):
+                raise value
+            if not isinstance(value, dict):
+                raise DataError(f"not a JSON object (got {type(value).__name__})")
+            out.append((where, parse(value)))
+        except DataError as e:
+            if not skip_bad_lines:
+                raise DataError(f"{where}: {e}") from None
+            bad += 1
+    if not out:
+        what = f"all {bad} rows are bad" if bad else "the file has no rows"
+        raise DataError(f"{path}: no usable examples ({what}; config key '{key}')")
+    return out, bad
+
+
+def _raw_rows(path: str, key: str) -> Iterator[RawRow]:
+    """Every row of `path`, in the format its name (and, for .json, its first character) says."""
+    p = Path(path)
+    if p.is_dir():
+        return _dataset_folder_rows(p, key)
+    if not p.is_file():
+        raise DataError(f"data file {path} does not exist (config key '{key}')")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        return _parquet_rows(p)
+    if suffix == ".json" and _first_char(p) == "[":
+        return _json_array_rows(p)
+    return _jsonl_rows(path, key)
+
+
+def _first_char(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")  # BOM and leading whitespace
+    return head[:1].decode("ascii", errors="replace")
+
+
+def _loads(text: str) -> Any:
+    """json.loads, with the two ways it fails turned into a DataError reason."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return DataError(f"not valid JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        # Python's parser recurses once per nesting level; no training row is legitimately that deep.
+        return DataError("JSON nested too deeply to read")
+
+
+def _jsonl_rows(path: str, key: str) -> Iterator[RawRow]:
+    with open_data_file(path, key) as f:
+        try:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{path}:{line_no}", _loads(line)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start} of a chunk)") from None
+
+
+def _json_array_rows(path: Path) -> Iterator[RawRow]:
+    """Elements of a top-level JSON array, decoded one at a time so that one bad element is one bad row."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start})") from None
+    decoder = json.JSONDecoder()
+    pos = _skip_space(text, text.index("[") + 1)
+    index = 0
+    while pos < len(text) and text[pos] != "]":
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            # The rest of the array cannot be located reliably after a syntax error: the file is bad.
+            raise DataError(f"{path}: row {index}: not valid JSON ({e.msg} at line {e.lineno} column "
+                            f"{e.colno}); the file is unreadable from there") from None
+        except RecursionError:
+            value, pos = DataError("JSON nested too deeply to read"), _end_of_value(text, pos)
+        yield f"{path}: row {index}", value
+        index += 1
+        pos = _skip_space(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_space(text, pos + 1)
+    if pos >= len(text):
+        raise DataError(f"{path}: not valid JSON (the array is not closed with ']')")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _end_of_value(text: str, pos: int) -> int:
+    """Index just past the JSON array/object starting at `pos`, by bracket counting (strings skipped).
+
+    Only used for a value too deep for the recursive parser, which is rare, so plain Python speed is fine.
+    """
+    depth, in_string, escaped = 0, False, False
+    for i in range(pos, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise DataError(f"not valid JSON (a value starting at character {pos} is never closed)")
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401  (a submodule: imported for its side effect on `pyarrow`)
+    except ImportError:
+        raise DataError(f"reading Parquet files and datasets folders needs pyarrow; {_ARROW_EXTRA}") from None
+    return pyarrow
+
+
+def _table_rows(batches: Iterator[Any], where: str, start: int = 0) -> Iterator[RawRow]:
+    index = start
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield f"{where}: row {index}", row
+            index += 1
+
+
+def _parquet_rows(path: Path) -> Iterator[RawRow]:
+    pa = _pyarrow()
+    try:
+        batches = pa.parquet.ParquetFile(path).iter_batches()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    return _table_rows(batches, str(path))
+
+
+def _dataset_folder_rows(folder: Path, key: str) -> Iterator[RawRow]:
+    """A `save_to_disk` folder: its Arrow stream files, in the order state.json lists them."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise DataError(f"{folder}: a DatasetDict folder without a 'train' split (splits: "
+                            f"{', '.join(splits) or 'none'}); point config key '{key}' at one split's folder")
+        folder = folder / "train"
+    state = folder / "state.json"
+    if not state.is_file():
+        raise DataError(f"{folder}: a folder but not a Hugging Face datasets folder (no state.json or "
+                        f"dataset_dict.json; config key '{key}' takes a file or a save_to_disk folder)")
+    pa = _pyarrow()
+    files = [folder / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+    index = 0
+    for file in files:
+        try:
+            reader = pa.ipc.open_stream(pa.memory_map(str(file)))
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{file}: not a readable Arrow file ({str(e).splitlines()[0]})") from None
+        for where, row in _table_rows(iter(reader), str(folder), index):
+            index += 1
+            yield where, row
