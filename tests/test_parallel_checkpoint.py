@@ -47,7 +47,8 @@ def test_resume_on_another_layout(drill: Path, layout: str) -> None:
 def test_load_in_one_process(drill: Path) -> None:
     ref = torch.load(drill / "dcp_reference.pt", weights_only=True)
     path = Path(ref["checkpoint"])
-    assert sorted(p.name for p in path.iterdir()) == ["config.toml", "dcp", *(f"trainer_state_rank{r}.pt" for r in range(4))]
+    assert sorted(p.name for p in path.iterdir()) == ["config.toml", "dcp", "manifest.json",
+                                                      *(f"trainer_state_rank{r}.pt" for r in range(4))]
     cfg = tiny_config(["--train.seed=123"])
     model = build_tiny(cfg)
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))

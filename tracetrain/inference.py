@@ -1,4 +1,9 @@
-"""Load a trained model back from a run directory or checkpoint, for eval, generation and export."""
+"""Load a trained model back from a run directory or checkpoint, for eval, generation and export.
+
+A checkpoint is verified before it is used (manifest sizes and sha256, then the full tensor set the
+model expects; see train/manifest.py). Given a run directory, the newest checkpoint that verifies is
+taken and any newer one skipped is noted; a checkpoint folder named explicitly must verify.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from tracetrain.config import Config, load_config
 from tracetrain.data import load_tokenizer
 from tracetrain.errors import CheckpointError
 from tracetrain.models.build import build_model
 from tracetrain.models.llama import Transformer
-from tracetrain.train.checkpoint import latest_checkpoint, list_checkpoints
+from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
+from tracetrain.train.manifest import MANIFEST, STEP_DIR
 from tracetrain.train.runtime import resolve_device, resolve_precision
 
 
@@ -28,12 +33,19 @@ class Loaded:
     precision: str
 
 
+def _is_checkpoint_folder(p: Path) -> bool:
+    if (p / MANIFEST).is_file() and STEP_DIR.match(p.name):
+        return True
+    return ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()) and (p / "config.toml").is_file()
+
+
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run directory (its latest checkpoint)."""
+    """A checkpoint folder (verified), or a run directory (its newest checkpoint that verifies)."""
     p = Path(path)
-    if ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()) and (p / "config.toml").is_file():
+    if _is_checkpoint_folder(p):
+        check_checkpoint(p)
         return p
-    if list_checkpoints(p):
+    if (p / "checkpoints").is_dir():
         return latest_checkpoint(p)
     raise CheckpointError(f"{p} is neither a checkpoint folder nor a run directory with checkpoints")
 
@@ -50,23 +62,10 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
         # Saved by several ranks (parallel/checkpoint.py): DCP gathers every shard into this single
         # process's full tensors, whatever layout wrote them (no process group needed).
         from tracetrain.parallel.checkpoint import load_sharded
-        try:
-            load_sharded(ckpt, model, None)
-        except (RuntimeError, ValueError, KeyError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"{ckpt / 'dcp'}: the sharded checkpoint does not fit the model built from "
-                                  f"{ckpt / 'config.toml'} ({first})") from None
-        model.eval()
-        return Loaded(model, load_tokenizer(cfg.data.tokenizer), cfg, ckpt, dev, precision)
-    weights = load_file(str(ckpt / "model.safetensors"))
-    params = dict(model.named_parameters())
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            target = params.get(name, state.get(name))
-            if target is None or target.shape != tensor.shape:
-                raise CheckpointError(f"{ckpt / 'model.safetensors'}: tensor {name} does not fit the model "
-                                      f"built from {ckpt / 'config.toml'}")
-            target.copy_(tensor)
+        load_sharded(ckpt, model, None)
+    else:
+        # As the trainer saved it: adapters only when the frozen base comes from model.init_from.
+        adapters_only = cfg.train.mode == "lora" and bool(cfg.model.init_from)
+        load_weights(ckpt / "model.safetensors", model, lora=adapters_only, config=ckpt / "config.toml")
     model.eval()
-    return Loaded(model, load_tokenizer(cfg.data.tokenizer), cfg, ckpt, dev, precision)
+    return Loaded(model, load_tokenizer(cfg.data.tokenizer, cfg.model.init_from), cfg, ckpt, dev, precision)

@@ -1,34 +1,37 @@
-"""Atomic checkpoints: save every N steps, at the end and on SIGTERM/SIGINT; resume exactly.
+"""Atomic, verified checkpoints: save every N steps, at the end and on SIGTERM/SIGINT; resume exactly.
 
 Layout of one checkpoint, `RUN_DIR/checkpoints/step_00000100/`:
   model.safetensors     trainable weights: the whole model, or only the LoRA adapters in LoRA mode
   optimizer.pt          optimizer state (tensors and numbers only)
-  trainer_state.pt      step, scheduler, RNG states (CPU and CUDA), data-loader position, counters
+  trainer_state.pt      step, scheduler, RNG states (CPU and CUDA), data-loader position, counters,
+                        the data fingerprint
   config.toml           the resolved config the run was started with
-A save writes everything into `checkpoints/.tmp-step_...` , fsyncs each file and the folder, then
-renames the folder into place (atomic on POSIX) and fsyncs the parent. A crash or kill -9 at any
-moment leaves either the new complete checkpoint or none — never a torn one — and the previous
-checkpoints are only deleted after the rename. Loading uses `torch.load(weights_only=True)`: no
-arbitrary objects are ever unpickled.
+  manifest.json         written last: every file's size and sha256, and the step (train/manifest.py)
+A save checks the free space first, writes everything into `checkpoints/.tmp-step_...@HOST@PID`,
+fsyncs each file, writes the manifest, fsyncs it and the folder, then renames the folder into place
+(atomic on POSIX) and fsyncs the parent. Older checkpoints (and an earlier copy of the same step) are
+renamed aside before they are deleted. So a crash, a kill -9 or a full disk at any moment leaves every
+visible checkpoint complete, and a failed save leaves nothing behind. Loading verifies the manifest and
+the full tensor set and uses `torch.load(weights_only=True)`: no arbitrary objects are ever unpickled.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from tracetrain.errors import CheckpointError
-
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+from tracetrain.train.manifest import (check_free_space, discard, fsync_path, is_legacy, looks_complete, note,
+                                       remove_stale, staging, step_of, temp_dir_for, verify_checkpoint,
+                                       write_manifest)
+from tracetrain.train.safe_load import load_pt, read_safetensors
 
 
 @dataclass
@@ -39,6 +42,19 @@ class TrainState:
     scheduler: dict[str, Any]
     loader: dict[str, Any]
     counters: dict[str, int]
+    data_fingerprint: str = ""  # identifies the training data the run was started on ("" before it existed)
+
+
+def trainer_state_dict(state: TrainState) -> dict[str, Any]:
+    """What trainer_state.pt (and each rank's trainer_state_rank<R>.pt) holds, RNG states included."""
+    return {"step": state.step, "scheduler": state.scheduler, "loader": state.loader, "counters": state.counters,
+            "data_fingerprint": state.data_fingerprint, "rng": rng_state()}
+
+
+def train_state_from_dict(raw: dict[str, Any]) -> TrainState:
+    """The TrainState of a loaded trainer-state dict; checkpoints older than the fingerprint lack it."""
+    return TrainState(step=raw["step"], scheduler=raw["scheduler"], loader=raw["loader"], counters=raw["counters"],
+                      data_fingerprint=raw.get("data_fingerprint", ""))
 
 
 def trainable_state_dict(model: nn.Module, lora: bool) -> dict[str, torch.Tensor]:
@@ -70,17 +86,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a nested dict/list (global shapes for DTensors): the size of a save."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# Headers, pickles, config and manifest: small, but a save must not fill the disk to the last byte.
+SAVE_MARGIN_BYTES = 16 << 20
 
 
 def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
@@ -88,63 +106,136 @@ def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Opti
     """Write a checkpoint atomically and prune older ones; returns the checkpoint folder."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale(root)
     final = root / f"step_{state.step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     weights = {k: v.contiguous().cpu() for k, v in trainable_state_dict(model, lora).items()}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "lora": str(lora)})
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({"step": state.step, "scheduler": state.scheduler, "loader": state.loader,
-                "counters": state.counters, "rng": rng_state()}, tmp / "trainer_state.pt")
-    (tmp / "config.toml").write_text(config_toml)
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. interrupt right after a periodic save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    optimizer_state = optimizer.state_dict()
+    check_free_space(root, final.name, tensor_bytes(weights) + tensor_bytes(optimizer_state) + SAVE_MARGIN_BYTES)
+    with staging(temp_dir_for(final), final.name) as tmp:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "lora": str(lora)})
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(trainer_state_dict(state), tmp / "trainer_state.pt")
+        (tmp / "config.toml").write_text(config_toml)
+        for f in tmp.iterdir():
+            fsync_path(f)
+        write_manifest(tmp, state.step)  # last: its presence means every other file is complete
+    publish(tmp, final, keep_last)
     return final
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary folders of interrupted saves excluded)."""
-    root = run_dir / "checkpoints"
+def publish(tmp: Path, final: Path, keep_last: int) -> None:
+    """Rename a sealed temporary folder into place, then prune to the newest `keep_last` checkpoints."""
+    root = final.parent
+    if final.exists():  # re-saving the same step (e.g. an interrupt right after a periodic save)
+        discard(final)
+    os.rename(tmp, final)
+    fsync_path(root)
+    _rotate(root, final, keep_last)
+
+
+def _rotate(root: Path, newest: Path, keep_last: int) -> None:
+    """Keep `newest` and the newest `keep_last - 1` other usable checkpoints; discard the rest (and any
+    step folder with a broken manifest: it can never be loaded)."""
+    others = [p for p in _step_dirs(root) if p != newest]
+    usable = [p for p in others if is_legacy(p) or looks_complete(p)]
+    keep = set(usable[max(0, len(usable) - (keep_last - 1)):]) if keep_last > 1 else set()
+    for old in others:
+        if old not in keep:
+            discard(old)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Visible step folders, oldest step first."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run (a manifest whose files are all present), oldest first. Hidden
+    folders of saves and deletions in progress, and legacy folders without a manifest, are excluded."""
+    return [p for p in _step_dirs(run_dir / "checkpoints") if looks_complete(p)]
+
+
+def legacy_checkpoints(run_dir: Path) -> list[Path]:
+    """Step folders written before manifests existed, oldest first."""
+    return [p for p in _step_dirs(run_dir / "checkpoints") if is_legacy(p)]
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """Cheap (no hashing), for choosing among runs: the newest complete checkpoint, else the newest
+    legacy one, else None."""
+    found = list_checkpoints(run_dir) or legacy_checkpoints(run_dir)
+    return found[-1] if found else None
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
-    ckpts = list_checkpoints(run_dir)
-    if not ckpts:
-        raise CheckpointError(f"{run_dir} has no checkpoint to resume from (looked in {run_dir / 'checkpoints'})")
-    return ckpts[-1]
+    """The newest checkpoint that verifies (sha256 of every file); each newer one skipped is noted.
+    A run with no manifest checkpoint falls back to its newest legacy folder (noted as unverified)."""
+    skipped = []
+    for ckpt in reversed(_step_dirs(run_dir / "checkpoints")):
+        if is_legacy(ckpt):
+            continue
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            skipped.append(ckpt)
+            note(f"skipped checkpoint {ckpt.name}: {e}")
+            continue
+        return ckpt
+    legacy = legacy_checkpoints(run_dir)
+    if legacy:
+        note(f"{legacy[-1]} has no manifest.json (saved by an older tracetrain): it is loaded unverified")
+        return legacy[-1]
+    found = f" ({len(skipped)} failed verification)" if skipped else ""
+    raise CheckpointError(f"{run_dir} has no usable checkpoint{found} (looked in {run_dir / 'checkpoints'})")
+
+
+def check_checkpoint(path: Path) -> None:
+    """Verify a checkpoint folder before loading it (one CheckpointError line if it does not verify)."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not verify_checkpoint(path):
+        note(f"{path} has no manifest.json (saved by an older tracetrain): it is loaded unverified, "
+             "after checking its tensor set and file headers only")
+
+
+def load_weights(file: Path, model: nn.Module, *, lora: bool, config: Path | None = None) -> None:
+    """Copy a checkpoint's weights into `model` in place; every expected tensor must be there and fit.
+    Expected: the adapters in adapters-only LoRA mode, else every unique tensor of the model."""
+    weights = read_safetensors(file)
+    expected = trainable_state_dict(model, lora)
+    built = f" built from {config}" if config else ""
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{file}: missing tensor(s) {', '.join(missing[:5])}{more} (expected by the model{built})")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{file}: tensor {unexpected[0]} does not fit the model{built} "
+                              f"({len(unexpected)} unexpected tensor(s))")
+    with torch.no_grad():
+        for name, target in expected.items():
+            if target.shape != weights[name].shape:
+                raise CheckpointError(f"{file}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                                      f"the model{built} expects {tuple(target.shape)}")
+            target.copy_(weights[name])
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     lora: bool) -> TrainState:
-    """Load weights and optimizer state in place, restore RNG states; return the rest."""
+    """Verify, then load weights and optimizer state in place, restore RNG states; return the rest."""
     for name in ("model.safetensors", "optimizer.pt", "trainer_state.pt"):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-    weights = load_file(str(path / "model.safetensors"))
-    expected = trainable_state_dict(model, lora)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise CheckpointError(f"{path / 'model.safetensors'}: missing tensor(s) {', '.join(missing[:5])}")
-    with torch.no_grad():
-        for name, target in expected.items():
-            if target.shape != weights[name].shape:
-                raise CheckpointError(f"{path / 'model.safetensors'}: tensor {name} has shape "
-                                      f"{tuple(weights[name].shape)}, the model expects {tuple(target.shape)}")
-            target.copy_(weights[name])
+    check_checkpoint(path)
+    load_weights(path / "model.safetensors", model, lora=lora)
     # Load on the CPU, memory-mapped: load_state_dict moves each state to its parameter's device, and an
     # offloaded optimizer's states (81 GB for 7B) must never pass through the GPU.
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True))
-    raw = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    try:
+        optimizer.load_state_dict(load_pt(path / "optimizer.pt", mmap=True))
+    except (ValueError, KeyError) as e:  # torch's "loaded state dict contains a parameter group that ..."
+        raise CheckpointError(f"{path / 'optimizer.pt'}: does not fit this model's optimizer ({e})") from None
+    raw = load_pt(path / "trainer_state.pt")
     set_rng_state(raw["rng"])
-    return TrainState(step=raw["step"], scheduler=raw["scheduler"], loader=raw["loader"], counters=raw["counters"])
+    return train_state_from_dict(raw)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tracetrain.config import Config
-from tracetrain.data import exact_match, iter_batches
+from tracetrain.data import encode_prompt, exact_match, iter_batches
 from tracetrain.models.generate import generate
 from tracetrain.train.step import StepContext, evaluate
 
@@ -37,8 +37,9 @@ def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str,
     max_new = max(8, min(512, cfg.data.seq_len // 2))
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        prompts = [[tokenizer.bos_id] + tokenizer.encode(p) for p, _ in chunk]
-        outs = generate(model, prompts, max_new, tokenizer.eos_id, tokenizer.pad_id,
+        prompts = [encode_prompt(tokenizer, p) for p, _ in chunk]  # BOS only when the tokenizer has one
+        # Any stop id ends an answer: EOS and end-of-turn tokens (<|eot_id|>, <|im_end|>, ...).
+        outs = generate(model, prompts, max_new, tokenizer.stop_ids, tokenizer.pad_id,
                         dtype=ctx.autocast_dtype)  # None: the model's own dtype
         for (prompt, reference), ids in zip(chunk, outs):
             prediction = tokenizer.decode(ids)
