@@ -31,13 +31,17 @@ from tracetrain.devices import peak_flops
 from tracetrain.models.accounting import training_flops_per_token
 from tracetrain.models.build import build_model
 from tracetrain.profile.capture import ProfileCapture
-from tracetrain.train.checkpoint import TrainState, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tracetrain.errors import TracetrainError
+from tracetrain.train.checkpoint import (TrainState, latest_checkpoint, list_checkpoints, load_checkpoint,
+                                         save_checkpoint, set_rng_state, train_state_from_dict, trainer_state_dict)
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.oom import configure_allocator, explain_oom, preflight
-from tracetrain.train.optim import build_optimizer, build_scheduler
-from tracetrain.train.resume import ResumePoint
+from tracetrain.train.optim import build_optimizer, build_scheduler, note_resolved_steps, size_by_epochs
+from tracetrain.train.resume import (ResumePoint, check_data_unchanged, check_steps_cover, claim_run_dir,
+                                     data_fingerprint)
+from tracetrain.train.rundir import RunLock, atomic_write_text, discard_unstarted, lock_run_dir
 from tracetrain.train.runtime import refuse_with_parallel, resolve_device, resolve_precision
 from tracetrain.train.step import StepContext, train_step
 
@@ -46,36 +50,100 @@ from tracetrain.train.step import StepContext, train_step
 class TrainResult:
     run_dir: Path
     summary: dict[str, Any]
+    signum: int | None = None  # the SIGINT/SIGTERM that stopped the run early (checkpoint saved); None: finished
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary and exits.
-    A second signal falls back to the default behaviour (immediate stop)."""
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary and the CLI exits
+    with 128 + the signal's number (130, 143), so a requeue wrapper can tell a stop from a finished run.
+    Further SIGINT/SIGTERM are ignored until the process exits, so that a second Ctrl-C cannot cut the
+    save in half; the first of them says how to stop at once anyway (kill -9)."""
 
     def __init__(self) -> None:
-        self.signal: str | None = None
+        self.signum: int | None = None
+        self.warned = False
         self.previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in self.previous:
             signal.signal(s, self._handle)
 
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum else None
+
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signal = signal.Signals(signum).name
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            # os.write: safe inside a signal handler (no buffered stream that may be mid-write).
+            os.write(2, f"{name} received: finishing this step, then saving a checkpoint\n".encode())
+            return
+        if not self.warned:
+            self.warned = True
+            os.write(2, (f"{name} ignored: saving a checkpoint first; to stop now "
+                         f"without it: kill -9 {os.getpid()}\n").encode())
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
 
-def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
+def train(cfg: Config, run_dir: Path | None = None, *, resume: ResumePoint | None = None,
           reporter: Reporter | None = None) -> TrainResult:
-    """Train as `cfg` says, writing into `run_dir` (created by the caller; see `prepare_run_dir`)."""
+    """Train as `cfg` says and leave a complete run directory.
+
+    The directory is `resume.run_dir` when resuming, else `run_dir` if given (made by `prepare_run_dir`),
+    else a fresh one claimed (`claim_run_dir`) only once every setup check has passed (data read and
+    tokenised, vocabulary vs model, device, shapes): a run that cannot start leaves nothing behind. It is
+    locked for the run's life: one process per run directory (rank 0 locks under torchrun).
+    SIGINT/SIGTERM save a checkpoint and return with `TrainResult.signum` set.
+    """
     reporter = reporter or Reporter(cfg.logging.progress)
-    run = _Run(cfg, run_dir, reporter)
-    if resume is not None:
-        run.restore(resume)
-    run.announce()
+    lock = _lock_before_setup(cfg, run_dir, resume)
+    run: _Run | None = None
+    try:
+        run = _Run(cfg, reporter, lock.path if lock else None)
+        if lock is None:  # validate-then-create: every check above passed
+            lock = claim_run_dir(run.cfg)
+        if resume is not None:
+            run.restore(_newest(resume))
+        run.open_run_dir(lock.path, resume)
+        run.announce()
+    except BaseException:
+        if run is not None:
+            run.close()
+        if lock is not None:
+            discard_unstarted(lock)  # only a directory this process created, holding only its own files
+        raise
+    try:
+        return _train(run)
+    finally:
+        run.close()
+        lock.release()
+
+
+def _lock_before_setup(cfg: Config, run_dir: Path | None, resume: ResumePoint | None) -> RunLock | None:
+    """The run directory that exists before setup (resume, given, or torchrun's), locked; None: a fresh
+    single-process run, whose directory is claimed after setup."""
+    from tracetrain.parallel.dist import env_world_size
+    if resume is None and run_dir is None:
+        return claim_run_dir(cfg) if env_world_size() > 1 else None  # the ranks log into it from the start
+    path = resume.run_dir if resume is not None else run_dir
+    assert path is not None
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 holds the job's lock
+        return RunLock(path, None, created=False)
+    return lock_run_dir(path)
+
+
+def _newest(resume: ResumePoint) -> ResumePoint:
+    """The newest checkpoint now that the lock is held: a run that held it may have saved more since
+    `resolve_resume` looked (list_checkpoints is cheap; latest_checkpoint verifies, so only on change)."""
+    if list_checkpoints(resume.run_dir)[-1:] == [resume.checkpoint]:
+        return resume
+    return dataclasses.replace(resume, checkpoint=latest_checkpoint(resume.run_dir))
+
+
+def _train(run: _Run) -> TrainResult:
+    """The loop, then the final evaluation and checkpoint (or the interruption record)."""
     stop = _StopFlag()
     from tracetrain.parallel import dist as tdist
     try:
@@ -85,48 +153,52 @@ def train(cfg: Config, run_dir: Path, *, resume: ResumePoint | None = None,
                 interrupted_at = run.run_steps(stop)
             except torch.OutOfMemoryError as e:
                 # At the step boundary: snapshot the allocator and say which switches would fit.
-                raise explain_oom(e, cfg, run.device, run_dir, run.step) from None
-            summary = run.finish(interrupted_at, stop.signal)
+                raise explain_oom(e, run.cfg, run.device, run.run_dir, run.step) from None
+            summary = run.finish(interrupted_at, stop.name)
         tdist.shutdown(run.watchdog)
-        return TrainResult(run_dir=run_dir, summary=summary)
+        return TrainResult(run_dir=run.run_dir, summary=summary,
+                           signum=stop.signum if interrupted_at is not None else None)
     finally:
         stop.restore()
-        run.metrics.close()
-        run.prof.finish(lambda _: None)  # stops a profiler left running by an exception
 
 
 class _Run:
-    """Everything one training run holds, built from the config in a fixed order."""
+    """Everything one training run holds, built from the config in a fixed order. Building writes no
+    file (`open_run_dir` does, once every check has passed), except torchrun's per-rank logs."""
 
-    def __init__(self, cfg: Config, run_dir: Path, reporter: Reporter) -> None:
-        self.cfg, self.run_dir, self.reporter = cfg, run_dir, reporter
-        self._join_job()
+    def __init__(self, cfg: Config, reporter: Reporter, log_dir: Path | None) -> None:
+        self.cfg, self.reporter = cfg, reporter
+        self.metrics: MetricsLogger | None = None
+        self.prof: ProfileCapture | None = None
+        self._join_job(log_dir)
         self.precision = resolve_precision(cfg.train.precision, self.device)
         configure_allocator(cfg.memory, self.device)
         torch.manual_seed(cfg.train.seed)
         self.config_toml = to_toml(cfg)
-        if self.rank0:
-            (run_dir / "config.toml").write_text(self.config_toml)
         self._build_data()
         self._build_model_and_optimizer()
         self._build_instruments()
         self.start_step = self.step = self.done = 0  # done: steps completed so far
+        self.skipped_at_start = 0  # non-finite steps skipped before the checkpoint resumed from
 
-    def _join_job(self) -> None:
+    def _join_job(self, log_dir: Path | None) -> None:
         """One process, or one rank of a torchrun job: device, process group, layout, logs, watchdog."""
         from tracetrain.models.build import model_args_from_config
         from tracetrain.parallel import dist as tdist
         from tracetrain.parallel.mesh import validate_parallel
+        from tracetrain.validate import validate_run
         cfg = self.cfg
         self.device = resolve_device(cfg.train.device)
-        validate_parallel(cfg, model_args_from_config(cfg), tdist.env_world_size())  # before any rank waits
+        args = model_args_from_config(cfg)
+        validate_parallel(cfg, args, tdist.env_world_size())  # before any rank waits
+        validate_run(cfg, args)  # static checks of config vs model shape: before the run directory exists
         self.dist = tdist.init_distributed(cfg.parallel.timeout_s, self.device.type)
         self.rank0 = self.dist.rank == 0
         self.watchdog = None
         if self.dist.is_distributed:
             refuse_with_parallel(cfg)
             self.device = self.dist.device
-            tdist.setup_rank_logging(self.run_dir, self.dist.rank)
+            tdist.setup_rank_logging(log_dir, self.dist.rank)
             self.watchdog = tdist.Watchdog(self.dist.rank, cfg.parallel.timeout_s).start()
             if not self.rank0:  # one console and one set of files per job: rank 0's
                 self.reporter = Reporter(False, Console(file=open(os.devnull, "w")))
@@ -135,15 +207,21 @@ class _Run:
 
     def _build_data(self) -> None:
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)  # 'auto': init_from's own
         with self.reporter.status("reading and packing data"):
             self.train_ds, self.eval_ds, stats = build_datasets(cfg.data, self.tokenizer)
-        if self.rank0:
-            (self.run_dir / "data_stats.json").write_text(json.dumps(_as_dict(stats), indent=2))
+        self.data_stats = stats
+        self.data_fingerprint = data_fingerprint(self.train_ds)  # stored in checkpoints, compared on resume
         self.reporter.data_stats(stats)
         # Every rank reads the same global micro-batch (same seed) and keeps its own rows of it.
         self.loader = build_loader(self.train_ds, cfg.train.micro_batch_size * self.dp, cfg.data, shuffle=True,
                                    seed=cfg.data.seed)
+        self.sizing: dict[str, Any] = {}  # train.epochs: the step count is known only now that the rows exist
+        if cfg.train.epochs:
+            self.cfg, self.sizing = size_by_epochs(cfg, self.loader.batches_per_epoch)
+            self.config_toml = note_resolved_steps(self.config_toml, **self.sizing)  # written by open_run_dir
+            self.reporter.note("train.epochs = {epochs}: {batches_per_epoch} batches per epoch -> {steps} steps"
+                               .format(**self.sizing))
 
     def _build_model_and_optimizer(self) -> None:
         cfg, device = self.cfg, self.device
@@ -186,13 +264,28 @@ class _Run:
         if device.type == "cuda" and peak is None:
             self.reporter.note(f"MFU not reported: {self.device_name!r} is not in the device table; "
                                "set logging.peak_tflops to its dense peak")
-        name = "metrics.jsonl" if self.rank0 else f"logs/metrics_rank{self.dist.rank}.jsonl"
-        self.metrics = MetricsLogger(self.run_dir, device, self.flops.model, peak, cfg.train.max_bad_steps,
-                                     cfg.logging.tensorboard and self.rank0, filename=name)
-        self.prof = ProfileCapture(cfg.profile, self.run_dir, device)
+        self.peak = peak
         from tracetrain.memory import apply_activation_offload
-        offload = apply_activation_offload(self.model, cfg.memory.activation_offload,
-                                           fraction=cfg.memory.activation_offload_fraction)
+        self.offload = apply_activation_offload(self.model, cfg.memory.activation_offload,
+                                                fraction=cfg.memory.activation_offload_fraction)
+
+    def open_run_dir(self, run_dir: Path, resume: ResumePoint | None) -> None:
+        """Write the run's files and start its instruments, once setup has passed every check."""
+        cfg, device = self.cfg, self.device
+        self.run_dir = run_dir
+        if self.rank0:
+            atomic_write_text(run_dir / "config.toml", self.config_toml)
+            atomic_write_text(run_dir / "data_stats.json", json.dumps(_as_dict(self.data_stats), indent=2))
+            # Before the metrics file is opened for appending (truncation replaces the file).
+            if resume is not None and resume.truncate_metrics(run_dir, self.start_step):
+                self.reporter.note(f"{run_dir / 'metrics.jsonl'}: dropped a torn last line "
+                                   "(the partial write of a stopped process)")
+        name = "metrics.jsonl" if self.rank0 else f"logs/metrics_rank{self.dist.rank}.jsonl"
+        self.metrics = MetricsLogger(run_dir, device, self.flops.model, self.peak, cfg.train.max_bad_steps,
+                                     cfg.logging.tensorboard and self.rank0, filename=name,
+                                     skipped_steps=self.skipped_at_start)
+        self.prof = ProfileCapture(cfg.profile, run_dir, device)
+        offload = self.offload
         autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
         self.ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
                                use_document_mask=cfg.data.pack,
@@ -204,23 +297,33 @@ class _Run:
                                cfg.parallel.tp == 1 and cfg.parallel.pp == 1 else 0, par=self.par)
 
     def restore(self, resume: ResumePoint) -> None:
-        """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters."""
+        """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters.
+        Refused (before any file is touched) if the run would end before the checkpoint or the data changed."""
+        check_steps_cover(self.cfg, resume.checkpoint)  # after train.epochs has set the step count
         if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
             from tracetrain.parallel.checkpoint import load_sharded
             raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
             set_rng_state(raw["rng"])
-            state = TrainState(step=raw["step"], scheduler=raw["scheduler"], loader=raw["loader"],
-                               counters=raw["counters"])
+            state = train_state_from_dict(raw)
         else:
             state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
         self.scheduler.load_state_dict(state.scheduler)
         if self.scaler is not None and state.counters.get("scaler"):
             self.scaler.load_state_dict(state.counters["scaler"])
-        self.loader.load_state_dict(state.loader)
+        self.loader.load_state_dict(state.loader)  # a changed row count is refused here, with its own message
+        note = check_data_unchanged(state.data_fingerprint, self.data_fingerprint, self.cfg, resume.checkpoint,
+                                    len(self.train_ds))
+        if note:
+            self.reporter.note(note)
         self.start_step = self.step = self.done = state.step
-        self.metrics.skipped_steps = state.counters.get("skipped_steps", 0)
-        resume.truncate_metrics(self.run_dir, self.start_step)
+        self.skipped_at_start = state.counters.get("skipped_steps", 0)
         self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.prof is not None:
+            self.prof.finish(lambda _: None)  # stops a profiler left running by an exception
 
     def announce(self) -> None:
         self.reporter.model_summary(self.args, self.model, self.cfg, self.device_name, self.precision,
@@ -228,19 +331,34 @@ class _Run:
         preflight(self.cfg, self.device, self.reporter.note)
 
     def checkpoint(self, step: int) -> Path:
+        self._refuse_non_finite_weights(step)
         counters = {"skipped_steps": self.metrics.skipped_steps,
                     "scaler": self.scaler.state_dict() if self.scaler else {}}
         state = TrainState(step=step, scheduler=self.scheduler.state_dict(), loader=self.loader.state_dict(),
-                           counters=counters)
+                           counters=counters, data_fingerprint=self.data_fingerprint)
         with self.reporter.status(f"saving checkpoint at step {step}"), self.prof.phase("checkpoint"):
             if self.dist.is_distributed:  # every rank writes its shards (DCP), atomically as one folder
                 from tracetrain.parallel.checkpoint import save_sharded
-                trainer_state = {"step": step, "scheduler": state.scheduler, "loader": state.loader,
-                                 "counters": counters, "rng": rng_state()}
+                trainer_state = trainer_state_dict(state)
                 return save_sharded(self.run_dir, step, self.model, self.optimizer, trainer_state,
                                     self.config_toml, self.cfg.checkpoint.keep_last)
             return save_checkpoint(self.run_dir, self.model, self.optimizer, state, self.config_toml,
                                    lora=self.adapters_only, keep_last=self.cfg.checkpoint.keep_last)
+
+    def _refuse_non_finite_weights(self, step: int) -> None:
+        """A checkpoint never holds NaN/inf weights: an update from finite gradients can still overflow them,
+        and saving such a checkpoint would rotate the good ones out (keep_last). One host sync, at save
+        time only (not in the step's hot path)."""
+        flags = [torch.isfinite(_local(p.detach())).all() for p in self.model.parameters() if p.requires_grad]
+        ok = torch.stack(flags).all().to(torch.int32)
+        if self.dist.is_distributed:  # every rank holds other shards; all must agree before any writes
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        if bool(ok):
+            return
+        good = list_checkpoints(self.run_dir)
+        kept = f"the last good checkpoint {good[-1]} is kept" if good else "no earlier checkpoint exists"
+        raise TracetrainError(f"weights are NaN/inf after step {step}: checkpoint not saved ({kept}). "
+                              "Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16")
 
     def one_step(self, step: int) -> None:
         """Fetch the micro-batches, train, and hand the (still on-device) results to the metrics."""
@@ -271,11 +389,11 @@ class _Run:
             for self.step in range(self.start_step, total):
                 self.one_step(self.step)
                 done = self.done
-                if done % cfg.logging.log_interval == 0 or done == total or stop.signal:
+                if done % cfg.logging.log_interval == 0 or done == total or stop.signum:
                     bar.update(done, self.metrics.flush())  # the interval's one host sync
                 if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < total:
                     self.evaluate(done)
-                if stop.signal:
+                if stop.signum:
                     return self.checkpoint(done)
                 if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < total:
                     self.checkpoint(done)
@@ -308,13 +426,27 @@ class _Run:
             summary.update(_throughput_summary(self.metrics, self.cfg, done))
             if self.cfg.checkpoint.save_final:
                 summary["checkpoint"] = str(self.checkpoint(self.cfg.train.steps))
-        summary.update(extra)
+        summary.update(extra, **self.sizing)
         if self.dist.is_distributed:
             summary.update({"world_size": self.dist.world_size, "tokens_per_s_is_per_gpu": True})
+        if interrupted_at is None and self.metrics.bad_streak:
+            summary["final_steps_skipped"] = self.metrics.bad_streak
         if self.rank0:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         self.reporter.summary(summary, self.run_dir)
+        if "final_steps_skipped" in summary:
+            raise self._ended_on_skipped_steps(summary)
         return summary
+
+    def _ended_on_skipped_steps(self, summary: dict[str, Any]) -> TracetrainError:
+        """The rule: a run whose final step diverged (loss or gradient NaN/inf, update not applied) fails,
+        even below train.max_bad_steps; its weights are not what the config asked for. Routine fp16
+        overflow skips (finite loss, loss scale lowered) do not count."""
+        skipped, done = summary["final_steps_skipped"], self.done
+        saved = f"; checkpoint {summary['checkpoint']} holds them" if "checkpoint" in summary else ""
+        return TracetrainError(f"the last {skipped} step(s) of the run (to step {done}) had a NaN/inf loss or "
+                               f"gradient and were not applied: the weights are those after step {done - skipped}"
+                               f"{saved}. Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16")
 
     def _final_evaluation(self) -> dict[str, Any]:
         if not self.can_evaluate():
@@ -328,6 +460,11 @@ class _Run:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_generate=0))
         return final_evaluation(self.model, self.tokenizer, self.eval_ds, cfg, self.ctx,
                                 self.run_dir if self.rank0 else None, self.reporter)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP/TP parameters), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _lora_base_dtype(cfg: Config, device: torch.device) -> torch.dtype:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
-from tracetrain.config import MemorySection, OptimSection
+from tracetrain.config import Config, MemorySection, OptimSection, check_warmup
 
 
 def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device,
@@ -50,3 +51,43 @@ def lr_factor(step: int, cfg: OptimSection, total_steps: int) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimSection,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+
+
+def steps_for_epochs(epochs: float, batches_per_epoch: int, grad_accum_steps: int) -> int:
+    """Optimizer steps of `epochs` passes over `batches_per_epoch` micro-batches: ceil(epochs * b / accum).
+
+    Rounded to 9 places before the ceiling, so that float noise (0.1 * 30 = 3.0000000000000004) does
+    not add a step. At least one step.
+    """
+    return max(1, math.ceil(round(epochs * batches_per_epoch / grad_accum_steps, 9)))
+
+
+def size_by_epochs(cfg: Config, batches_per_epoch: int) -> tuple[Config, dict[str, float | int]]:
+    """`cfg` with train.steps set from train.epochs, plus {epochs, batches_per_epoch, steps} for the record.
+
+    Called once the data is built (the loader knows its batches per epoch) and before the scheduler,
+    so warmup/decay, checkpoint and eval cadence all count against the resolved number of steps. A warmup
+    as long as the run is a ConfigError (the load-time check could not know the count).
+    """
+    steps = steps_for_epochs(cfg.train.epochs, batches_per_epoch, cfg.train.grad_accum_steps)
+    check_warmup(cfg.optim, steps, source=f"train.epochs = {cfg.train.epochs} over {batches_per_epoch} batches")
+    resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    return resolved, {"epochs": cfg.train.epochs, "batches_per_epoch": batches_per_epoch, "steps": steps}
+
+
+def note_resolved_steps(config_toml: str, steps: int, epochs: float, batches_per_epoch: int) -> str:
+    """The run's config.toml with `steps = ...` of [train] replaced by a comment giving the resolved count.
+
+    The line stays a comment so the file loads back as it was given (epochs set, steps at its default),
+    and a resumed run sizes itself from train.epochs again, to the same count (the data cannot change
+    on resume).
+    """
+    lines = config_toml.splitlines()
+    section = ""
+    for i, line in enumerate(lines):
+        if line.startswith("["):
+            section = line
+        elif section == "[train]" and line.startswith("steps = "):
+            lines[i] = (f"# steps = {steps}  (resolved from epochs = {epochs}: {batches_per_epoch} micro-batches "
+                        "per epoch / grad_accum_steps)")
+    return "\n".join(lines) + ("\n" if config_toml.endswith("\n") else "")

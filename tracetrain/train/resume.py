@@ -14,11 +14,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tracetrain.config import Config, load_config, to_dict
-from tracetrain.errors import CheckpointError, ConfigError
-from tracetrain.train.checkpoint import latest_checkpoint, list_checkpoints
+import hashlib
 
-ALLOWED_CHANGES = ("train.steps", "train.eval_interval", "train.eval_batches", "train.eval_generate",
+import numpy as np
+
+from tracetrain.config import Config, load_config, to_dict
+from tracetrain.errors import CheckpointError, ConfigError, DataError
+from tracetrain.train.checkpoint import latest_checkpoint, newest_checkpoint
+from tracetrain.train.manifest import step_of
+from tracetrain.train.rundir import RunLock, atomic_write_text, claim_new_run_dir
+
+ALLOWED_CHANGES = ("train.steps", "train.epochs", "train.eval_interval", "train.eval_batches", "train.eval_generate",
                    "train.max_bad_steps", "train.output_dir", "train.run_name", "train.device",
                    "data.num_workers", "data.pin_memory", "data.prefetch_factor", "checkpoint.", "logging.")
 
@@ -28,13 +34,28 @@ class ResumePoint:
     run_dir: Path
     checkpoint: Path
 
-    def truncate_metrics(self, run_dir: Path, step: int) -> None:
-        """Drop metric lines written after the checkpoint (they will be produced again)."""
+    def truncate_metrics(self, run_dir: Path, step: int) -> bool:
+        """Drop metric lines written after the checkpoint (they will be produced again), and a torn last
+        line (the partial write of a killed process); True if there was one. Replaced atomically."""
         path = run_dir / "metrics.jsonl"
         if not path.is_file():
-            return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+            return False
+        torn = False
+        lines = [line for line in path.read_text().splitlines() if line]
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if number == len(lines):
+                    torn = True
+                    break
+                raise CheckpointError(f"{path}:{number}: not a JSON line; repair or remove that line "
+                                      "before resuming") from None
+            if record["step"] <= step:
+                kept.append(line)
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+        return torn
 
 
 def _flatten(cfg: Config) -> dict[str, object]:
@@ -55,9 +76,9 @@ def find_auto(cfg: Config) -> Path | None:
     out = Path(cfg.train.output_dir)
     if cfg.train.run_name:
         named = out / cfg.train.run_name
-        return named if list_checkpoints(named) else None
-    runs = [p for p in out.iterdir() if p.is_dir() and list_checkpoints(p)] if out.is_dir() else []
-    return max(runs, key=lambda p: latest_checkpoint(p).stat().st_mtime) if runs else None
+        return named if newest_checkpoint(named) else None
+    runs = [p for p in out.iterdir() if p.is_dir() and newest_checkpoint(p)] if out.is_dir() else []
+    return max(runs, key=lambda p: newest_checkpoint(p).stat().st_mtime) if runs else None
 
 
 def resolve_resume(spec: str, config_path: str | None, overrides: list[str]) -> tuple[Config, ResumePoint | None]:
@@ -75,29 +96,76 @@ def resolve_resume(spec: str, config_path: str | None, overrides: list[str]) -> 
     saved = load_config(ckpt / "config.toml")
     cfg = load_config(config_path or run_dir / "config.toml", overrides)
     check_compatible(saved, cfg, run_dir)
+    check_steps_cover(cfg, ckpt)
     return cfg, ResumePoint(run_dir=run_dir, checkpoint=ckpt)
 
 
-def prepare_run_dir(cfg: Config) -> Path:
-    """Create a fresh run directory; refuse to write into a used one (nothing is ever overwritten)."""
+def check_steps_cover(cfg: Config, ckpt: Path) -> None:
+    """A resumed run must not end before its checkpoint: it would save a step it never reached."""
+    step = step_of(ckpt)
+    if step is not None and cfg.train.steps < step:
+        raise ConfigError(f"config key 'train.steps': {cfg.train.steps} is below the step of the checkpoint to "
+                          f"resume ({ckpt.name}, step {step}); use train.steps >= {step}")
+
+
+def data_fingerprint(dataset: object) -> str:
+    """A hash of exactly what the run trains on: the packed rows' token ids and labels, or, for rows
+    tokenised on the fly, the examples themselves (the tokenizer and seq_len are config, checked apart).
+    Cheap: one pass of blake2b over the arrays' bytes, without copies."""
+    h = hashlib.blake2b(digest_size=16)
+    rows = getattr(dataset, "rows", None)
+    if rows is not None:  # PackedDataset: (num_rows, seq_len) int32 tensors
+        for key in ("input_ids", "labels"):
+            array = np.ascontiguousarray(rows[key].numpy())
+            h.update(f"{key}{array.shape}{array.dtype}".encode())
+            h.update(array)
+    else:  # OnTheFlyDataset: (prompt, response) pairs
+        for prompt, response in dataset.examples:  # type: ignore[attr-defined]
+            h.update(json.dumps([prompt, response]).encode())
+    return h.hexdigest()
+
+
+def check_data_unchanged(saved: str, current: str, cfg: Config, ckpt: Path, num_rows: int) -> str | None:
+    """Refuse to resume on different training data; a note (returned) for checkpoints older than the
+    fingerprint. `num_rows`: the rows the checkpoint's loader position counts, for the message."""
+    if not saved:
+        return (f"{ckpt} has no data fingerprint (saved by an older tracetrain): cannot check that the "
+                "training data is unchanged")
+    if saved != current:
+        source = f"data.path {cfg.data.path!r}" if cfg.data.path else f"data.kind {cfg.data.kind!r}"
+        raise DataError(f"cannot resume from {ckpt}: the training data changed since it was saved ({source}: "
+                        f"{num_rows} rows with other token ids or labels; fingerprint {saved} -> {current}). "
+                        "Restore the original data or start a new run")
+    return None
+
+
+def claim_run_dir(cfg: Config) -> RunLock:
+    """Create a fresh run directory and lock it; refuse to write into a used one (nothing is ever
+    overwritten). Of several processes claiming one `train.run_name` at once, exactly one wins."""
     out = Path(cfg.train.output_dir)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Every rank must write into the same folder, decided before the ranks can talk.
         if not cfg.train.run_name:
             raise ConfigError("config key 'train.run_name' is required with several ranks (torchrun): all "
                               "ranks must agree on the run directory")
-        if int(os.environ.get("RANK", "0")) != 0:
+        if int(os.environ.get("RANK", "0")) != 0:  # rank 0 claims and locks it for the job
             (out / cfg.train.run_name).mkdir(parents=True, exist_ok=True)
-            return out / cfg.train.run_name
+            return RunLock(out / cfg.train.run_name, None, created=False)
     name = cfg.train.run_name or time.strftime("%Y%m%d-%H%M%S")
-    run_dir = out / name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if cfg.train.run_name:
-            raise ConfigError(f"run directory {run_dir} already exists; choose another train.run_name "
-                              f"or continue it with --resume {run_dir}")
-        suffix = 1
-        while (out / f"{name}-{suffix}").exists():
-            suffix += 1
-        run_dir = out / f"{name}-{suffix}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    lock = claim_new_run_dir(out / name)
+    if lock is None and cfg.train.run_name:
+        raise ConfigError(f"run directory {out / name} already exists; choose another train.run_name "
+                          f"or continue it with --resume {out / name}")
+    suffix = 0
+    while lock is None:  # a timestamped name taken (by another run started in the same second)
+        suffix += 1
+        lock = claim_new_run_dir(out / f"{name}-{suffix}")
+    return lock
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """`claim_run_dir` for API callers that pass the directory to `train(cfg, run_dir)`: the directory is
+    claimed (its .lock file marks it used) and `train` locks it again for the run."""
+    lock = claim_run_dir(cfg)
+    lock.release()
+    return lock.path

@@ -1,0 +1,114 @@
+"""The run directory on disk: claimed atomically, locked for the run's life, root files replaced atomically.
+
+One process per run directory. A fresh directory is claimed with an exclusive `mkdir` (or, when it already
+exists and is empty, by creating `RUN/.lock` with O_EXCL), so two runs started together with one
+`train.run_name` cannot share it: exactly one wins. The winner, and every later `--resume`, holds an
+exclusive `flock` on `RUN/.lock` until it exits; the file names the holder (PID and host) so that a refused
+process can say who has it. The kernel drops a flock when its holder dies, even under kill -9, so a .lock
+file left behind never blocks a resume. The file itself is never deleted: unlinking a lock file lets a
+third process lock a fresh inode while the second still holds the old one.
+Under torchrun only rank 0 locks: the other ranks are part of the same run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracetrain.errors import TracetrainError
+from tracetrain.train.manifest import fsync_path
+
+LOCK_NAME = ".lock"
+
+
+@dataclass
+class RunLock:
+    """A run directory this process holds. `fd` None: not locked (a torchrun rank other than 0)."""
+
+    path: Path
+    fd: int | None
+    created: bool   # this process made the directory, so it may remove it again if setup fails
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a reader (or a crash) sees the old file or the new, never a mix:
+    write a temporary sibling, fsync it, rename it over `path`, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def _holder(fd: int) -> str:
+    """'PID 123 on host h' from the lock file (empty while the holder is still writing it)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"PID {info['pid']} on host {info['host']}"
+    except (ValueError, KeyError):
+        return "another process (PID not yet written)"
+
+
+def _lock(run_dir: Path, fd: int, created: bool) -> RunLock:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise TracetrainError(f"run directory {run_dir} is in use by {holder} (lock file {run_dir / LOCK_NAME}); "
+                              "wait for that run to end or stop it, then try again") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+    return RunLock(run_dir, fd, created)
+
+
+def lock_run_dir(run_dir: Path) -> RunLock:
+    """Lock an existing run directory (resume), or refuse with one line naming the process that holds it."""
+    return _lock(run_dir, os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644), created=False)
+
+
+def claim_new_run_dir(run_dir: Path) -> RunLock | None:
+    """Create and lock a fresh run directory; None if it exists with content or another process claimed it
+    first. The directory and its parent are fsynced, so a claimed directory survives a crash."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    created = True
+    try:
+        run_dir.mkdir()  # exclusive: of two processes, one gets FileExistsError
+    except FileExistsError:
+        if not run_dir.is_dir() or any(run_dir.iterdir()):
+            return None
+        created = False  # made empty beforehand (by the user, or by another rank of this job)
+    try:
+        # O_EXCL decides between processes that both found the directory empty.
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return None
+    lock = _lock(run_dir, fd, created)
+    fsync_path(run_dir)
+    fsync_path(run_dir.parent)
+    return lock
+
+
+# Everything a single-process run writes into its directory before its first step.
+SETUP_FILES = frozenset({LOCK_NAME, "config.toml", "data_stats.json", "metrics.jsonl", "tensorboard", "profile"})
+
+
+def discard_unstarted(lock: RunLock) -> None:
+    """Remove a run directory whose setup failed, if this process created it and it holds nothing but the
+    files this process's setup writes (never a directory someone else made or wrote into)."""
+    names = {p.name for p in lock.path.iterdir()} if lock.path.is_dir() else set()
+    lock.release()
+    if lock.created and names <= SETUP_FILES:
+        shutil.rmtree(lock.path, ignore_errors=True)
