@@ -274,3 +274,67 @@ def test_cached_attention_runs_without_math_fallback_on_cuda(s, kind):
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
         out = cached_attention(q, k, v, mask)
     torch.testing.assert_close(out.float(), _reference_attention(q, k, v, dense), atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stop ids (EOS plus end-of-turn ids) and the CLI's checks of sampling options
+
+def test_any_stop_id_ends_row_as_eos(model):
+    """Several stop ids: each row ends at the first it samples, with finish reason "eos"; an int still works."""
+    free = generate_batch(model, [GenerationRequest(p, 10) for p in PROMPTS], NEVER, 0)
+    stops = {free[0].tokens[2], free[1].tokens[4]}
+    out = generate_batch(model, [GenerationRequest(p, 10) for p in PROMPTS], stops, 0)
+    for a, b in zip(out, free):
+        cut = min((b.tokens.index(s) for s in stops if s in b.tokens), default=None)
+        assert a.tokens == (b.tokens if cut is None else b.tokens[:cut])
+        assert a.finish_reason == ("length" if cut is None else "eos")
+    assert out[0].finish_reason == out[1].finish_reason == "eos"
+
+
+def test_generate_records_stops_at_an_end_of_turn_id(tmp_path):
+    """`tracetrain generate`'s path stops at any of the tokenizer's stop ids, not only at its EOS."""
+    import shutil
+
+    from conftest import shared_file
+    from tracetrain.data.tokenizer import load_tokenizer
+    from tracetrain.models.generate import generate_records
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(shared_file("gpt2_tokenizer.json"), folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [50256, 198]}))
+    tok = load_tokenizer(str(folder))
+    assert tok.eos_id == 50256 and 198 in tok.stop_ids
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=50257)).eval()
+    with torch.no_grad():  # greedy always picks 198 ("\n"): blocks add nothing, only row 198 reads coordinate 0
+        model.layers[0].self_attn.o_proj.weight.zero_()
+        model.layers[0].mlp.down_proj.weight.zero_()
+        model.embed_tokens.weight[:, 0] = 1.0
+        model.norm.weight.zero_()
+        model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[198, 0] = 100.0
+    lines, _ = generate_records(model, tok, [{"prompt": "Hi", "text": "Hi", "stop": [], "max_new_tokens": None}],
+                                      max_new_tokens=8)
+    assert lines[0]["finish_reason"] == "eos" and lines[0]["tokens"] == 1 and lines[0]["completion"] == ""
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--batch-size=0"], "--batch-size 0"), (["--max-new-tokens=-1"], "--max-new-tokens -1"),
+    (["--top-k=-2"], "--top-k -2"), (["--temperature=-0.5"], "--temperature -0.5"),
+    (["--top-p=0"], "--top-p 0.0"), (["--top-p=1.5"], "--top-p 1.5"), (["--top-p=nan"], "--top-p nan"),
+    (["--output", "."], "--output . is a folder"), (["--output", "no/such/dir/out.jsonl"], "does not exist")])
+def test_cli_refuses_bad_generation_options(flags, named, capsys):
+    """Checked before the model loads (the run path need not exist): exit 2, one line naming the flag."""
+    from tracetrain.cli import main
+    assert main(["generate", "no-such-run", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
+
+
+def test_cli_generate_option_error_is_one_line_in_a_subprocess():
+    from test_train import run_cli
+    proc = run_cli("generate", "no-such-run", "--prompt", "x", "--batch-size=0", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --batch-size 0: must be >= 1"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -70,8 +70,9 @@ class GenerationResult:
 class _Row:
     """Host-side state of one request while the batch decodes."""
 
-    def __init__(self, request: GenerationRequest, eos_id: int, decode: Callable[[list[int]], str] | None) -> None:
-        self.request, self.eos_id, self.decode = request, eos_id, decode
+    def __init__(self, request: GenerationRequest, stop_ids: frozenset[int],
+                 decode: Callable[[list[int]], str] | None) -> None:
+        self.request, self.stop_ids, self.decode = request, stop_ids, decode
         self.tokens: list[int] = []
         self.num_generated = 0
         self.text: str | None = None
@@ -82,7 +83,7 @@ class _Row:
         if self.finish_reason is not None:
             return True
         self.num_generated += 1
-        if token == self.eos_id:
+        if token in self.stop_ids:
             self.finish_reason = "eos"
             return True
         self.tokens.append(token)
@@ -99,6 +100,34 @@ class _Row:
     def result(self) -> GenerationResult:
         text = self.text if self.text is not None else (self.decode(self.tokens) if self.decode else None)
         return GenerationResult(self.tokens, self.finish_reason or "length", text, self.num_generated)
+
+
+# Allowed values of the sampling options: one table, read by the library checks and the CLI's flag errors.
+GENERATION_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "max_new_tokens": (lambda v: v >= 0, ">= 0"),
+    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
+    "gpu_window": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def bad_generation_option(**options: float) -> tuple[str, float, str] | None:
+    """The first option outside `GENERATION_LIMITS` as (name, value, what is allowed), else None.
+    NaN fails every test, so it is refused too."""
+    for name, value in options.items():
+        ok, allowed = GENERATION_LIMITS[name]
+        if not ok(value):
+            return name, value, allowed
+    return None
+
+
+def check_generation_options(**options: float) -> None:
+    """ValueError naming the first option outside `GENERATION_LIMITS`."""
+    bad = bad_generation_option(**options)
+    if bad is not None:
+        raise ValueError(f"{bad[0]} = {bad[1]} is not allowed; must be {bad[2]}")
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -190,6 +219,11 @@ def make_cache(model: Transformer, batch: int, max_len: int, dtype: torch.dtype,
     return StaticKVCache(model.args, batch, max_len, device, dtype, fixed_shape)
 
 
+def as_stop_ids(eos_id: int | Iterable[int]) -> frozenset[int]:
+    """One EOS id (the older callers' form) or several stop ids (EOS plus end-of-turn ids) -> a set."""
+    return frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
+
+
 def _sync(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -197,14 +231,16 @@ def _sync(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id: int, pad_id: int, *,
+def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id: int | Iterable[int], pad_id: int, *,
                    decode: Callable[[list[int]], str] | None = None, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                    kv_offload: bool = False, gpu_window: int = 0, cuda_graph: bool = False,
                    prefill_chunk: int = 2048, timings: dict[str, float] | None = None) -> list[GenerationResult]:
     """Continue every request in one left-padded batch; one result per request, in order.
 
-    `decode` (ids -> text) is needed for stop strings and fills `GenerationResult.text`. `dtype`: the
+    `eos_id`: one id or several (a tokenizer's `stop_ids`: EOS and end-of-turn ids); sampling any of them
+    ends the row with finish reason "eos". `decode` (ids -> text) is needed for stop strings and fills
+    `GenerationResult.text`. `dtype`: the
     autocast and cache dtype (default: the model's). `cuda_graph` (CUDA, in-GPU cache only) replays the
     decode step as a graph (on CPU the step runs eagerly, with the graph's fixed shapes). `timings`, when
     given, receives prefill_s, decode_s (decode steps after the first, which includes graph capture),
@@ -216,11 +252,13 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
         raise ValueError("every request needs a prompt of at least one token")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    check_generation_options(temperature=temperature, top_k=top_k, top_p=top_p, gpu_window=gpu_window)
     if kv_offload and cuda_graph:
         raise ValueError("cuda_graph needs the in-GPU cache: the offloaded cache's copies change size every step")
     device = model.embed_tokens.weight.device
     dtype = dtype or model.embed_tokens.weight.dtype
-    rows = [_Row(r, eos_id, decode) for r in requests]
+    stop_ids = as_stop_ids(eos_id)
+    rows = [_Row(r, stop_ids, decode) for r in requests]
     num_steps = max(r.max_new_tokens for r in requests)
     if num_steps <= 0:
         return [row.result() for row in rows]
@@ -271,11 +309,13 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int, *,
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int | Iterable[int],
+             pad_id: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
              **options: Any) -> list[list[int]]:
-    """Continue each prompt; returns only the new tokens, cut at (and excluding) EOS.
+    """Continue each prompt; returns only the new tokens, cut at (and excluding) EOS (`eos_id`: one id or
+    several stop ids).
 
     `options` are passed to `generate_batch` (kv_offload, gpu_window, cuda_graph, prefill_chunk)."""
     requests = [GenerationRequest(p, max_new_tokens) for p in prompts]
@@ -344,15 +384,15 @@ def generate_records(model: Transformer, tokenizer: Any, records: list[dict[str,
                      max_new_tokens: int = 128, stop: list[str] | None = None, batch_size: int = 16,
                      **options: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Generate for prompt records (`prompt_record`); one {"prompt", "completion", "finish_reason", "tokens"}
-    per record, in order (`tokens`: tokens generated, EOS included), and a summary (prompts, tokens,
+    per record, in order (`tokens`: tokens generated, the stop id included), and a summary (prompts, tokens,
     seconds, tokens/s, finish reasons).
 
     Records are batched by prompt length (less padding; a row's result does not depend on its batch).
     `stop` applies to every record, besides its own; `options` go to `generate_batch`.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    ids = [[tokenizer.bos_id] + tokenizer.encode(r["text"]) for r in records]
+    check_generation_options(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    bos = [tokenizer.bos_id] if tokenizer.add_bos else []  # no BOS for tokenizers without one (Qwen)
+    ids = [bos + tokenizer.encode(r["text"]) for r in records]
     requests = [GenerationRequest(p, max_new_tokens if r["max_new_tokens"] is None else r["max_new_tokens"],
                                   list(stop or []) + r["stop"]) for p, r in zip(ids, records)]
     order = sorted(range(len(requests)), key=lambda i: len(ids[i]))
@@ -360,7 +400,8 @@ def generate_records(model: Transformer, tokenizer: Any, records: list[dict[str,
     start = time.perf_counter()
     for b in range(0, len(order), batch_size):
         chunk = order[b:b + batch_size]
-        outs = generate_batch(model, [requests[i] for i in chunk], tokenizer.eos_id, tokenizer.pad_id,
+        # Any stop id ends a row: a chat model ends its turn with an end-of-turn id, not always with EOS.
+        outs = generate_batch(model, [requests[i] for i in chunk], tokenizer.stop_ids, tokenizer.pad_id,
                               decode=tokenizer.decode, **options)
         for i, out in zip(chunk, outs):
             results[i] = out

@@ -16,12 +16,8 @@ half-written checkpoint behind.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +30,7 @@ from tracetrain.errors import CheckpointError
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import (LoRALinear, apply_lora, is_lora_key, load_lora_state_dict,
                                     lora_state_dict, resolve_targets)
+from tracetrain.train.safe_load import open_safetensors
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -49,9 +46,43 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes())  # bytes: JSON is UTF-8, whatever the locale says
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); JSON files must be UTF-8") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object {{...}}, got {type(data).__name__}")
+    return data
+
+
+def _shape_int(cfg: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:
+    """A positive integer of config.json: a string, float or bool there is a broken file, not a size."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"{where}: required key '{key}' is missing")
+        return default
+    # bool is a subclass of int in Python (true would read as 1).
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"{where}: {key} = {json.dumps(value)} is not allowed; it must be a positive integer")
+    return value
+
+
+def _positive_float(value: Any, key: str, where: Path) -> float:
+    """A positive, finite number of config.json (eps, rope theta, scaling factors, init std)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{where}: {key} = {json.dumps(value)} is not allowed; it must be a positive number")
+    return float(value)
+
+
+def _flag(cfg: dict[str, Any], key: str, where: Path, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):  # bool("false") is True
+        raise CheckpointError(f"{where}: {key} = {json.dumps(value)} is not allowed; it must be true or false")
+    return value
 
 
 def _check_architecture(cfg: dict[str, Any], where: Path) -> str:
@@ -59,6 +90,8 @@ def _check_architecture(cfg: dict[str, Any], where: Path) -> str:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type", "")
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if not isinstance(archs, list) or not isinstance(model_type, str):
+        raise CheckpointError(f"{where}: 'architectures' must be a list and 'model_type' a string")
     if archs:
         if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(f"{where}: architecture {', '.join(archs)} is not supported; supported: {supported}")
@@ -72,14 +105,19 @@ def _rope_from_config(cfg: dict[str, Any], where: Path) -> tuple[float, dict[str
     """(rope_theta, llama3 scaling dict) from either transformers-5 `rope_parameters` or the older
     top-level `rope_theta` + `rope_scaling` keys."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{where}: rope_scaling = {json.dumps(params)} is not allowed; it must be an object")
+    theta = _positive_float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta", where)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, {}
     if rope_type != "llama3":
         raise CheckpointError(f"{where}: rope_type '{rope_type}' is not supported; supported: default, llama3")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, {k: float(params[k]) for k in keys}
+    missing = [k for k in keys if k not in params]
+    if missing:
+        raise CheckpointError(f"{where}: llama3 rope scaling needs {', '.join(missing)}")
+    return theta, {k: _positive_float(params[k], f"rope_scaling.{k}", where) for k in keys}
 
 
 def _check_unsupported_features(cfg: dict[str, Any], where: Path, dim: int, n_heads: int) -> None:
@@ -100,19 +138,17 @@ def load_hf_config(path: str | Path) -> ModelArgs:
     where = Path(path) / "config.json"
     cfg = _read_json(where)
     model_type = _check_architecture(cfg, where)
-    try:
-        dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        _check_unsupported_features(cfg, where, dim, n_heads)
-        theta, scaling = _rope_from_config(cfg, where)
-        args = ModelArgs(
-            dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads, ffn_dim=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-            rope_scaling=scaling, max_seq_len=cfg.get("max_position_embeddings", 2048),
-            qkv_bias=model_type == "qwen2", tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            init_std=float(cfg.get("initializer_range", 0.02)))
-    except KeyError as e:
-        raise CheckpointError(f"{where}: required key {e} is missing") from None
+    dim, n_heads = _shape_int(cfg, "hidden_size", where), _shape_int(cfg, "num_attention_heads", where)
+    _check_unsupported_features(cfg, where, dim, n_heads)
+    theta, scaling = _rope_from_config(cfg, where)
+    args = ModelArgs(
+        dim=dim, n_layers=_shape_int(cfg, "num_hidden_layers", where), n_heads=n_heads,
+        n_kv_heads=_shape_int(cfg, "num_key_value_heads", where, default=n_heads),
+        ffn_dim=_shape_int(cfg, "intermediate_size", where), vocab_size=_shape_int(cfg, "vocab_size", where),
+        norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", where), rope_theta=theta,
+        rope_scaling=scaling, max_seq_len=_shape_int(cfg, "max_position_embeddings", where, default=2048),
+        qkv_bias=model_type == "qwen2", tie_embeddings=_flag(cfg, "tie_word_embeddings", where, False),
+        init_std=_positive_float(cfg.get("initializer_range", 0.02), "initializer_range", where))
     try:
         args.validate()
     except ValueError as e:
@@ -146,7 +182,7 @@ def _checkpoint_files(path: Path) -> dict[str, str]:
     single = path / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single.name)
 
 
@@ -184,7 +220,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     for file, names in sorted(by_file.items()):
-        with safe_open(path / file, framework="pt") as f:
+        with open_safetensors(path / file) as f:
             stored = {_local_name(k): k for k in f.keys()}
             for name in names:
                 _copy_tensor(f, stored, name, targets[name], path / file)
@@ -202,31 +238,18 @@ def _copy_tensor(f: Any, stored: dict[str, str], name: str, param: torch.Tensor,
 
 # ----------------------------------------------------------------------------------------------------
 # Export: model -> HF checkpoint
-
-@contextlib.contextmanager
-def _atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `out_dir`; on success it replaces `out_dir` (rename), on error it is
-    removed. An existing `out_dir` is swapped out and deleted only after the new one is in place."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        yield tmp
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
+#
+# The writers below fill a folder they are given; `export_hf` / `export_peft_adapter` wrap them in
+# `models/export.py::export_folder`, which refuses to replace anything but an earlier tracetrain export and
+# renames a finished temporary sibling into place. `export.py` adds the run-level files (tokenizer,
+# generation_config.json, model card) for `tracetrain export`.
 
 def hf_config_dict(args: ModelArgs, dtype: torch.dtype, bos_token_id: int | None = None,
-                   eos_token_id: int | None = None) -> dict[str, Any]:
+                   eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
     """The `config.json` transformers needs: Qwen2ForCausalLM when q/k/v have biases, else Llama.
 
     Rope is written in the long-standing `rope_theta` + `rope_scaling` form, which transformers 4.x
-    reads as is and 5.x converts to `rope_parameters`.
+    reads as is and 5.x converts to `rope_parameters`. `eos_token_id` may list several stop ids.
     """
     arch, model_type = ("Qwen2ForCausalLM", "qwen2") if args.qkv_bias else ("LlamaForCausalLM", "llama")
     scaling = {"rope_type": "llama3", **args.rope_scaling} if args.rope_scaling else None
@@ -238,6 +261,7 @@ def hf_config_dict(args: ModelArgs, dtype: torch.dtype, bos_token_id: int | None
         "max_position_embeddings": args.max_seq_len, "rope_theta": args.rope_theta, "rope_scaling": scaling,
         "tie_word_embeddings": args.tie_embeddings, "initializer_range": args.init_std,
         "attention_dropout": 0.0, "use_cache": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
         # transformers >= 4.56 reads `dtype`; older versions read `torch_dtype`.
         "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype]}
     if args.qkv_bias:
@@ -271,10 +295,9 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
 
 
 @torch.no_grad()
-def export_hf(model: nn.Module, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-              max_shard_bytes: int = 5 * 10**9, bos_token_id: int | None = None,
-              eos_token_id: int | None = None) -> None:
-    """Write `config.json` and `model.safetensors` (or shards + index) loadable by transformers.
+def write_hf_weights(model: nn.Module, args: ModelArgs, out_dir: Path, dtype: torch.dtype,
+                     max_shard_bytes: int) -> None:
+    """`model.safetensors`, or shards + `model.safetensors.index.json`, into the existing folder `out_dir`.
 
     LoRA adapters are merged into the written weights without changing `model`. Shards are built one
     at a time, so peak host memory is about one shard, not the whole model.
@@ -284,18 +307,34 @@ def export_hf(model: nn.Module, args: ModelArgs, out_dir: str | Path, dtype: tor
         state.pop("lm_head.weight", None)  # HF ties it on load; safetensors refuses shared storage anyway
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards({k: v.numel() * itemsize for k, v in state.items()}, max_shard_bytes)
-    with _atomic_dir(Path(out_dir)) as tmp:
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(args, dtype, bos_token_id, eos_token_id), indent=2))
-        weight_map: dict[str, str] = {}
-        for i, keys in enumerate(shards):
-            file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {_hf_name(k): _export_tensor(model, k, state[k], dtype) for k in keys}
-            save_file(tensors, tmp / file, metadata={"format": "pt"})  # transformers checks "format"
-            weight_map.update(dict.fromkeys(tensors, file))
-        if len(shards) > 1:
-            total = sum(v.numel() * itemsize for v in state.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    weight_map: dict[str, str] = {}
+    for i, keys in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {_hf_name(k): _export_tensor(model, k, state[k], dtype) for k in keys}
+        save_file(tensors, out_dir / file, metadata={"format": "pt"})  # transformers checks "format"
+        weight_map.update(dict.fromkeys(tensors, file))
+    if len(shards) > 1:
+        total = sum(v.numel() * itemsize for v in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def export_hf(model: nn.Module, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+              max_shard_bytes: int = 5 * 10**9, bos_token_id: int | None = None,
+              eos_token_id: int | list[int] | None = None, *, pad_token_id: int | None = None,
+              overwrite: bool = True) -> None:
+    """Write `config.json` and `model.safetensors` (or shards + index) loadable by transformers.
+
+    `out_dir` must be new, empty, or (with `overwrite`, the default here, as before) an earlier tracetrain
+    export; anything else raises CheckpointError and is left untouched. `tracetrain export` (which adds
+    the tokenizer, generation config and model card) is `models/export.py::export_run_hf`.
+    """
+    from tracetrain.models.export import export_folder  # export.py builds on this module
+
+    with export_folder(Path(out_dir), "hf", overwrite) as tmp:
+        config = hf_config_dict(args, dtype, bos_token_id, eos_token_id, pad_token_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_hf_weights(model, args, tmp, dtype, max_shard_bytes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -312,10 +351,9 @@ def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> None
         raise ValueError(f"targets {targets} do not match the model's adapted layers {sorted(names)}")
 
 
-def export_peft_adapter(model: nn.Module, out_dir: str | Path, rank: int, alpha: float, dropout: float,
-                        targets: list[str], base_model_name_or_path: str = "") -> None:
-    """Write the model's adapters as a PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`)
-    that `peft.PeftModel.from_pretrained(hf_base_model, out_dir)` loads."""
+def write_peft_adapter(model: nn.Module, out_dir: Path, rank: int, alpha: float, dropout: float,
+                       targets: list[str], base_model_name_or_path: str = "") -> None:
+    """`adapter_config.json` and `adapter_model.safetensors` into the existing folder `out_dir`."""
     adapters = lora_state_dict(model)
     if not adapters:
         raise ValueError("model has no LoRA adapters to export; apply_lora first")
@@ -327,9 +365,21 @@ def export_peft_adapter(model: nn.Module, out_dir: str | Path, rank: int, alpha:
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {}, "use_rslora": False, "use_dora": False, "lora_bias": False}
     tensors = {_PEFT_PREFIX + _hf_name(k): v.detach().cpu().contiguous() for k, v in adapters.items()}
-    with _atomic_dir(Path(out_dir)) as tmp:
-        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def export_peft_adapter(model: nn.Module, out_dir: str | Path, rank: int, alpha: float, dropout: float,
+                        targets: list[str], base_model_name_or_path: str = "", *, overwrite: bool = True) -> None:
+    """Write the model's adapters as a PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`)
+    that `peft.PeftModel.from_pretrained(hf_base_model, out_dir)` loads. `out_dir` as in `export_hf`."""
+    from tracetrain.models.export import export_folder  # export.py builds on this module
+
+    if not lora_state_dict(model):  # checked before any folder is touched
+        raise ValueError("model has no LoRA adapters to export; apply_lora first")
+    _check_adapter_args(model, rank, targets)
+    with export_folder(Path(out_dir), "peft", overwrite) as tmp:
+        write_peft_adapter(model, tmp, rank, alpha, dropout, targets, base_model_name_or_path)
 
 
 # Adapter features with no equivalent here; a set value would silently change what the adapter computes.
