@@ -19,8 +19,8 @@ def test_every_shipped_config_loads(path):
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(None, ["--optim.lr=3e-4", "--train.steps=7", "--data.path=my.jsonl", "--data.kind=instruction",
-                             "--lora.targets=['q_proj', 'v_proj']"])
+    cfg = load_config(None, ["--optim.lr=3e-4", "--train.steps=7", "--optim.warmup_steps=2", "--data.path=my.jsonl",
+                             "--data.kind=instruction", "--lora.targets=['q_proj', 'v_proj']"])
     assert cfg.optim.lr == 3e-4 and cfg.train.steps == 7 and cfg.data.path == "my.jsonl"
     assert cfg.lora.targets == ["q_proj", "v_proj"]
     assert load_config().model.preset == "tiny"
@@ -70,4 +70,70 @@ def test_reference_lists_every_key():
     ref = reference_markdown()
     for section in ("model", "data", "train", "optim", "lora", "checkpoint", "logging"):
         assert f"### [{section}]" in ref
-    assert "| `lr` | `0.001` | > 0 | Peak learning rate. |" in ref
+    assert "| `lr` | `0.001` | > 0 <= 1 | Peak learning rate (AdamW: 0 < lr <= 1). |" in ref
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("--optim.lr=1e39", "config key 'optim.lr': 1e+39 is out of range; it must be <= 1"),
+    ("--optim.lr=nan", "config key 'optim.lr': nan is not a finite number"),
+    ("--optim.beta2=inf", "config key 'optim.beta2': inf is not a finite number"),
+    ("--memory.activation_offload_fraction=-inf", "not a finite number"),
+    ("--logging.peak_tflops=1e400", "config key 'logging.peak_tflops': inf is not a finite number"),
+    ("--data.path=x.txt", "config key 'data.path': 'x.txt' is ignored with data.kind = 'synthetic'"),
+])
+def test_floats_finite_lr_bounded_paths_used_warmup_shorter(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_float_field_refuses_non_finite_values():
+    import dataclasses
+    import typing
+    checked = 0
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(section.default_factory)  # type: ignore[arg-type]
+        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            if "float" not in str(hints[f.name]):
+                continue
+            with pytest.raises(ConfigError, match=f"'{section.name}.{f.name}': inf is not a finite number"):
+                from_dict({section.name: {f.name: float("inf")}})
+            checked += 1
+    assert checked >= 10  # optim.lr, eps, betas, model.init_std, ... all seen
+
+
+def test_limits_that_still_load():
+    assert load_config(None, ["--optim.lr=1"]).optim.lr == 1.0
+    assert load_config(None, ["--train.steps=51"]).train.steps == 51  # warmup 50 ends before step 51
+    assert load_config(None, ["--train.steps=1", "--optim.warmup_steps=0"]).train.steps == 1
+    cfg = load_config(None, ["--data.kind=text", "--data.path=x.txt"])
+    assert cfg.data.path == "x.txt"
+
+
+def test_warmup_longer_than_a_new_run_is_refused_but_a_saved_config_still_loads():
+    from tracetrain.models.build import model_args_from_config
+    from tracetrain.validate import validate_run
+    cfg = load_config(None, ["--train.steps=20"])  # a finished run's config.toml loads (eval, export)
+    with pytest.raises(ConfigError) as e:
+        validate_run(cfg, model_args_from_config(cfg))  # ... but a new run with it is refused
+    assert ("config key 'optim.warmup_steps': 50 is not shorter than the run (20 steps from train.steps); "
+            "set it below 20 (e.g. --optim.warmup_steps=2)") in str(e.value)
+
+
+def test_check_warmup_takes_a_resolved_step_count():
+    from tracetrain.config import OptimSection, check_warmup
+    check_warmup(OptimSection(warmup_steps=50), 51)
+    with pytest.raises(ConfigError, match=r"50 is not shorter than the run \(40 steps from train.epochs = 2\)"):
+        check_warmup(OptimSection(warmup_steps=50), 40, source="train.epochs = 2")
+
+
+def test_config_file_encoding_and_kind_errors(tmp_path):
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"# r\xe9sum\xe9\n[optim]\nlr = 3e-4\n")
+    with pytest.raises(ConfigError, match=r"latin1.toml: line 1: byte 0xe9 is not UTF-8 text"):
+        load_config(latin1)
+    utf8 = tmp_path / "utf8.toml"
+    utf8.write_text("# résumé\n[optim]\nlr = 3e-4\n", encoding="utf-8")
+    assert load_config(utf8).optim.lr == 3e-4
+    with pytest.raises(ConfigError, match=r"is a directory; give a .toml file"):
+        load_config(tmp_path)

@@ -1,0 +1,69 @@
+"""Checks of a run that need the model's shape, not only the config: run them before the run directory exists.
+
+`config.py` validates what the config alone can tell (types, ranges, finite numbers, keys that depend on
+each other). What is left needs `ModelArgs` — a preset's or a Hugging Face checkpoint's shape — so it
+lives here, in one function the trainer (and anything else that starts a run) calls once, early:
+
+- a LoRA rank larger than a targeted projection's smaller side (the update could never have that rank:
+  the extra adapter rows and columns only cost memory and change the `alpha / rank` scale);
+- `data.seq_len` beyond the context of the `model.init_from` checkpoint (`max_position_embeddings`):
+  positions the model never saw in pre-training; the rotary embedding would silently extrapolate.
+  Refused for now; a context-extension switch (RoPE scaling) would be the documented way to allow it.
+"""
+
+from __future__ import annotations
+
+from tracetrain.config import Config, check_warmup
+from tracetrain.errors import ConfigError
+from tracetrain.models.llama import ModelArgs
+from tracetrain.models.lora import resolve_targets
+
+
+def projection_features(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every LoRA-targetable projection of one block."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    return {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+
+
+def check_lora_rank(cfg: Config, args: ModelArgs) -> None:
+    """lora.rank must not exceed min(in, out) of any projection it adapts."""
+    if cfg.train.mode != "lora":
+        return
+    try:
+        targets = resolve_targets(cfg.lora.targets)
+    except ValueError as e:
+        raise ConfigError(f"config key 'lora.targets': {e}") from None
+    features = projection_features(args)
+    name = min(targets, key=lambda t: min(features[t]))
+    fan_in, fan_out = features[name]
+    if cfg.lora.rank > min(fan_in, fan_out):
+        raise ConfigError(f"config key 'lora.rank': {cfg.lora.rank} is larger than the {name} layer it adapts "
+                          f"({fan_in} -> {fan_out} features); it must be <= {min(fan_in, fan_out)}")
+
+
+def check_context_length(cfg: Config) -> None:
+    """data.seq_len must fit the context the `model.init_from` checkpoint was trained for."""
+    if not cfg.model.init_from:
+        return
+    from tracetrain.models.hf import load_hf_config
+    # Read config.json again: model_args_from_config already raised max_seq_len to data.seq_len.
+    context = load_hf_config(cfg.model.init_from).max_seq_len
+    if cfg.data.seq_len > context:
+        raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} is longer than the context of "
+                          f"model.init_from {cfg.model.init_from} (max_position_embeddings = {context}); "
+                          f"use data.seq_len <= {context}")
+
+
+def validate_run(cfg: Config, args: ModelArgs) -> None:
+    """Refuse a run whose config does not fit its model (`args`, from `model_args_from_config(cfg)`).
+
+    Raises ConfigError naming the key, the value and what is allowed. Call before creating the run
+    directory, so a refused run leaves nothing behind.
+    """
+    check_lora_rank(cfg, args)
+    check_context_length(cfg)
+    # A new run only: a saved run's config.toml (eval, export, resume) loads whatever its schedule was.
+    # With train.epochs the length is known once the data is built (train/optim.py::size_by_epochs checks it).
+    if not cfg.train.epochs:
+        check_warmup(cfg.optim, cfg.train.steps)
