@@ -110,3 +110,15 @@ def test_resolve_attention():
     assert resolve_attention("flex", cpu, packed=False) == "flex"
     with pytest.raises(ValueError, match="not one of"):
         resolve_attention("flash", cuda, packed=True)
+
+
+def test_flex_needs_whole_tiles():
+    """Packed rows of a length FlexAttention cannot tile (e.g. data.seq_len = 32 on a GPU) fall back to SDPA
+    under 'auto'; an explicit 'flex' is a one-line config error, not a ValueError from inside the step."""
+    from tracetrain.errors import ConfigError
+    cuda = torch.device("cuda")
+    assert resolve_attention("auto", cuda, packed=True, seq_len=256) == "flex"
+    assert resolve_attention("auto", cuda, packed=True, seq_len=32) == "sdpa"
+    with pytest.raises(ConfigError, match=r"'train.attention': 'flex' needs data.seq_len to be a multiple of 128 "
+                                          r"\(got 200\)"):
+        resolve_attention("flex", cuda, packed=True, seq_len=200)

@@ -137,7 +137,10 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts.unsqueeze(1), indices.unsqueeze(1)
 
 
-def document_causal_block_mask(document_ids: torch.Tensor, block_size: int = 128):
+FLEX_BLOCK_SIZE = 128  # tokens per FlexAttention tile: rows must be a whole number of tiles
+
+
+def document_causal_block_mask(document_ids: torch.Tensor, block_size: int = FLEX_BLOCK_SIZE):
     """(batch, seq) document ids -> a FlexAttention BlockMask: same document and not in the future.
 
     Built once per batch (not per layer), from per-tile document ranges with a few tensor ops: no
@@ -176,12 +179,19 @@ def document_causal_block_mask(document_ids: torch.Tensor, block_size: int = 128
                                     BLOCK_SIZE=block_size, mask_mod=document_causal, seq_lengths=(seq, seq))
 
 
-def resolve_attention(backend: AttentionBackend, device: torch.device, packed: bool) -> str:
-    """'auto' -> 'flex' on CUDA with packed rows (measured faster, docs/speed.md), else 'sdpa'."""
+def resolve_attention(backend: AttentionBackend, device: torch.device, packed: bool,
+                      seq_len: int | None = None) -> str:
+    """'auto' -> 'flex' on CUDA with packed rows (measured faster, docs/speed.md) whose length is a whole
+    number of FlexAttention tiles, else 'sdpa'. An explicit 'flex' with another length is a ConfigError."""
+    from tracetrain.errors import ConfigError
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    whole_tiles = seq_len is None or seq_len % FLEX_BLOCK_SIZE == 0
     if backend == "auto":
-        return "flex" if device.type == "cuda" and packed else "sdpa"
+        return "flex" if device.type == "cuda" and packed and whole_tiles else "sdpa"
+    if backend == "flex" and not whole_tiles:
+        raise ConfigError(f"config key 'train.attention': 'flex' needs data.seq_len to be a multiple of "
+                          f"{FLEX_BLOCK_SIZE} (got {seq_len}); use 'sdpa' or 'auto', or change data.seq_len")
     return backend
 
 

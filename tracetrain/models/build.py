@@ -112,7 +112,8 @@ def build_model(cfg: Config, device: torch.device, base_dtype: torch.dtype | Non
         except ValueError as e:
             raise ConfigError(f"config key 'lora.targets': {e}") from None
     from tracetrain.models.attention import apply_attention, resolve_attention
-    apply_attention(model, resolve_attention(cfg.train.attention, device, packed=cfg.data.pack))  # type: ignore[arg-type]
+    apply_attention(model, resolve_attention(cfg.train.attention, device, packed=cfg.data.pack,
+                                             seq_len=cfg.data.seq_len))  # type: ignore[arg-type]
     compile_on = resolve_switch(cfg.train.compile, device)
     if resolve_switch(cfg.train.fused_kernels, device, unless=compile_on):
         from tracetrain.kernels.apply import apply_fused_kernels

@@ -16,6 +16,7 @@ from typing import Literal
 
 from tracetrain.config import Config
 from tracetrain.devices import DEVICES, DeviceSpec
+from tracetrain.models.attention import FLEX_BLOCK_SIZE
 from tracetrain.models.llama import ModelArgs
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -240,7 +241,8 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
     # compile, FlexAttention for packed rows.
     compile_on = t.compile != "off"
     fused_kernels = t.fused_kernels == "on" or (t.fused_kernels == "auto" and not compile_on)
-    attention = t.attention if t.attention != "auto" else ("flex" if cfg.data.pack else "sdpa")
+    attention = t.attention if t.attention != "auto" else \
+        ("flex" if cfg.data.pack and cfg.data.seq_len % FLEX_BLOCK_SIZE == 0 else "sdpa")
     if gpu is None:
         gpu = _visible_gpu() or "h100-sxm"
     layout = {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp, "cp": par.cp}
