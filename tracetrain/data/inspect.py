@@ -20,7 +20,6 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,12 +28,11 @@ import torch
 from tracetrain.config import Config
 from tracetrain.data.loader import build_datasets, tokenize_rows
 from tracetrain.data.packing import IGNORE_INDEX, PAD_DOCUMENT, TokenizedExample
-from tracetrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from tracetrain.data.tokenizer import Tokenizer, load_tokenizer
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
 NUM_BINS = 10
 BAR_WIDTH = 40
-_BYTE_SPECIALS = {256: "<|bos|>", 257: "<|eos|>", 258: "<|pad|>"}
 
 # progress(what, done, total): called while building; total is None when unknown (a spinner).
 Progress = Callable[[str, int, int | None], None]
@@ -63,27 +61,6 @@ class DataReport:
 def _tokenizer(cfg: Config) -> Tokenizer:
     """The tokenizer training uses: data.tokenizer, resolved against model.init_from for 'auto'."""
     return load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
-
-
-def special_aware_decoder(tok: Tokenizer) -> Callable[[list[int]], str]:
-    """ids -> text with special tokens written out (`Tokenizer.decode` drops them, for clean answers)."""
-    if isinstance(tok, HFTokenizer):
-        from tokenizers import Tokenizer as RustTokenizer
-        path = Path(tok.name)
-        rust = RustTokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
-        return lambda ids: rust.decode(ids, skip_special_tokens=False)
-    if isinstance(tok, ByteTokenizer):
-        def decode_bytes(ids: list[int]) -> str:
-            out, run = [], bytearray()
-            for i in ids:
-                if i < 256:
-                    run.append(i)
-                    continue
-                out += [run.decode("utf-8", errors="replace"), _BYTE_SPECIALS.get(i, f"<|{i}|>")]
-                run = bytearray()
-            return "".join(out) + run.decode("utf-8", errors="replace")
-        return decode_bytes
-    return tok.decode
 
 
 def _rows_of(ds: Any, progress: Progress | None) -> dict[str, torch.Tensor]:
@@ -171,7 +148,7 @@ def inspect_data(cfg: Config, num_examples: int = 0, progress: Progress | None =
              "pack": cfg.data.pack, "bad_rows_skipped": data_stats.bad_lines_skipped,
              "truncated": data_stats.examples_truncated, "dropped": data_stats.examples_dropped,
              "train": train, "eval": eval_, "data_stats": data_stats.as_dict()}
-    decode = special_aware_decoder(tok)
+    decode = tok.decode_with_specials
     views = [example_view(ex, decode) for ex in itertools.islice(tokenize_rows(cfg.data, tok), num_examples)]
     return DataReport(stats=stats, examples=views)
 

@@ -65,6 +65,10 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`; special ids (BOS, EOS, PAD) are skipped."""
 
+    @abstractmethod
+    def decode_with_specials(self, ids: list[int]) -> str:
+        """Text of `ids` with special tokens written out (`tracetrain data --show` shows what is trained)."""
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` over many texts; subclasses override it where a batched path is faster."""
         return [self.encode(t) for t in texts]
@@ -110,6 +114,17 @@ class ByteTokenizer(Tokenizer):
         # A model can emit a byte sequence that is not valid UTF-8 (e.g. half a character); replace
         # it with U+FFFD rather than fail in the middle of an evaluation.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def decode_with_specials(self, ids: list[int]) -> str:
+        names = {self.bos_id: "<|bos|>", self.eos_id: "<|eos|>", self.pad_id: "<|pad|>"}
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out += [run.decode("utf-8", errors="replace"), names.get(i, f"<|{i}|>")]
+            run = bytearray()
+        return "".join(out) + run.decode("utf-8", errors="replace")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -230,6 +245,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_with_specials(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def save_hf_files(self, out_dir: Path, chat_template: str | None) -> list[str]:
         """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`, so that
