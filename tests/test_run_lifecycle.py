@@ -72,7 +72,7 @@ def test_second_resume_is_refused_while_the_first_runs_and_signals_exit_128_plus
     first.send_signal(signal.SIGINT)
     out, err = first.communicate(timeout=120)
     assert first.returncode == 130, out + err
-    assert f"SIGINT received: saved checkpoint" in out + err
+    assert "SIGINT received: saved checkpoint" in out + err
     assert f"continue with: tracetrain train --resume {finished}" in out + err
     steps = _step_lines(finished)
     assert steps == list(range(1, len(steps) + 1)), "every metric line once, in order"
