@@ -1,6 +1,7 @@
 """The training step and loop: accumulation, NaN guard, schedule, and the real CLI end to end."""
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -88,8 +89,11 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert lr_factor(50, lin, 100) == pytest.approx(0.5)
 
 
-def run_cli(*args: str, cwd=None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True, cwd=cwd)
+def run_cli(*args: str, cwd=None, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`tracetrain ARGS` in a fresh process; `env` adds to (not replaces) this process's environment."""
+    full_env = {**os.environ, **env} if env else None
+    proc = subprocess.run([sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"tracetrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
