@@ -71,26 +71,23 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int, cap_gib
     """Build model, optimizer and transforms exactly as `tracetrain train` does for `cfg`, then time
     `train_step` on random full-length rows (median over `steps` after `warmup`). Peak memory counts
     the steps only (the stats are reset after the build)."""
+    import dataclasses
     import gc
 
-    from tracetrain.memory import apply_activation_offload
-    from tracetrain.models.accounting import training_flops_per_token
-    from tracetrain.models.build import build_model
     from tracetrain.devices import peak_flops
-    from tracetrain.train.optim import build_optimizer
-    from tracetrain.train.step import StepContext, train_step
+    from tracetrain.models.accounting import training_flops_per_token
+    from tracetrain.train.assemble import assemble, step_context
+    from tracetrain.train.spec import resolve
+    from tracetrain.train.step import train_step
 
     device = torch.device("cuda")
-    precision = "fp16" if cfg.train.precision == "fp16" else "bf16"
-    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    model = build_model(cfg, device, base_dtype=torch.bfloat16 if cfg.train.mode == "lora" else None)
-    opt = build_optimizer(model, cfg.optim, device, cfg.memory)
-    offload = apply_activation_offload(model, cfg.memory.activation_offload,
-                                       fraction=cfg.memory.activation_offload_fraction)
+    spec = resolve(cfg, device)  # the trainer's path: same spec, same transform table, same step
+    precision = spec.precision
+    built = assemble(spec)
+    model, opt = built.module, built.optimizer
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    ctx = StepContext(device, dtype, 1.0, use_document_mask=False, fused_skip=bool(opt.defaults.get("fused")),
-                      scaler=scaler, activation_offload=offload,
-                      fused_ce_chunk=cfg.train.fused_ce_chunk if cfg.train.fused_ce else 0)
+    # The rows below are unpacked (one document each): no document mask, whatever data.pack says.
+    ctx = dataclasses.replace(step_context(built, scaler=scaler), use_document_mask=False)
     tokens = torch.randint(0, model.args.vocab_size, (batch, seq + 1))
     rows = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
             "position_ids": torch.arange(seq).expand(batch, -1).contiguous(),
@@ -134,7 +131,7 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int, cap_gib
               "cap_gib": cap_gib, "step_reserved_peak_gib": torch.cuda.max_memory_reserved() / 2**30}
     if hasattr(opt, "close"):
         opt.close()
-    del model, opt, micro, rows, offload
+    del model, opt, micro, rows, built
     gc.collect()
     torch.cuda.empty_cache()
     return result

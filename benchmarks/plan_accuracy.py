@@ -17,6 +17,7 @@ the time model misses. Prints a table; writes plan_accuracy_<gpu>.json (and a co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -32,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, median, time_steps, write_result  # noqa: E402
 
 from tracetrain.config import load_config  # noqa: E402
-from tracetrain.models.build import build_model  # noqa: E402
+from tracetrain.train.assemble import assemble, step_context  # noqa: E402
+from tracetrain.train.spec import resolve  # noqa: E402
 from tracetrain.plan import plan, plan_input_from_config  # noqa: E402
-from tracetrain.train.optim import build_optimizer  # noqa: E402
 from tracetrain.train.step import StepContext, train_step  # noqa: E402
 
 QKVO = '["q_proj","k_proj","v_proj","o_proj"]'
@@ -116,15 +117,6 @@ def missing_feature(overrides: list[str]) -> str | None:
     return None
 
 
-def ensure_recompute(model: torch.nn.Module, mode: str, every: int) -> None:
-    """Apply recomputation if build_model did not (the transform exists before the trainer wires it)."""
-    if mode == "none":
-        return
-    from tracetrain.memory.recompute import apply_recompute, is_recomputed
-    if not any(is_recomputed(b) for b in model.layers):
-        apply_recompute(model, mode, every)
-
-
 def make_batch(vocab: int, batch: int, seq: int) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, vocab, (batch, seq + 1))
     b = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
@@ -138,12 +130,10 @@ def run_case(name: str, overrides: list[str], warmup: int, steps: int, profile: 
     device = torch.device("cuda")
     inp = plan_input_from_config(cfg, 1, torch.cuda.get_device_name(0))
     predicted = plan(inp)
-    base_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "auto": torch.bfloat16}[cfg.lora.base_dtype]
-    model = build_model(cfg, device, base_dtype=base_dtype if cfg.train.mode == "lora" else None)
-    ensure_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)
-    opt = build_optimizer(model, cfg.optim, device)
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[cfg.train.precision]
-    ctx = StepContext(device, autocast, 1.0, use_document_mask=False, fused_skip=bool(opt.defaults.get("fused")))
+    built = assemble(resolve(cfg, device))  # the trainer's path: spec, transform table, optimizer
+    model, opt = built.module, built.optimizer
+    # make_batch's rows are unpacked (one document each): no document mask.
+    ctx = dataclasses.replace(step_context(built), use_document_mask=False)
     mbs = [make_batch(model.args.vocab_size, cfg.train.micro_batch_size, cfg.data.seq_len)
            for _ in range(cfg.train.grad_accum_steps)]
     torch.cuda.reset_peak_memory_stats()

@@ -12,9 +12,9 @@ One process, one table. Three parts, each optional:
    graphs compiled after warm-up (must be 0). `--peer` adds the HF (+PEFT) peers, `--peer-liger` with Liger.
 
 Variants combine `attention` (sdpa | flex), `kernels` (fused RMSNorm/RoPE/SwiGLU), `compile` (regional,
-per block) and `fused_ce` (chunked lm_head + cross-entropy). The fused-CE variants run train_step
-with `step.loss_sum` swapped for `fused_step_loss_sum` below, which is the integration proposed for
-step.py (docs/speed.md); nothing else in the step differs.
+per block) and `fused_ce` (chunked lm_head + cross-entropy). Each variant is assembled as `tracetrain
+train` assembles a run (train/spec.py, train/assemble.py): its switches are config keys, or spec fields
+changed with `RunSpec.replace` for the benchmark-only kernel subsets and the fused FP8 feed-forward.
 
   python3 benchmarks/speed.py --checks --attention --runs 7b-lora:packed:eager,7b-lora:packed:compile
   python3 benchmarks/speed.py --fp8     # the FP8 rows only (variants compile_fp8, compile_fp8_rowwise)
@@ -23,7 +23,7 @@ step.py (docs/speed.md); nothing else in the step differs.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -39,17 +39,13 @@ from common import environment, median, run_peer, write_result  # noqa: E402
 from speed_checks import (FUSED_CE_CHUNK, check_attention, check_kernels, free, packed_batch,  # noqa: E402
                           probe_addmm_out_dtype, unpacked_batch)
 
-import tracetrain.train.step as step_module  # noqa: E402
 from tracetrain.config import load_config  # noqa: E402
 from tracetrain.devices import peak_flops  # noqa: E402
-from tracetrain.kernels.apply import apply_compile, apply_fused_kernels, compiled_frame_count  # noqa: E402
-from tracetrain.kernels.fp8 import apply_fp8  # noqa: E402
-from tracetrain.kernels.fused_ce import fused_loss_sum  # noqa: E402
+from tracetrain.kernels.apply import compiled_frame_count  # noqa: E402
 from tracetrain.models.accounting import training_flops_per_token  # noqa: E402
-from tracetrain.models.attention import apply_attention  # noqa: E402
-from tracetrain.models.build import build_model  # noqa: E402
-from tracetrain.train.optim import build_optimizer  # noqa: E402
-from tracetrain.train.step import StepContext, autocast, train_step  # noqa: E402
+from tracetrain.train.assemble import assemble, step_context  # noqa: E402
+from tracetrain.train.spec import resolve  # noqa: E402
+from tracetrain.train.step import loss_sum, train_step  # noqa: E402
 
 CASES = {
     "7b-lora": dict(preset="llama2-7b", mode="lora", batch=4, seq=2048, peer=["--model", "llama2-7b", "--mode", "lora"]),
@@ -88,77 +84,57 @@ INDUCTOR_KNOBS = {"mk": {"triton.multi_kernel": 1}, "cdt": {"coordinate_descent_
 T0 = time.time()
 
 
-def fused_step_loss_sum(model, batch, ctx):
-    """Proposed `step.loss_sum` under `train.fused_ce`: same contract, no full logits."""
-    doc = batch["document_ids"] if ctx.use_document_mask else None
-    with autocast(ctx):
-        return fused_loss_sum(model, batch["input_ids"], batch["position_ids"], doc, batch["labels"],
-                              FUSED_CE_CHUNK)
-
-
-@contextlib.contextmanager
-def loss_fn(fused: bool):
-    saved = step_module.loss_sum
-    step_module.loss_sum = fused_step_loss_sum if fused else saved
-    try:
-        yield
-    finally:
-        step_module.loss_sum = saved
-
-
 # ---------------------------------------------------------------------------------------------- runs
 
 def build_variant(case: str, variant: str, lr: float):
-    """Model and optimizer as `tracetrain train` builds them, with the variant's transforms."""
+    """The run `tracetrain train` assembles for the case, with the variant's switches: the config where it
+    has them, the spec (`RunSpec.replace`) for the kernel subsets and the fused FP8 feed-forward, which
+    are benchmark-only choices. Returns (cfg, Assembly): model, optimizer and the step's context."""
     spec, var = CASES[case], VARIANTS[variant]
-    # build_model applies no speed transform of its own (its CUDA defaults would compile): the variant
-    # applies them below; FP8 is applied by build_model (after LoRA, before the variant's compile).
-    fused_mlp = var.get("fp8_fused_mlp", False)  # build_model applies the default FP8 transform (unfused)
     cfg = load_config(None, [f"--model.preset={spec['preset']}", f"--train.mode={spec['mode']}",
                              f"--data.seq_len={spec['seq']}", "--train.precision=bf16", f"--optim.lr={lr}",
-                             "--train.compile=off", "--train.fused_kernels=off",
-                             f"--train.fp8={'none' if fused_mlp else var.get('fp8', 'none')}"])
-    device = torch.device("cuda")
+                             f"--train.attention={var['attention']}",
+                             f"--train.compile={'on' if var['compile'] else 'off'}", "--train.fused_kernels=off",
+                             f"--train.fused_ce={'true' if var['fused_ce'] else 'false'}",
+                             f"--train.fused_ce_chunk={FUSED_CE_CHUNK}", f"--train.fp8={var.get('fp8', 'none')}"])
     torch._dynamo.reset()  # each variant compiles afresh (and Dynamo's recompile limit is per process)
-    model = build_model(cfg, device, base_dtype=torch.bfloat16 if spec["mode"] == "lora" else None)
-    if fused_mlp:  # as build_model would, with the fused feed-forward
-        apply_fp8(model, var["fp8"], fused_mlp=True)
-    # Transform order of build.py: LoRA (done) -> attention -> kernels -> FP8 (done) -> compile.
-    apply_attention(model, var["attention"])
-    if var["kernels"]:
-        apply_fused_kernels(model, var["kernels"])
-    if var["compile"]:
-        apply_compile(model)
-    return cfg, model, build_optimizer(model, cfg.optim, device)
+    run_spec = resolve(cfg, torch.device("cuda")).replace(
+        fused_kernels=tuple(var["kernels"]), fp8_fused_mlp=var.get("fp8_fused_mlp", False))
+    return cfg, assemble(run_spec)
+
+
+def variant_context(built, packed: bool):
+    """The step's context from the assembled run; `packed` rows carry a document mask, unpacked ones not."""
+    return dataclasses.replace(step_context(built), use_document_mask=packed)
 
 
 def bench_run(case: str, data: str, variant: str, warmup: int, steps: int, base_losses: dict,
               lr: float) -> dict:
     spec, var = CASES[case], VARIANTS[variant]
     device = torch.device("cuda")
-    cfg, model, opt = build_variant(case, variant, lr)
+    _, built = build_variant(case, variant, lr)
+    model, opt = built.module, built.optimizer
     vocab = model.args.vocab_size
     packed = data == "packed"
     batch = (packed_batch if packed else unpacked_batch)(spec["batch"], spec["seq"], vocab)
     batch = {k: v.pin_memory() for k, v in batch.items()}
-    ctx = StepContext(device, torch.bfloat16, 1.0, use_document_mask=packed, fused_skip=True)
+    ctx = variant_context(built, packed)
     free()
     torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
     t_warm = time.time()
-    with loss_fn(var["fused_ce"]):
-        for _ in range(warmup):
-            losses.append(train_step(model, opt, [batch], ctx).loss)
+    for _ in range(warmup):
+        losses.append(train_step(model, opt, [batch], ctx).loss)
+    torch.cuda.synchronize()
+    warm_s = time.time() - t_warm
+    frames_after_warmup = compiled_frame_count()
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses.append(train_step(model, opt, [batch], ctx).loss)
+        end.record()
         torch.cuda.synchronize()
-        warm_s = time.time() - t_warm
-        frames_after_warmup = compiled_frame_count()
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            losses.append(train_step(model, opt, [batch], ctx).loss)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3)
     losses = [float(x) for x in losses]
     mask_ms = None
     if packed:  # host time to build the attention mask of one batch (the step waits for it)
@@ -192,7 +168,7 @@ def bench_run(case: str, data: str, variant: str, warmup: int, steps: int, base_
            "max_loss_diff_vs_compile": max(abs(a - b) for a, b in zip(losses, bf16)) if bf16 else None,
            "graphs_compiled_after_warmup": compiled_frame_count() - frames_after_warmup,
            "graphs_compiled_total": compiled_frame_count()}
-    del model, opt, batch
+    del model, opt, batch, built
     free()
     return row
 
@@ -203,20 +179,20 @@ def grad_check(case: str, data: str, variants: list[str], lr: float) -> dict:
     spec = CASES[case]
     ref, out = None, {}
     for variant in variants:
-        _, model, opt = build_variant(case, variant, lr)
+        _, built = build_variant(case, variant, lr)
+        model, opt = built.module, built.optimizer
         vocab = model.args.vocab_size
         packed = data == "packed"
         batch = (packed_batch if packed else unpacked_batch)(spec["batch"], spec["seq"], vocab)
         batch = {k: v.to("cuda") for k, v in batch.items()}
-        ctx = StepContext(torch.device("cuda"), torch.bfloat16, 1.0, use_document_mask=packed, fused_skip=True)
+        ctx = variant_context(built, packed)
         if spec["mode"] == "lora":  # B = 0 at init makes A's gradient 0: give B a value, as after training
             with torch.no_grad():
                 g = torch.Generator(device="cuda").manual_seed(0)
                 for name, p in model.named_parameters():
                     if "lora_B" in name:
                         p.copy_(1e-3 * torch.randn(p.shape, generator=g, device="cuda"))
-        with loss_fn(VARIANTS[variant]["fused_ce"]):
-            loss = step_module.loss_sum(model, batch, ctx)
+        loss = loss_sum(model, batch, ctx)
         loss.backward()
         grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         if ref is None:
@@ -228,7 +204,7 @@ def grad_check(case: str, data: str, variants: list[str], lr: float) -> dict:
                                                   / torch.cat([ref[1][n].flatten() for n in grads]).norm()),
                         "worst": {n: rel[n] for n in worst}}
         print(f"grad check {case}:{data}:{variant}: {out[variant]}", flush=True)
-        del model, opt, grads, loss
+        del model, opt, grads, loss, built
         free()
     return out
 
@@ -239,17 +215,17 @@ def profile_run(case: str, data: str, variant: str, lr: float, out_dir: Path | N
     import shutil
     from torch.profiler import ProfilerActivity, profile
     spec = CASES[case]
-    _, model, opt = build_variant(case, variant, lr)
+    _, built = build_variant(case, variant, lr)
+    model, opt = built.module, built.optimizer
     packed = data == "packed"
     batch = (packed_batch if packed else unpacked_batch)(spec["batch"], spec["seq"], model.args.vocab_size)
-    ctx = StepContext(torch.device("cuda"), torch.bfloat16, 1.0, use_document_mask=packed, fused_skip=True)
-    with loss_fn(VARIANTS[variant]["fused_ce"]):
-        for _ in range(3):
-            train_step(model, opt, [batch], ctx)
+    ctx = variant_context(built, packed)
+    for _ in range(3):
+        train_step(model, opt, [batch], ctx)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        train_step(model, opt, [batch], ctx)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-            train_step(model, opt, [batch], ctx)
-            torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
     total = sum(getattr(e, "self_device_time_total", 0) for e in events) or 1
     top = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:25]
@@ -263,7 +239,7 @@ def profile_run(case: str, data: str, variant: str, lr: float, out_dir: Path | N
         prof.export_chrome_trace(str(trace))
         with open(trace, "rb") as src, gzip.open(out_dir / f"trace_{case}_{data}_{variant}.json.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
-    del model, opt
+    del model, opt, built
     free()
     return rows
 

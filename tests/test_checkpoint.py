@@ -13,7 +13,7 @@ import torch
 
 from tracetrain.config import load_config
 from tracetrain.errors import CheckpointError, ConfigError
-from tracetrain.models.build import build_model
+from tracetrain.train.assemble import build_model
 from tracetrain.train.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from tracetrain.train.optim import build_optimizer
 from tracetrain.train.resume import resolve_resume
@@ -81,7 +81,7 @@ _SAVER = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
     from tracetrain.config import load_config
-    from tracetrain.models.build import build_model
+    from tracetrain.train.assemble import build_model
     from tracetrain.train.checkpoint import TrainState, save_checkpoint
     from tracetrain.train.optim import build_optimizer
     cfg = load_config(None, ["--model.dim=256", "--model.ffn_dim=1024", "--model.n_layers=6",

@@ -26,7 +26,7 @@ import tracetrain.train.checkpoint as ckpt_mod
 from tracetrain.config import load_config, to_toml
 from tracetrain.errors import CheckpointError
 from tracetrain.inference import find_checkpoint, load_trained
-from tracetrain.models.build import build_model
+from tracetrain.train.assemble import build_model
 from tracetrain.parallel.checkpoint import load_sharded, save_sharded
 from tracetrain.parallel.testing import build_tiny, tiny_config
 from tracetrain.train.checkpoint import (TrainState, latest_checkpoint, list_checkpoints, load_checkpoint,

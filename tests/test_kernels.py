@@ -13,7 +13,7 @@ from torch.library import opcheck
 
 from tracetrain.kernels import rmsnorm, rope, swiglu
 from tracetrain.kernels.apply import apply_compile, apply_fused_kernels, compiled_frame_count, is_compiled
-from tracetrain.kernels.fused_ce import fused_linear_cross_entropy, fused_loss_sum
+from tracetrain.kernels.fused_ce import fused_linear_cross_entropy
 from tracetrain.kernels.lora import FusedLoRALinear
 from tracetrain.kernels.rmsnorm import FusedRMSNorm
 from tracetrain.kernels.swiglu import FusedFeedForward
@@ -156,13 +156,10 @@ def test_fused_linear_cross_entropy_frozen_head_and_no_grad():
 
 
 def _loss_and_grads(model, batch, fused: bool, autocast_dtype=None):
-    ctx = StepContext(torch.device("cpu"), autocast_dtype, 1.0, use_document_mask=True, fused_skip=False)
-    if fused:
-        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            loss = fused_loss_sum(model, batch["input_ids"], batch["position_ids"], batch["document_ids"],
-                                  batch["labels"], chunk_tokens=10)
-    else:
-        loss = loss_sum(model, batch, ctx)
+    # The training step's own loss: fused = its chunked lm_head + cross-entropy path (train.fused_ce).
+    ctx = StepContext(torch.device("cpu"), autocast_dtype, 1.0, use_document_mask=True, fused_skip=False,
+                      fused_ce_chunk=10 if fused else 0)
+    loss = loss_sum(model, batch, ctx)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -170,7 +167,7 @@ def _loss_and_grads(model, batch, fused: bool, autocast_dtype=None):
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_fused_loss_sum_equals_the_step_loss(mode):
+def test_fused_ce_step_loss_equals_the_plain_step_loss(mode):
     model, batch = _model(), _batch()
     if mode == "lora":
         apply_lora(model, rank=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"])
@@ -185,7 +182,7 @@ def test_fused_loss_sum_equals_the_step_loss(mode):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_fused_loss_sum_under_bf16_autocast_is_within_bf16_noise():
+def test_fused_ce_step_loss_under_bf16_autocast_is_within_bf16_noise():
     model, batch = _model(), _batch()
     ref_loss, ref_grads = _loss_and_grads(model, batch, fused=False, autocast_dtype=torch.bfloat16)
     loss, grads = _loss_and_grads(model, batch, fused=True, autocast_dtype=torch.bfloat16)

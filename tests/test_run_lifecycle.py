@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tracetrain.config import load_config
-from tracetrain.models.build import build_model
+from tracetrain.train.assemble import build_model
 from tracetrain.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from tracetrain.train.optim import build_optimizer
 from tracetrain.train.resume import check_data_unchanged, data_fingerprint

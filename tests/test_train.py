@@ -11,7 +11,7 @@ import torch
 
 from tracetrain.config import OptimSection, load_config
 from tracetrain.errors import TracetrainError
-from tracetrain.models.build import build_model
+from tracetrain.train.assemble import build_model
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.optim import build_optimizer, lr_factor
 from tracetrain.train.step import StepContext, train_step

@@ -16,11 +16,12 @@ import torch
 from tracetrain.config import Config, load_config
 from tracetrain.data import load_tokenizer
 from tracetrain.errors import CheckpointError
-from tracetrain.models.build import build_model
 from tracetrain.models.llama import Transformer
+from tracetrain.train.assemble import assemble
 from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
 from tracetrain.train.manifest import MANIFEST, STEP_DIR
-from tracetrain.train.runtime import resolve_device, resolve_precision
+from tracetrain.train.runtime import resolve_device
+from tracetrain.train.spec import resolve
 
 
 @dataclass
@@ -55,9 +56,11 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
     ckpt = find_checkpoint(path)
     cfg = load_config(ckpt / "config.toml", overrides)
     dev = resolve_device(device)
-    precision = resolve_precision(cfg.train.precision, dev)
-    base_dtype = torch.bfloat16 if (cfg.train.mode == "lora" and dev.type == "cuda") else None
-    model = build_model(cfg, dev, base_dtype=base_dtype)
+    # The training run's own spec on this device (lora.base_dtype honoured, as training did), and its
+    # model rows: weights, MoE, LoRA, attention, kernels, FP8, recompute, compile (no optimizer).
+    spec = resolve(cfg, dev)
+    precision = spec.precision
+    model = assemble(spec, until="compile").module
     if (ckpt / "dcp" / ".metadata").is_file():
         # Saved by several ranks (parallel/checkpoint.py): DCP gathers every shard into this single
         # process's full tensors, whatever layout wrote them (no process group needed).

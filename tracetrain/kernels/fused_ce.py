@@ -24,7 +24,6 @@ the float32 weight gradient (it is the parameter's gradient anyway).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tracetrain.kernels import triton_available
 
@@ -131,16 +130,3 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype)
     with torch.autocast(device_type, enabled=False):
         return _chunked(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype, False, False)[0]
-
-
-def fused_loss_sum(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   document_ids: torch.Tensor | None, labels: torch.Tensor,
-                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
-    """The step's summed loss through the fused head: `model.forward_hidden` + chunked lm_head/CE.
-
-    Same value as `cross_entropy(model(...).float(), labels, reduction="sum")`; call under the step's
-    autocast. `model` is a `Transformer` (possibly transformed: LoRA never adapts lm_head).
-    """
-    hidden = model.forward_hidden(input_ids, position_ids, document_ids)  # (batch, seq, dim)
-    return fused_linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, labels.flatten(),
-                                      chunk_tokens)

@@ -16,7 +16,6 @@ from typing import Literal
 
 from tracetrain.config import Config
 from tracetrain.devices import DEVICES, DeviceSpec
-from tracetrain.models.attention import FLEX_BLOCK_SIZE
 from tracetrain.models.llama import ModelArgs
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -226,23 +225,22 @@ class Hardware:
 
 
 def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = None) -> PlanInput:
-    """The `PlanInput` a `tracetrain train` run of `cfg` would be: 'auto' choices resolve as on a GPU
-    (bf16, bf16 LoRA base, fused AdamW, compile, FlexAttention for packed rows). With pp > 1 a pipeline
-    micro-batch is the step's rows per rank / pp_microbatches, as parallel/pipeline.py cuts them. The layout is the config's [parallel] section; when it names
-    a single GPU but `num_gpus` > 1, the extra GPUs are planned as FSDP (ZeRO-3) shards."""
-    from tracetrain.models.build import model_args_from_config
+    """The `PlanInput` a `tracetrain train` run of `cfg` would be, its `auto` choices decided by the trainer's
+    own rules (train/spec.py `resolve`) for a CUDA GPU: bf16, bf16 LoRA base, fused AdamW, compile,
+    FlexAttention for packed rows, fused cross-entropy without TP/PP. With pp > 1 a pipeline micro-batch
+    is the step's rows per rank / pp_microbatches, as parallel/pipeline.py cuts them. The layout is the
+    config's [parallel] section; when it names a single GPU but `num_gpus` > 1, the extra GPUs are
+    planned as FSDP (ZeRO-3) shards."""
+    import torch
+
     from tracetrain.models.lora import resolve_targets
+    from tracetrain.train.spec import resolve
 
     t, mem, par = cfg.train, cfg.memory, cfg.parallel
-    precision = "bf16" if t.precision == "auto" else t.precision
-    if t.fp8 != "none":  # FP8 GEMMs (kernels/fp8.py); everything else as bf16
-        precision = "fp8"
-    # 'auto' switches as models/build.py resolves them on CUDA: compile on, fused kernels only without
-    # compile, FlexAttention for packed rows.
-    compile_on = t.compile != "off"
-    fused_kernels = t.fused_kernels == "on" or (t.fused_kernels == "auto" and not compile_on)
-    attention = t.attention if t.attention != "auto" else \
-        ("flex" if cfg.data.pack and cfg.data.seq_len % FLEX_BLOCK_SIZE == 0 else "sdpa")
+    spec = resolve(cfg, torch.device("cuda"), probe=False)  # the GPU planned for, not this process's
+    precision = "fp8" if t.fp8 != "none" else spec.precision  # FP8 GEMMs (kernels/fp8.py); the rest bf16
+    base_dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[spec.lora_base_dtype] \
+        if spec.lora_base_dtype is not None else ("bf16" if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype)
     if gpu is None:
         gpu = _visible_gpu() or "h100-sxm"
     layout = {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp, "cp": par.cp}
@@ -262,15 +260,14 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
                              f"must split into parallel.pp_microbatches = {pp_micro} pipeline micro-batches")
         micro_batch, grad_accum = rows // pp_micro, pp_micro
     return PlanInput(
-        model=model_args_from_config(cfg), seq_len=cfg.data.seq_len, micro_batch=micro_batch,
+        model=spec.model_args, seq_len=cfg.data.seq_len, micro_batch=micro_batch,
         grad_accum=grad_accum, num_gpus=math.prod(layout.values()), gpu=gpu,
         precision=precision,  # type: ignore[arg-type]
         mode=t.mode,  # type: ignore[arg-type]
         lora_rank=cfg.lora.rank, lora_targets=tuple(resolve_targets(cfg.lora.targets)),
-        lora_base_dtype="bf16" if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype,  # type: ignore[arg-type]
-        fused_adamw=cfg.optim.fused != "off", compile=compile_on, fused_kernels=fused_kernels,
-        attention=attention,  # type: ignore[arg-type]
-        fused_ce_chunk=t.fused_ce_chunk if t.fused_ce else 0,
+        lora_base_dtype=base_dtype,  # type: ignore[arg-type]
+        fused_adamw=spec.optimizer_fused, compile=spec.compile, fused_kernels=bool(spec.fused_kernels),
+        attention=spec.attention, fused_ce_chunk=spec.fused_ce_chunk,
         peak_tflops=cfg.logging.peak_tflops or None,
         recompute=mem.recompute, recompute_every=mem.recompute_every,  # type: ignore[arg-type]
         activation_offload=mem.activation_offload, optimizer_offload=mem.optimizer_offload,  # type: ignore[arg-type]

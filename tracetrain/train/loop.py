@@ -29,7 +29,6 @@ from tracetrain.config import Config, to_toml
 from tracetrain.data import build_datasets, build_loader, check_vocab, load_tokenizer
 from tracetrain.devices import peak_flops
 from tracetrain.models.accounting import training_flops_per_token
-from tracetrain.models.build import build_model
 from tracetrain.profile.capture import ProfileCapture
 from tracetrain.errors import TracetrainError
 from tracetrain.train.checkpoint import (TrainState, latest_checkpoint, list_checkpoints, load_checkpoint,
@@ -38,12 +37,13 @@ from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.oom import configure_allocator, explain_oom, preflight
-from tracetrain.train.optim import build_optimizer, build_scheduler, note_resolved_steps, size_by_epochs
+from tracetrain.train.assemble import step_context
+from tracetrain.train.optim import build_scheduler, note_resolved_steps, size_by_epochs
 from tracetrain.train.resume import (ResumePoint, check_data_unchanged, check_steps_cover, claim_run_dir,
                                      data_fingerprint)
 from tracetrain.train.rundir import RunLock, atomic_write_text, discard_unstarted, lock_run_dir
-from tracetrain.train.runtime import refuse_with_parallel, resolve_device, resolve_precision
-from tracetrain.train.step import StepContext, train_step
+from tracetrain.train.runtime import refuse_with_parallel, resolve_device
+from tracetrain.train.step import train_step
 
 
 @dataclass
@@ -171,7 +171,6 @@ class _Run:
         self.metrics: MetricsLogger | None = None
         self.prof: ProfileCapture | None = None
         self._join_job(log_dir)
-        self.precision = resolve_precision(cfg.train.precision, self.device)
         configure_allocator(cfg.memory, self.device)
         torch.manual_seed(cfg.train.seed)
         self.config_toml = to_toml(cfg)
@@ -189,7 +188,7 @@ class _Run:
         from tracetrain.validate import validate_run
         cfg = self.cfg
         self.device = resolve_device(cfg.train.device)
-        args = model_args_from_config(cfg)
+        args = self.model_args = model_args_from_config(cfg)
         validate_parallel(cfg, args, tdist.env_world_size())  # before any rank waits
         validate_run(cfg, args)  # static checks of config vs model shape: before the run directory exists
         self.dist = tdist.init_distributed(cfg.parallel.timeout_s, self.device.type)
@@ -224,34 +223,31 @@ class _Run:
                                .format(**self.sizing))
 
     def _build_model_and_optimizer(self) -> None:
+        """Every `auto` decided once (the spec), then the model, its transforms and the optimizer from the
+        one ordered table (train/assemble.py)."""
+        from tracetrain.train.assemble import assemble
+        from tracetrain.train.spec import resolve
         cfg, device = self.cfg, self.device
-        is_lora = cfg.train.mode == "lora"
+        self.spec = resolve(cfg, device, self.dist.world_size, model_args=self.model_args)
+        self.precision = self.spec.precision
+        self.args = self.spec.model_args
+        check_vocab(self.tokenizer, self.args.vocab_size)  # before a large model is materialised
         # LoRA checkpoints hold only the adapters when the frozen base can be reloaded from its source;
         # a randomly initialised base (benchmarks, tests) is saved whole.
-        self.adapters_only = is_lora and bool(cfg.model.init_from)
-        with self.reporter.status(f"building model on {device}"):
-            model = build_model(cfg, device, base_dtype=_lora_base_dtype(cfg, device) if is_lora else None,
-                                distributed=self.dist.is_distributed)
-        self.args = model.args
-        check_vocab(self.tokenizer, self.args.vocab_size)
-        self.par = None
+        self.adapters_only = self.spec.adapters_only
+        mesh = None
         if self.dist.is_distributed:
-            from tracetrain.models.build import resolve_switch
-            from tracetrain.parallel.apply import parallelize
             from tracetrain.parallel.mesh import build_mesh
-            self.par = parallelize(model, build_mesh(cfg.parallel, device.type), cfg, device=device,
-                                   param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
-                                   compile=resolve_switch(cfg.train.compile, device))
-            model = self.par.module
-        self.model = model
-        self.optimizer = build_optimizer(self.model, cfg.optim, device, cfg.memory)
+            mesh = build_mesh(cfg.parallel, device.type)
+        with self.reporter.status(f"building model on {device}"):
+            self.assembly = assemble(self.spec, mesh)
+        self.par = self.assembly.par
+        self.model = self.assembly.module
+        self.optimizer = self.assembly.optimizer
+        self.offload = self.assembly.activation_offload
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
         self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16" else None
-        if cfg.memory.unified_memory != "none":
-            from tracetrain.memory.unified import apply_unified_memory
-            target = self.model if cfg.memory.unified_memory == "model" else self.optimizer
-            apply_unified_memory(target, cfg.memory.unified_memory, coherent_memory=cfg.memory.coherent_memory)
 
     def _build_instruments(self) -> None:
         cfg, device = self.cfg, self.device
@@ -265,9 +261,6 @@ class _Run:
             self.reporter.note(f"MFU not reported: {self.device_name!r} is not in the device table; "
                                "set logging.peak_tflops to its dense peak")
         self.peak = peak
-        from tracetrain.memory import apply_activation_offload
-        self.offload = apply_activation_offload(self.model, cfg.memory.activation_offload,
-                                                fraction=cfg.memory.activation_offload_fraction)
 
     def open_run_dir(self, run_dir: Path, resume: ResumePoint | None) -> None:
         """Write the run's files and start its instruments, once setup has passed every check."""
@@ -285,16 +278,7 @@ class _Run:
                                      cfg.logging.tensorboard and self.rank0, filename=name,
                                      skipped_steps=self.skipped_at_start)
         self.prof = ProfileCapture(cfg.profile, run_dir, device)
-        offload = self.offload
-        autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
-        self.ctx = StepContext(device=device, autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip,
-                               use_document_mask=cfg.data.pack,
-                               fused_skip=bool(self.optimizer.defaults.get("fused")), scaler=self.scaler,
-                               phase=self.prof.phase, activation_offload=offload,
-                               # Not under tp (the head's weight is vocab-sharded: loss parallelism
-                               # does that job) nor pp (the last stage computes the pipeline's loss).
-                               fused_ce_chunk=cfg.train.fused_ce_chunk if cfg.train.fused_ce and
-                               cfg.parallel.tp == 1 and cfg.parallel.pp == 1 else 0, par=self.par)
+        self.ctx = step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
 
     def restore(self, resume: ResumePoint) -> None:
         """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters.
@@ -465,13 +449,6 @@ class _Run:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP/TP parameters), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _lora_base_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    choice = cfg.lora.base_dtype
-    if choice == "auto":
-        choice = "bf16" if device.type == "cuda" else "fp32"
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
 
 
 def _throughput_summary(metrics: MetricsLogger, cfg: Config, steps: int) -> dict[str, Any]:

@@ -1,0 +1,296 @@
+"""`assemble(spec, mesh)`: the model, every transform and the optimizer, from one ordered table.
+
+`TRANSFORMS` is the only place a transform is applied. Each row says when it applies (a function of
+the frozen `RunSpec`), what it does, and why it sits where it does; `assemble` walks the rows in order.
+A new transform is a new row here: the model (models/llama.py), the loop (train/loop.py) and the step
+(train/step.py) do not change. The same path builds the trainer's run, inference's model (rows up to
+`compile`), the benchmarks' variants (a spec changed with `RunSpec.replace`) and the test layouts.
+
+The model is built on the meta device, materialised on the target device in its final dtype and
+initialised there (a 7B model never exists in fp32 on the CPU). With several ranks the layout rows cut,
+shard and wrap this rank's part(s) of it; the result's `par` (a `ParallelModel`) carries the hooks the
+training step calls (all of them no-ops on one process, where `par` is None).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracetrain.train.spec import RunSpec
+from tracetrain.train.step import StepContext
+
+
+@dataclass
+class Assembly:
+    """A run being assembled: what the rows read and write, and in the end the result.
+
+    `parts` are this rank's model parts: [model], or its pipeline stages once `pipeline_split` ran.
+    """
+
+    spec: RunSpec
+    mesh: Any = None                       # tracetrain.parallel.mesh.ParallelMesh with several ranks
+    model: nn.Module | None = None         # the plain model (weights .. fp8 act on it)
+    parts: list[nn.Module] = field(default_factory=list)
+    fsdp_units: list[Any] = field(default_factory=list)
+    pipeline: Any = None                   # tracetrain.parallel.pipeline.Pipeline (pp > 1)
+    optimizer: torch.optim.Optimizer | None = None
+    activation_offload: Any = None         # tracetrain.memory.ActivationOffload
+    par: Any = None                        # tracetrain.parallel.apply.ParallelModel (several ranks)
+    applied: list[str] = field(default_factory=list)  # names of the rows that ran, in order
+
+    @property
+    def module(self) -> nn.Module:
+        """The model as one module with plain-model parameter names (optimizer, state dicts, DCP)."""
+        if self.par is not None:
+            return self.par.module
+        assert self.model is not None
+        return self.model
+
+
+@dataclass(frozen=True)
+class Transform:
+    name: str
+    applies: Callable[[RunSpec], bool]
+    apply: Callable[[Assembly], None]
+    why: str
+
+
+def _blocks(part: nn.Module) -> types.SimpleNamespace:
+    # apply_recompute / apply_compile iterate `model.layers`; a pipeline stage keeps its blocks in a ModuleDict.
+    from tracetrain.parallel.data_parallel import model_blocks
+    return types.SimpleNamespace(layers=model_blocks(part))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The rows' apply functions, in table order
+
+def _weights(a: Assembly) -> None:
+    from tracetrain.models.build import materialize
+    s = a.spec
+    a.model = materialize(s.model_args, s.device, s.cfg.train.seed, s.weights_dtype)
+    if s.cfg.model.init_from:
+        from tracetrain.models.hf import load_hf_weights
+        load_hf_weights(a.model, s.cfg.model.init_from)
+    a.parts = [a.model]
+
+
+def _moe(a: Assembly) -> None:
+    from tracetrain.models.moe import apply_moe, set_aux_loss_weight
+    cfg = a.spec.cfg
+    apply_moe(a.model, cfg.model.num_experts, cfg.model.experts_top_k)
+    # The load-balancing term is the mean over every forward pass of a step: its micro-batches on
+    # every data- and context-parallel rank.
+    par = cfg.parallel
+    passes = cfg.train.grad_accum_steps * par.dp_replicate * par.dp_shard * par.cp
+    set_aux_loss_weight(a.model, cfg.model.moe_aux_loss_coef / passes)
+
+
+def _lora(a: Assembly) -> None:
+    from tracetrain.errors import ConfigError
+    from tracetrain.models.lora import apply_lora
+    lc = a.spec.cfg.lora
+    try:
+        apply_lora(a.model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
+                   base_dtype=a.spec.lora_base_dtype,
+                   adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32)
+    except ValueError as e:
+        raise ConfigError(f"config key 'lora.targets': {e}") from None
+
+
+def _attention(a: Assembly) -> None:
+    from tracetrain.models.attention import apply_attention
+    apply_attention(a.model, a.spec.attention)
+
+
+def _fused_kernels(a: Assembly) -> None:
+    from tracetrain.kernels.apply import apply_fused_kernels
+    apply_fused_kernels(a.model, a.spec.fused_kernels)  # type: ignore[arg-type]  # a plain Transformer here
+
+
+def _fp8(a: Assembly) -> None:
+    from tracetrain.kernels.fp8 import apply_fp8
+    apply_fp8(a.model, a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none' here
+
+
+def _pipeline_split(a: Assembly) -> None:
+    from tracetrain.parallel.pipeline import split_model
+    a.parts = list(split_model(a.model, a.mesh.local_rank("pp"), a.spec.cfg.parallel))  # type: ignore[arg-type]
+
+
+def _expert_parallel(a: Assembly) -> None:
+    from tracetrain.parallel.expert_parallel import apply_expert_parallel
+    for part in a.parts:
+        apply_expert_parallel(part, a.mesh["ep"])
+
+
+def _tensor_parallel(a: Assembly) -> None:
+    from tracetrain.parallel.tensor_parallel import apply_tensor_parallel
+    par = a.spec.cfg.parallel
+    for part in a.parts:
+        apply_tensor_parallel(part, a.mesh["tp"], sequence_parallel=par.sequence_parallel,
+                              loss_parallel=par.loss_parallel and getattr(part, "lm_head", None) is not None)
+
+
+def _context_parallel(a: Assembly) -> None:
+    from tracetrain.parallel.context_parallel import apply_context_parallel
+    cp = a.spec.cfg.parallel.cp
+    for part in a.parts:
+        apply_context_parallel(part, a.mesh.group("cp"), a.mesh.local_rank("cp"), cp)
+
+
+def _recompute(a: Assembly) -> None:
+    from tracetrain.memory.recompute import apply_recompute
+    mem = a.spec.cfg.memory
+    for part in a.parts:
+        apply_recompute(_blocks(part), mem.recompute, mem.recompute_every)  # type: ignore[arg-type]
+
+
+def _compile(a: Assembly) -> None:
+    from tracetrain.kernels.apply import apply_compile
+    for part in a.parts:
+        apply_compile(_blocks(part))  # type: ignore[arg-type]  # only `.layers` is read
+
+
+def _data_parallel(a: Assembly) -> None:
+    from tracetrain.parallel.data_parallel import apply_data_parallel
+    par = a.spec.cfg.parallel
+    for part in a.parts:
+        a.fsdp_units += apply_data_parallel(part, a.mesh, par, param_dtype=a.spec.fsdp_param_dtype,
+                                            experts_sharded=par.ep > 1)
+
+
+def _pipeline_schedule(a: Assembly) -> None:
+    from tracetrain.parallel.pipeline import build_pipeline, stage_ids_of_rank
+    from tracetrain.parallel.tensor_parallel import cross_entropy_sum
+    par = a.spec.cfg.parallel
+    a.pipeline = build_pipeline(a.parts, stage_ids_of_rank(a.mesh.local_rank("pp"), par), par, a.mesh.group("pp"),
+                                a.spec.device, cross_entropy_sum)
+
+
+def _layout(a: Assembly) -> None:
+    from tracetrain.parallel.apply import ParallelModel
+    from tracetrain.parallel.data_parallel import grad_sync_for
+    par = a.spec.cfg.parallel
+    a.par = ParallelModel(
+        parts=a.parts, mesh=a.mesh, grad_sync=grad_sync_for(a.fsdp_units, a.mesh, par) if a.fsdp_units else None,
+        pipeline=a.pipeline, loss_parallel=par.tp > 1 and par.loss_parallel)
+
+
+def _optimizer(a: Assembly) -> None:
+    from tracetrain.train.optim import build_optimizer
+    cfg = a.spec.cfg
+    a.optimizer = build_optimizer(a.module, cfg.optim, a.spec.device, cfg.memory)
+
+
+def _unified_memory(a: Assembly) -> None:
+    from tracetrain.memory.unified import apply_unified_memory
+    mem = a.spec.cfg.memory
+    target = a.module if mem.unified_memory == "model" else a.optimizer
+    assert target is not None
+    apply_unified_memory(target, mem.unified_memory, coherent_memory=mem.coherent_memory)  # type: ignore[arg-type]
+
+
+def _activation_offload(a: Assembly) -> None:
+    from tracetrain.memory import apply_activation_offload
+    mem = a.spec.cfg.memory
+    a.activation_offload = apply_activation_offload(a.module, mem.activation_offload,  # type: ignore[arg-type]
+                                                    fraction=mem.activation_offload_fraction)
+
+
+def _always(spec: RunSpec) -> bool:
+    return True
+
+
+def _parallel(axis: str) -> Callable[[RunSpec], bool]:
+    return lambda s: s.distributed and getattr(s.cfg.parallel, axis) > 1
+
+
+TRANSFORMS: tuple[Transform, ...] = (
+    Transform("weights", _always, _weights,
+              "first: materialised on the device in the final dtype (LoRA base, bf16 under optimizer offload), "
+              "then the checkpoint's weights; every row after sees the final tensors"),
+    Transform("moe", lambda s: s.cfg.model.num_experts > 0, _moe,
+              "replaces the dense MLPs before LoRA, so the adapters and every later row see the experts"),
+    Transform("lora", lambda s: s.cfg.train.mode == "lora", _lora,
+              "before any wrapping row (recompute, compile, sharding must see the final modules); freezes the base"),
+    Transform("attention", _always, _attention,
+              "after LoRA, before context parallelism (which replaces the core), recompute and compile"),
+    Transform("fused_kernels", lambda s: bool(s.fused_kernels), _fused_kernels,
+              "after LoRA (the lora kernel swaps existing adapters), before recompute and compile"),
+    Transform("fp8", lambda s: s.fp8 != "none", _fp8,
+              "after LoRA (frozen bases are quantised once, adapters stay); before TP, recompute and compile, "
+              "which must see the FP8 matmuls"),
+    Transform("pipeline_split", _parallel("pp"), _pipeline_split,
+              "first of the layout: every later row works per stage and touches only this rank's layers"),
+    Transform("expert_parallel", _parallel("ep"), _expert_parallel,
+              "re-shards the expert weights into DTensors; before FSDP, which shards whatever it finds"),
+    Transform("tensor_parallel", _parallel("tp"), _tensor_parallel,
+              "Linear weights become DTensors with layout hooks; before recompute and compile (they must "
+              "recompute / trace the collectives) and FSDP (which then shards the TP shards: 2-D)"),
+    Transform("context_parallel", _parallel("cp"), _context_parallel,
+              "changes what a block computes (ring attention core, sequence chunks): before recompute and compile"),
+    Transform("recompute", lambda s: s.cfg.memory.recompute != "none", _recompute,
+              "wraps whole blocks with their final contents (LoRA, kernels, FP8, TP, CP); before compile"),
+    Transform("compile", lambda s: s.compile, _compile,
+              "regional, per block: traces the final block, recomputation included; before FSDP, which "
+              "gathers parameters around the compiled blocks"),
+    Transform("data_parallel", lambda s: s.distributed, _data_parallel,
+              "outermost wrapper: FSDP2 / HSDP / replicate gathers parameters around the compiled, recomputed "
+              "blocks and reduces their gradients"),
+    Transform("pipeline_schedule", _parallel("pp"), _pipeline_schedule,
+              "wraps the finished stage modules in the schedule"),
+    Transform("layout", lambda s: s.distributed, _layout,
+              "the step's hooks of the finished layout (batch sharding, grad sync, loss and norm reductions)"),
+    Transform("optimizer", _always, _optimizer,
+              "after every row that swaps Parameter objects (LoRA adapters, DTensors): the optimizer, and the "
+              "offloaded optimizer's gradient hooks, hold the final ones"),
+    Transform("unified_memory", lambda s: s.cfg.memory.unified_memory != "none", _unified_memory,
+              "after the optimizer exists: its states (or the model's weights) move into managed memory"),
+    Transform("activation_offload", lambda s: s.cfg.memory.activation_offload != "none", _activation_offload,
+              "last: hooks the saved-tensor packing of the finished model; the step enters its context"),
+)
+
+
+def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None) -> Assembly:
+    """Apply every row of TRANSFORMS that applies to `spec`, in order; stop after row `until` if given.
+
+    `mesh` is the ParallelMesh of a multi-rank job (required when spec.world_size > 1). The model must be
+    identical on every rank before the layout rows (same seed or same checkpoint): `weights` sees to it.
+    """
+    if spec.distributed and mesh is None:
+        raise ValueError(f"a RunSpec for {spec.world_size} ranks needs their ParallelMesh")
+    names = [t.name for t in TRANSFORMS]
+    if until is not None and until not in names:
+        raise ValueError(f"no transform {until!r}; the rows are {', '.join(names)}")
+    a = Assembly(spec=spec, mesh=mesh)
+    for t in TRANSFORMS:
+        if t.applies(spec):
+            t.apply(a)
+            a.applied.append(t.name)
+        if t.name == until:
+            break
+    return a
+
+
+def step_context(a: Assembly, *, scaler: torch.amp.GradScaler | None = None,
+                 phase: Callable[[str], Any] | None = None) -> StepContext:
+    """The training step's fixed inputs, from the spec and what `assemble` built."""
+    s = a.spec
+    extra = {"phase": phase} if phase is not None else {}
+    return StepContext(device=s.device, autocast_dtype=s.autocast_dtype, grad_clip=s.cfg.train.grad_clip,
+                       use_document_mask=s.cfg.data.pack,
+                       fused_skip=bool(a.optimizer is not None and a.optimizer.defaults.get("fused")),
+                       scaler=scaler, activation_offload=a.activation_offload, fused_ce_chunk=s.fused_ce_chunk,
+                       par=a.par, **extra)
+
+
+def build_model(cfg: Any, device: torch.device) -> nn.Module:
+    """The single-process model of `cfg` on `device`: every model row up to `compile` (no optimizer)."""
+    from tracetrain.train.spec import resolve
+    return assemble(resolve(cfg, device), until="compile").module
