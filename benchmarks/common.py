@@ -76,7 +76,7 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int, cap_gib
 
     from tracetrain.devices import peak_flops
     from tracetrain.models.accounting import training_flops_per_token
-    from tracetrain.train.assemble import assemble, step_context
+    from tracetrain.train.assemble import assemble, run_step_context
     from tracetrain.train.spec import resolve
     from tracetrain.train.step import train_step
 
@@ -87,7 +87,7 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int, cap_gib
     model, opt = built.module, built.optimizer
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     # The rows below are unpacked (one document each): no document mask, whatever data.pack says.
-    ctx = dataclasses.replace(step_context(built, scaler=scaler), use_document_mask=False)
+    ctx = dataclasses.replace(run_step_context(built, scaler=scaler), use_document_mask=False)
     tokens = torch.randint(0, model.args.vocab_size, (batch, seq + 1))
     rows = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
             "position_ids": torch.arange(seq).expand(batch, -1).contiguous(),

@@ -87,8 +87,9 @@ def probe(a: argparse.Namespace, fp8: str, root: Path) -> dict:
     from tracetrain.data.loader import build_datasets, build_loader
     from tracetrain.data.tokenizer import load_tokenizer
     from tracetrain.kernels.fp8 import probe_amax
-    from tracetrain.train.assemble import build_model
-    from tracetrain.train.step import IGNORE_INDEX, StepContext, loss_sum, to_device
+    from tracetrain.train.assemble import assemble, step_context
+    from tracetrain.train.spec import resolve
+    from tracetrain.train.step import IGNORE_INDEX, loss_sum, to_device
 
     # Eager sdpa for the probe: eager FlexAttention would materialise every score matrix.
     overrides = [*run_args(a, fp8, root / "probe"), "--train.compile=off", "--train.attention=sdpa"]
@@ -96,9 +97,9 @@ def probe(a: argparse.Namespace, fp8: str, root: Path) -> dict:
     device = torch.device("cuda")
     ds, _, _ = build_datasets(cfg.data, load_tokenizer(cfg.data.tokenizer))
     batch = to_device(next(build_loader(ds, a.batch, cfg.data, seed=cfg.data.seed)), device)
-    model = build_model(cfg, device)
-    ctx = StepContext(device, torch.bfloat16, 1.0, use_document_mask=True, fused_skip=True,
-                      fused_ce_chunk=cfg.train.fused_ce_chunk)
+    spec = resolve(cfg, device)
+    model = assemble(spec, until="compile").module
+    ctx = step_context(spec)
     targets = int((batch["labels"] != IGNORE_INDEX).sum())
     rows = probe_amax(model, lambda: (loss_sum(model, batch, ctx) / targets).backward())
     by_kind: dict[str, list[dict]] = {}

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, median, time_steps, write_result  # noqa: E402
 
 from tracetrain.config import load_config  # noqa: E402
-from tracetrain.train.assemble import assemble, step_context  # noqa: E402
+from tracetrain.train.assemble import assemble, run_step_context  # noqa: E402
 from tracetrain.train.spec import resolve  # noqa: E402
 from tracetrain.plan import plan, plan_input_from_config  # noqa: E402
 from tracetrain.train.step import StepContext, train_step  # noqa: E402
@@ -133,7 +133,7 @@ def run_case(name: str, overrides: list[str], warmup: int, steps: int, profile: 
     built = assemble(resolve(cfg, device))  # the trainer's path: spec, transform table, optimizer
     model, opt = built.module, built.optimizer
     # make_batch's rows are unpacked (one document each): no document mask.
-    ctx = dataclasses.replace(step_context(built), use_document_mask=False)
+    ctx = dataclasses.replace(run_step_context(built), use_document_mask=False)
     mbs = [make_batch(model.args.vocab_size, cfg.train.micro_batch_size, cfg.data.seq_len)
            for _ in range(cfg.train.grad_accum_steps)]
     torch.cuda.reset_peak_memory_stats()

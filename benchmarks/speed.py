@@ -43,7 +43,7 @@ from tracetrain.config import load_config  # noqa: E402
 from tracetrain.devices import peak_flops  # noqa: E402
 from tracetrain.kernels.apply import compiled_frame_count  # noqa: E402
 from tracetrain.models.accounting import training_flops_per_token  # noqa: E402
-from tracetrain.train.assemble import assemble, step_context  # noqa: E402
+from tracetrain.train.assemble import assemble, run_step_context  # noqa: E402
 from tracetrain.train.spec import resolve  # noqa: E402
 from tracetrain.train.step import loss_sum, train_step  # noqa: E402
 
@@ -105,7 +105,7 @@ def build_variant(case: str, variant: str, lr: float):
 
 def variant_context(built, packed: bool):
     """The step's context from the assembled run; `packed` rows carry a document mask, unpacked ones not."""
-    return dataclasses.replace(step_context(built), use_document_mask=packed)
+    return dataclasses.replace(run_step_context(built), use_document_mask=packed)
 
 
 def bench_run(case: str, data: str, variant: str, warmup: int, steps: int, base_losses: dict,

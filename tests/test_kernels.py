@@ -13,7 +13,7 @@ from torch.library import opcheck
 
 from tracetrain.kernels import rmsnorm, rope, swiglu
 from tracetrain.kernels.apply import apply_compile, apply_fused_kernels, compiled_frame_count, is_compiled
-from tracetrain.kernels.fused_ce import fused_linear_cross_entropy
+from tracetrain.kernels.fused_ce import apply_fused_ce, fused_linear_cross_entropy
 from tracetrain.kernels.lora import FusedLoRALinear
 from tracetrain.kernels.rmsnorm import FusedRMSNorm
 from tracetrain.kernels.swiglu import FusedFeedForward
@@ -159,6 +159,8 @@ def _loss_and_grads(model, batch, fused: bool, autocast_dtype=None):
     # The training step's own loss: fused = its chunked lm_head + cross-entropy path (train.fused_ce).
     ctx = StepContext(torch.device("cpu"), autocast_dtype, 1.0, use_document_mask=True, fused_skip=False,
                       fused_ce_chunk=10 if fused else 0)
+    if fused:
+        apply_fused_ce(model, 10)
     loss = loss_sum(model, batch, ctx)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

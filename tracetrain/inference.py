@@ -21,7 +21,7 @@ from tracetrain.train.assemble import assemble
 from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
 from tracetrain.train.manifest import MANIFEST, STEP_DIR
 from tracetrain.train.runtime import resolve_device
-from tracetrain.train.spec import resolve
+from tracetrain.train.spec import RunSpec, resolve
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Loaded:
     checkpoint: Path
     device: torch.device
     precision: str
+    spec: RunSpec      # the run's spec on this device: `step_context(spec)` scores as training did
 
 
 def _is_checkpoint_folder(p: Path) -> bool:
@@ -71,4 +72,4 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
         adapters_only = cfg.train.mode == "lora" and bool(cfg.model.init_from)
         load_weights(ckpt / "model.safetensors", model, lora=adapters_only, config=ckpt / "config.toml")
     model.eval()
-    return Loaded(model, load_tokenizer(cfg.data.tokenizer, cfg.model.init_from), cfg, ckpt, dev, precision)
+    return Loaded(model, load_tokenizer(cfg.data.tokenizer, cfg.model.init_from), cfg, ckpt, dev, precision, spec)

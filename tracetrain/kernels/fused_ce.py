@@ -23,7 +23,10 @@ the float32 weight gradient (it is the parameter's gradient anyway).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import nn
 
 from tracetrain.kernels import triton_available
 
@@ -130,3 +133,11 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype)
     with torch.autocast(device_type, enabled=False):
         return _chunked(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype, False, False)[0]
+
+
+def apply_fused_ce(model: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    """Give `model` (a Transformer) the fused lm_head + cross-entropy: its forward with `labels` then
+    returns the summed loss, `chunk_tokens` rows of logits at a time. Parameters are untouched."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    model.fused_loss = functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk_tokens)

@@ -21,6 +21,8 @@ KV cache uses `attention.cached_attention` instead, whose kernel choice follows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -194,6 +196,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
         # (batch, seq) document ids -> the attention mask every block receives; built once per batch.
         self.mask_fn = document_causal_mask
+        # (hidden (tokens, dim), lm_head weight, labels (tokens,)) -> summed loss without full logits; set by
+        # the fused cross-entropy transform (kernels/fused_ce.py `apply_fused_ce`), None = logits only.
+        self.fused_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -249,15 +254,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: "KVCache | None" = None, *,
-                labels: torch.Tensor | None = None, ce_chunk: int = 0) -> torch.Tensor:
-        """Logits (batch, seq, vocab); or, with `labels` and `ce_chunk` > 0, the summed cross-entropy
-        through the chunked fused head (kernels/fused_ce.py), never materialising the full logits.
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab); or, with `labels`, the summed cross-entropy through the fused head
+        that `apply_fused_ce` attached (kernels/fused_ce.py), never materialising the full logits.
         The loss goes through `forward` (not `forward_hidden`) so that module hooks on the root (FSDP's
         lazy init, root unshard and stream bookkeeping) run exactly as for the logits path."""
         hidden = self.forward_hidden(tokens, position_ids, document_ids, cache)
-        if labels is not None and ce_chunk > 0:
-            from tracetrain.kernels.fused_ce import fused_linear_cross_entropy
-            return fused_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(), ce_chunk)
+        if labels is not None:
+            if self.fused_loss is None:
+                raise RuntimeError("forward(labels=...) needs the fused cross-entropy head: apply_fused_ce first")
+            return self.fused_loss(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten())
         return self.lm_head(hidden)
 
 

@@ -113,6 +113,11 @@ def _fused_kernels(a: Assembly) -> None:
     apply_fused_kernels(a.model, a.spec.fused_kernels)  # type: ignore[arg-type]  # a plain Transformer here
 
 
+def _fused_ce(a: Assembly) -> None:
+    from tracetrain.kernels.fused_ce import apply_fused_ce
+    apply_fused_ce(a.model, a.spec.fused_ce_chunk)  # type: ignore[arg-type]  # the plain model here
+
+
 def _fp8(a: Assembly) -> None:
     from tracetrain.kernels.fp8 import apply_fp8
     apply_fp8(a.model, a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none' here
@@ -223,6 +228,8 @@ TRANSFORMS: tuple[Transform, ...] = (
               "after LoRA, before context parallelism (which replaces the core), recompute and compile"),
     Transform("fused_kernels", lambda s: bool(s.fused_kernels), _fused_kernels,
               "after LoRA (the lora kernel swaps existing adapters), before recompute and compile"),
+    Transform("fused_ce", lambda s: s.fused_ce_chunk > 0, _fused_ce,
+              "the head's loss path (no full logits), on the root module: independent of the block rows"),
     Transform("fp8", lambda s: s.fp8 != "none", _fp8,
               "after LoRA (frozen bases are quantised once, adapters stay); before TP, recompute and compile, "
               "which must see the FP8 matmuls"),
@@ -278,16 +285,24 @@ def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None) -> As
     return a
 
 
-def step_context(a: Assembly, *, scaler: torch.amp.GradScaler | None = None,
+def step_context(spec: RunSpec, *, optimizer: torch.optim.Optimizer | None = None, par: Any = None,
+                 activation_offload: Any = None, scaler: torch.amp.GradScaler | None = None,
                  phase: Callable[[str], Any] | None = None) -> StepContext:
-    """The training step's fixed inputs, from the spec and what `assemble` built."""
-    s = a.spec
+    """The training step's fixed inputs, from the spec and what `assemble` built (for evaluation
+    alone: no optimizer). The one place a StepContext is made."""
     extra = {"phase": phase} if phase is not None else {}
-    return StepContext(device=s.device, autocast_dtype=s.autocast_dtype, grad_clip=s.cfg.train.grad_clip,
-                       use_document_mask=s.cfg.data.pack,
-                       fused_skip=bool(a.optimizer is not None and a.optimizer.defaults.get("fused")),
-                       scaler=scaler, activation_offload=a.activation_offload, fused_ce_chunk=s.fused_ce_chunk,
-                       par=a.par, **extra)
+    return StepContext(device=spec.device, autocast_dtype=spec.autocast_dtype, grad_clip=spec.cfg.train.grad_clip,
+                       use_document_mask=spec.cfg.data.pack,
+                       fused_skip=bool(optimizer is not None and optimizer.defaults.get("fused")),
+                       scaler=scaler, activation_offload=activation_offload, fused_ce_chunk=spec.fused_ce_chunk,
+                       par=par, **extra)
+
+
+def run_step_context(a: Assembly, *, scaler: torch.amp.GradScaler | None = None,
+                     phase: Callable[[str], Any] | None = None) -> StepContext:
+    """`step_context` of an assembled run: its optimizer, layout and activation offload."""
+    return step_context(a.spec, optimizer=a.optimizer, par=a.par, activation_offload=a.activation_offload,
+                        scaler=scaler, phase=phase)
 
 
 def build_model(cfg: Any, device: torch.device) -> nn.Module:

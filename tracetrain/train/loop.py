@@ -37,7 +37,7 @@ from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.oom import configure_allocator, explain_oom, preflight
-from tracetrain.train.assemble import step_context
+from tracetrain.train.assemble import run_step_context
 from tracetrain.train.optim import build_scheduler, note_resolved_steps, size_by_epochs
 from tracetrain.train.resume import (ResumePoint, check_data_unchanged, check_steps_cover, claim_run_dir,
                                      data_fingerprint)
@@ -278,7 +278,7 @@ class _Run:
                                      cfg.logging.tensorboard and self.rank0, filename=name,
                                      skipped_steps=self.skipped_at_start)
         self.prof = ProfileCapture(cfg.profile, run_dir, device)
-        self.ctx = step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
+        self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
 
     def restore(self, resume: ResumePoint) -> None:
         """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters.

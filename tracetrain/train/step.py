@@ -30,7 +30,7 @@ class StepContext:
     fused_skip: bool                     # optimizer honours `found_inf` on the device (fused AdamW)
     scaler: torch.amp.GradScaler | None = None   # fp16 only: dynamic loss scaling
     activation_offload: Any = None       # tracetrain.memory.ActivationOffload: saved activations -> host
-    fused_ce_chunk: int = 0              # > 0: chunked fused lm_head + cross-entropy (no full logits)
+    fused_ce_chunk: int = 0              # > 0: the model's fused lm_head + cross-entropy (apply_fused_ce)
     par: Any = None                      # tracetrain.parallel.ParallelModel when the job has several ranks
     # Named ranges for the profiler / NVTX (tracetrain/forward, ...); a no-op unless profiling.
     phase: Callable[[str], contextlib.AbstractContextManager] = field(
@@ -66,8 +66,7 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
         # Through the model's forward, so FSDP's root hooks run; the activation offload's hooks only
         # touch tensors saved inside transformer blocks, so covering the head as well changes nothing.
         with autocast(ctx), offload:
-            return model(batch["input_ids"], batch["position_ids"], doc, labels=batch["labels"],
-                         ce_chunk=ctx.fused_ce_chunk)
+            return model(batch["input_ids"], batch["position_ids"], doc, labels=batch["labels"])
     with autocast(ctx), offload:
         logits = model(batch["input_ids"], batch["position_ids"], doc)  # (batch, seq, vocab)
     if ctx.par is not None:  # vocabulary-sharded logits under tensor parallelism
