@@ -51,6 +51,24 @@ class TrainResult:
     run_dir: Path
     summary: dict[str, Any]
     signum: int | None = None  # the SIGINT/SIGTERM that stopped the run early (checkpoint saved); None: finished
+    model: torch.nn.Module | None = None  # the trained model (this rank's part under several ranks)
+    tokenizer: Any = None                 # the tokenizer the run trained with
+
+
+class Callbacks:
+    """User hooks, each optional on each object: `on_step(step, metrics)` every `logging.log_interval`
+    steps with the latest step's metrics (read at the interval's one host sync), `on_eval(step, metrics)`
+    after each held-out evaluation (and the final one), `on_save(step, path)` after each checkpoint.
+    Rank 0 only. An exception in a callback stops the run like any error (the latest checkpoint stays)."""
+
+    def __init__(self, callbacks: Any = ()) -> None:
+        self.callbacks = list(callbacks)
+
+    def __call__(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(*args)
 
 
 class _StopFlag:
@@ -88,7 +106,7 @@ class _StopFlag:
 
 
 def train(cfg: Config, run_dir: Path | None = None, *, resume: ResumePoint | None = None,
-          reporter: Reporter | None = None) -> TrainResult:
+          reporter: Reporter | None = None, callbacks: Any = ()) -> TrainResult:
     """Train as `cfg` says and leave a complete run directory.
 
     The directory is `resume.run_dir` when resuming, else `run_dir` if given (made by `prepare_run_dir`),
@@ -102,6 +120,7 @@ def train(cfg: Config, run_dir: Path | None = None, *, resume: ResumePoint | Non
     run: _Run | None = None
     try:
         run = _Run(cfg, reporter, lock.path if lock else None)
+        run.callbacks = Callbacks(callbacks if run.rank0 else ())
         if lock is None:  # validate-then-create: every check above passed
             lock = claim_run_dir(run.cfg)
         if resume is not None:
@@ -157,7 +176,8 @@ def _train(run: _Run) -> TrainResult:
             summary = run.finish(interrupted_at, stop.name)
         tdist.shutdown(run.watchdog)
         return TrainResult(run_dir=run.run_dir, summary=summary,
-                           signum=stop.signum if interrupted_at is not None else None)
+                           signum=stop.signum if interrupted_at is not None else None,
+                           model=run.model, tokenizer=run.tokenizer)
     finally:
         stop.restore()
 
@@ -170,6 +190,7 @@ class _Run:
         self.cfg, self.reporter = cfg, reporter
         self.metrics: MetricsLogger | None = None
         self.prof: ProfileCapture | None = None
+        self.callbacks = Callbacks()
         self._join_job(log_dir)
         configure_allocator(cfg.memory, self.device)
         torch.manual_seed(cfg.train.seed)
@@ -315,6 +336,11 @@ class _Run:
         preflight(self.cfg, self.device, self.reporter.note)
 
     def checkpoint(self, step: int) -> Path:
+        path = self._save(step)
+        self.callbacks("on_save", step, path)
+        return path
+
+    def _save(self, step: int) -> Path:
         self._refuse_non_finite_weights(step)
         counters = {"skipped_steps": self.metrics.skipped_steps,
                     "scaler": self.scaler.state_dict() if self.scaler else {}}
@@ -374,7 +400,10 @@ class _Run:
                 self.one_step(self.step)
                 done = self.done
                 if done % cfg.logging.log_interval == 0 or done == total or stop.signum:
-                    bar.update(done, self.metrics.flush())  # the interval's one host sync
+                    row = self.metrics.flush()  # the interval's one host sync
+                    bar.update(done, row)
+                    if row is not None:
+                        self.callbacks("on_step", done, dict(row))
                 if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < total:
                     self.evaluate(done)
                 if stop.signum:
@@ -395,6 +424,7 @@ class _Run:
             values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx)
         self.metrics.log_eval(done, values)
         self.reporter.eval_line(done, values)
+        self.callbacks("on_eval", done, dict(values))
         self.metrics.restart_window()
 
     def finish(self, interrupted_at: Path | None, signal_name: str | None) -> dict[str, Any]:
@@ -407,6 +437,8 @@ class _Run:
             summary = {"interrupted": True, "signal": signal_name, "step": done, "checkpoint": str(interrupted_at)}
         else:
             summary = self._final_evaluation()
+            if summary:
+                self.callbacks("on_eval", done, dict(summary))
             summary.update(_throughput_summary(self.metrics, self.cfg, done))
             if self.cfg.checkpoint.save_final:
                 summary["checkpoint"] = str(self.checkpoint(self.cfg.train.steps))

@@ -1,0 +1,101 @@
+"""The Python API: what `tracetrain train` does, as a call.
+
+    import tracetrain
+
+    rows = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}, ...]
+    result = tracetrain.train("configs/chat-lora.toml", data=rows, overrides=["--train.steps=50"],
+                              callbacks=[PrintLoss()])
+    result.model, result.tokenizer, result.run_dir, result.summary
+
+A config is a TOML path, a `Config` (frozen; change it with `cfg.replace({"optim.lr": 1e-4})`), or a
+dict in the TOML layout; whichever it is, it is validated exactly as the command line validates it.
+`data` / `eval_data` are rows in the shape `data.kind` reads from a file (chat: `messages` or ShareGPT
+`conversations`; instruction: the instruction/context/response fields; text: the text field). They are
+written once to `<train.output_dir>/datasets/<kind>-<sha256>.jsonl` (named by their content, never
+overwritten) and the run's config points at that file, so the run can be resumed and reproduced from
+its own config.toml like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tracetrain.config import Config, _read_toml, from_dict, parse_override, to_dict
+from tracetrain.errors import ConfigError
+from tracetrain.train.loop import TrainResult
+
+
+def train(config: Config | str | Path | Mapping[str, Any] | None = None, *,
+          data: Iterable[Mapping[str, Any]] | None = None, eval_data: Iterable[Mapping[str, Any]] | None = None,
+          callbacks: Sequence[Any] = (), overrides: Sequence[str] = (), run_name: str | None = None) -> TrainResult:
+    """Train as `tracetrain train` would and return the result with the trained model.
+
+    `callbacks`: objects with any of `on_step(step, metrics)`, `on_eval(step, metrics)`,
+    `on_save(step, path)` (see `tracetrain.train.loop.Callbacks`). `overrides`: dotted command-line style
+    overrides (`--optim.lr=1e-4`) applied on top of `config`. Errors in the config or the rows raise
+    `tracetrain.errors.ConfigError` naming the key or row.
+    """
+    from tracetrain.train.loop import train as run_training
+
+    raw, where = _raw(config, list(overrides) + ([f"--train.run_name={run_name}"] if run_name else []))
+    defaults = Config()
+    kind = raw.get("data", {}).get("kind", defaults.data.kind)
+    for key, rows in (("data.path", data), ("data.eval_path", eval_data)):
+        if rows is None:
+            continue
+        if kind == "synthetic":
+            raise ConfigError(f"{key.split('.')[1]} rows were given but config key 'data.kind' is 'synthetic'; "
+                              "set it to 'chat', 'instruction' or 'text'")
+        folder = Path(raw.get("train", {}).get("output_dir", defaults.train.output_dir)) / "datasets"
+        raw.setdefault("data", {})[key.split(".")[1]] = str(write_rows(rows, folder, kind, key))
+    # Validated whatever its origin: a Config built or changed in Python gets the command line's checks.
+    return run_training(from_dict(raw, where), callbacks=callbacks)
+
+
+def _raw(config: Config | str | Path | Mapping[str, Any] | None,
+         overrides: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
+    """The config as nested dicts (TOML layout) with the overrides applied, not yet validated."""
+    where = ""
+    if config is None:
+        raw: dict[str, dict[str, Any]] = {}
+    elif isinstance(config, (str, Path)):
+        where = f"{config}: "
+        raw = _read_toml(Path(config))
+    elif isinstance(config, Config):
+        raw = {name: {k: v for k, v in values.items() if v is not None} for name, values in to_dict(config).items()}
+    else:
+        raw = {k: dict(v) for k, v in config.items()}
+    for arg in overrides:
+        key, value = parse_override(arg)
+        section, name = key.split(".", 1)
+        raw.setdefault(section, {})[name] = value
+    return raw, where
+
+
+def write_rows(rows: Iterable[Mapping[str, Any]], folder: Path, kind: str, key: str) -> Path:
+    """The rows as JSONL in `folder`, named by kind and content (written atomically, once)."""
+    lines = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ConfigError(f"{key}: row {i} is a {type(row).__name__}, not a dict of fields")
+        try:
+            lines.append(json.dumps(dict(row), ensure_ascii=False, sort_keys=True))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{key}: row {i} cannot be written as JSON ({e})") from None
+    if not lines:
+        raise ConfigError(f"{key}: no rows were given")
+    text = "\n".join(lines) + "\n"
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    path = folder / f"{kind}-{digest}.jsonl"
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
