@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from tracetrain.config import Config, load_config
 from tracetrain.data import load_tokenizer
 from tracetrain.errors import CheckpointError
-from tracetrain.models.llama import Transformer
 from tracetrain.train.assemble import assemble
 from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
 from tracetrain.train.manifest import MANIFEST, STEP_DIR
@@ -26,7 +26,7 @@ from tracetrain.train.spec import RunSpec, resolve
 
 @dataclass
 class Loaded:
-    model: Transformer
+    model: nn.Module   # a Transformer, with the run's model transforms applied
     tokenizer: Any
     cfg: Config
     checkpoint: Path

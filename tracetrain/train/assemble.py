@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracetrain.models.llama import Transformer
 from tracetrain.train.spec import RunSpec
 from tracetrain.train.step import StepContext
 
@@ -43,6 +44,11 @@ class Assembly:
     activation_offload: Any = None         # tracetrain.memory.ActivationOffload
     par: Any = None                        # tracetrain.parallel.apply.ParallelModel (several ranks)
     applied: list[str] = field(default_factory=list)  # names of the rows that ran, in order
+
+    def plain(self) -> Transformer:
+        """The plain model, for the rows before the layout."""
+        assert isinstance(self.model, Transformer), "the weights row builds the model first"
+        return self.model
 
     @property
     def module(self) -> nn.Module:
@@ -76,19 +82,19 @@ def _weights(a: Assembly) -> None:
     a.model = materialize(s.model_args, s.device, s.cfg.train.seed, s.weights_dtype)
     if s.cfg.model.init_from:
         from tracetrain.models.hf import load_hf_weights
-        load_hf_weights(a.model, s.cfg.model.init_from)
-    a.parts = [a.model]
+        load_hf_weights(a.plain(), s.cfg.model.init_from)
+    a.parts = [a.plain()]
 
 
 def _moe(a: Assembly) -> None:
     from tracetrain.models.moe import apply_moe, set_aux_loss_weight
     cfg = a.spec.cfg
-    apply_moe(a.model, cfg.model.num_experts, cfg.model.experts_top_k)
+    apply_moe(a.plain(), cfg.model.num_experts, cfg.model.experts_top_k)
     # The load-balancing term is the mean over every forward pass of a step: its micro-batches on
     # every data- and context-parallel rank.
     par = cfg.parallel
     passes = cfg.train.grad_accum_steps * par.dp_replicate * par.dp_shard * par.cp
-    set_aux_loss_weight(a.model, cfg.model.moe_aux_loss_coef / passes)
+    set_aux_loss_weight(a.plain(), cfg.model.moe_aux_loss_coef / passes)
 
 
 def _lora(a: Assembly) -> None:
@@ -96,7 +102,7 @@ def _lora(a: Assembly) -> None:
     from tracetrain.models.lora import apply_lora
     lc = a.spec.cfg.lora
     try:
-        apply_lora(a.model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
+        apply_lora(a.plain(), rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
                    base_dtype=a.spec.lora_base_dtype,
                    adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32)
     except ValueError as e:
@@ -105,27 +111,27 @@ def _lora(a: Assembly) -> None:
 
 def _attention(a: Assembly) -> None:
     from tracetrain.models.attention import apply_attention
-    apply_attention(a.model, a.spec.attention)
+    apply_attention(a.plain(), a.spec.attention)
 
 
 def _fused_kernels(a: Assembly) -> None:
     from tracetrain.kernels.apply import apply_fused_kernels
-    apply_fused_kernels(a.model, a.spec.fused_kernels)  # type: ignore[arg-type]  # a plain Transformer here
+    apply_fused_kernels(a.plain(), a.spec.fused_kernels)
 
 
 def _fused_ce(a: Assembly) -> None:
     from tracetrain.kernels.fused_ce import apply_fused_ce
-    apply_fused_ce(a.model, a.spec.fused_ce_chunk)  # type: ignore[arg-type]  # the plain model here
+    apply_fused_ce(a.plain(), a.spec.fused_ce_chunk)
 
 
 def _fp8(a: Assembly) -> None:
     from tracetrain.kernels.fp8 import apply_fp8
-    apply_fp8(a.model, a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none' here
+    apply_fp8(a.plain(), a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none' here
 
 
 def _pipeline_split(a: Assembly) -> None:
     from tracetrain.parallel.pipeline import split_model
-    a.parts = list(split_model(a.model, a.mesh.local_rank("pp"), a.spec.cfg.parallel))  # type: ignore[arg-type]
+    a.parts = list(split_model(a.plain(), a.mesh.local_rank("pp"), a.spec.cfg.parallel))
 
 
 def _expert_parallel(a: Assembly) -> None:

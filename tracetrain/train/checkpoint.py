@@ -41,7 +41,7 @@ class TrainState:
     step: int
     scheduler: dict[str, Any]
     loader: dict[str, Any]
-    counters: dict[str, int]
+    counters: dict[str, Any]  # skipped_steps: int; scaler: the GradScaler's state dict under fp16
     data_fingerprint: str = ""  # identifies the training data the run was started on ("" before it existed)
 
 

@@ -54,7 +54,7 @@ def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str,
 
 
 def final_evaluation(model: nn.Module, tokenizer: Any, eval_ds: Any, cfg: Config, ctx: StepContext,
-                     run_dir: Path, reporter: Any) -> dict[str, Any]:
+                     run_dir: Path | None, reporter: Any) -> dict[str, Any]:
     with reporter.status("final evaluation"):
         result: dict[str, Any] = dict(run_eval(model, eval_ds, cfg, ctx))
         result.update(exact_match_eval(model, tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, run_dir))

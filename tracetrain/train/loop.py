@@ -28,19 +28,32 @@ from rich.console import Console
 from tracetrain.config import Config, to_toml
 from tracetrain.data import build_datasets, build_loader, check_vocab, load_tokenizer
 from tracetrain.devices import peak_flops
+from tracetrain.errors import TracetrainError
 from tracetrain.models.accounting import training_flops_per_token
 from tracetrain.profile.capture import ProfileCapture
-from tracetrain.errors import TracetrainError
-from tracetrain.train.checkpoint import (TrainState, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                         save_checkpoint, set_rng_state, train_state_from_dict, trainer_state_dict)
+from tracetrain.train.assemble import run_step_context
+from tracetrain.train.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+    train_state_from_dict,
+    trainer_state_dict,
+)
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.oom import configure_allocator, explain_oom, preflight
-from tracetrain.train.assemble import run_step_context
 from tracetrain.train.optim import build_scheduler, note_resolved_steps, size_by_epochs
-from tracetrain.train.resume import (ResumePoint, check_data_unchanged, check_steps_cover, claim_run_dir,
-                                     data_fingerprint)
+from tracetrain.train.resume import (
+    ResumePoint,
+    check_data_unchanged,
+    check_steps_cover,
+    claim_run_dir,
+    data_fingerprint,
+)
 from tracetrain.train.rundir import RunLock, atomic_write_text, discard_unstarted, lock_run_dir
 from tracetrain.train.runtime import refuse_with_parallel, resolve_device
 from tracetrain.train.step import train_step
@@ -188,8 +201,9 @@ class _Run:
 
     def __init__(self, cfg: Config, reporter: Reporter, log_dir: Path | None) -> None:
         self.cfg, self.reporter = cfg, reporter
-        self.metrics: MetricsLogger | None = None
-        self.prof: ProfileCapture | None = None
+        # Started by open_run_dir, once every setup check has passed (close() tolerates their absence).
+        self.metrics: MetricsLogger
+        self.prof: ProfileCapture
         self.callbacks = Callbacks()
         self._join_job(log_dir)
         configure_allocator(cfg.memory, self.device)
@@ -221,7 +235,8 @@ class _Run:
             tdist.setup_rank_logging(log_dir, self.dist.rank)
             self.watchdog = tdist.Watchdog(self.dist.rank, cfg.parallel.timeout_s).start()
             if not self.rank0:  # one console and one set of files per job: rank 0's
-                self.reporter = Reporter(False, Console(file=open(os.devnull, "w")))
+                # Lives as long as the process (the reporter is used until exit): no context manager.
+                self.reporter = Reporter(False, Console(file=open(os.devnull, "w")))  # noqa: SIM115
         par = cfg.parallel
         self.dp = par.dp_replicate * par.dp_shard  # ranks that read different rows of each micro-batch
 
@@ -239,7 +254,9 @@ class _Run:
         self.sizing: dict[str, Any] = {}  # train.epochs: the step count is known only now that the rows exist
         if cfg.train.epochs:
             self.cfg, self.sizing = size_by_epochs(cfg, self.loader.batches_per_epoch)
-            self.config_toml = note_resolved_steps(self.config_toml, **self.sizing)  # written by open_run_dir
+            self.config_toml = note_resolved_steps(  # written by open_run_dir
+                self.config_toml, steps=int(self.sizing["steps"]), epochs=float(self.sizing["epochs"]),
+                batches_per_epoch=int(self.sizing["batches_per_epoch"]))
             self.reporter.note("train.epochs = {epochs}: {batches_per_epoch} batches per epoch -> {steps} steps"
                                .format(**self.sizing))
 
@@ -264,7 +281,8 @@ class _Run:
             self.assembly = assemble(self.spec, mesh)
         self.par = self.assembly.par
         self.model = self.assembly.module
-        self.optimizer = self.assembly.optimizer
+        assert self.assembly.optimizer is not None  # the table's optimizer row always applies
+        self.optimizer: torch.optim.Optimizer = self.assembly.optimizer
         self.offload = self.assembly.activation_offload
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
@@ -325,9 +343,9 @@ class _Run:
         self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
 
     def close(self) -> None:
-        if self.metrics is not None:
+        if hasattr(self, "metrics"):
             self.metrics.close()
-        if self.prof is not None:
+        if hasattr(self, "prof"):
             self.prof.finish(lambda _: None)  # stops a profiler left running by an exception
 
     def announce(self) -> None:
@@ -378,7 +396,7 @@ class _Run:
         with self.prof.phase("data_wait"):
             micro_batches = [next(self.loader) for _ in range(cfg.train.grad_accum_steps)]
         data_wait_s = time.perf_counter() - t0
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         out = train_step(self.model, self.optimizer, micro_batches, self.ctx)
         self.scheduler.step()
         self.prof.step_end(step)
@@ -396,8 +414,9 @@ class _Run:
         self.model.train()
         with self.reporter.progress(total, self.start_step) as bar:
             self.metrics.restart_window()
-            for self.step in range(self.start_step, total):
-                self.one_step(self.step)
+            for step in range(self.start_step, total):
+                self.step = step  # the OOM explanation names the step that ran out
+                self.one_step(step)
                 done = self.done
                 if done % cfg.logging.log_interval == 0 or done == total or stop.signum:
                     row = self.metrics.flush()  # the interval's one host sync

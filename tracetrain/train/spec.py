@@ -107,10 +107,9 @@ def resolve(cfg: Config, device: torch.device, world_size: int = 1, model_args: 
     no capability query).
     """
     from tracetrain.kernels.apply import FUSED_KERNELS
+    from tracetrain.kernels.fp8 import check_fp8_device
     from tracetrain.models.attention import resolve_attention
     from tracetrain.models.build import model_args_from_config
-
-    from tracetrain.kernels.fp8 import check_fp8_device
     args = model_args if model_args is not None else model_args_from_config(cfg)
     t = cfg.train
     if probe:
