@@ -178,12 +178,11 @@ def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(a.config, ["--profile.enabled=true", *overrides])
     if not a.full_run:
-        cfg.train.steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
-        cfg.train.epochs = 0  # the window decides the length, not the data
-        # The learning rate does not change what a step costs; a warmup longer than the window is fine here.
-        cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, cfg.train.steps - 1)
-        cfg.checkpoint.save_final = False
-        cfg.train.eval_generate = 0
+        steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
+        # The window decides the length, not the data (epochs 0). The learning rate does not change what a
+        # step costs: a warmup longer than the window is cut to it.
+        cfg = cfg.replace({"train.steps": steps, "train.epochs": 0, "optim.warmup_steps": min(cfg.optim.warmup_steps, steps - 1),
+                           "checkpoint.save_final": False, "train.eval_generate": 0})
     result = train(cfg)
     for key in ("trace", "report_html", "report_json"):
         if key in result.summary:

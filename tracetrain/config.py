@@ -1,6 +1,6 @@
 """The typed config tree: one dataclass per section, loaded from TOML plus dotted CLI overrides.
 
-Every field has a default and a one-line doc (`metadata["doc"]`), and optionally `choices` or a numeric
+Every field has a default and a one-line doc (`metadata["doc"]`), and a `Literal` type of choices or a numeric
 range. Validation happens once, in `load_config`, and a bad value raises `ConfigError` naming the key,
 the value and what is allowed. The resolved tree is written to the run directory with `to_toml`, so a
 run can be reproduced (and resumed) from its own `config.toml`.
@@ -16,21 +16,20 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tracetrain.errors import ConfigError
 
 
-def fld(default: Any, doc: str, *, choices: tuple | None = None, ge: float | None = None,
-        gt: float | None = None, le: float | None = None) -> Any:
-    """A config field with its doc and constraints (checked by `validate`)."""
-    meta = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le}
+def fld(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A config field with its doc and numeric range (checked at load). Choices are the field's `Literal` type."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSection:
     preset: str = fld("tiny", "Architecture preset name (see `tracetrain presets`).")
     init_from: str = fld("", "Hugging Face checkpoint directory to load weights and shape from ('' = random init).")
@@ -46,11 +45,10 @@ class ModelSection:
     moe_aux_loss_coef: float = fld(0.01, "MoE: weight of the load-balancing loss.", ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataSection:
-    kind: str = fld("synthetic", "Dataset kind: generated task, instruction/response pairs, multi-turn chat "
-                                 "(messages or ShareGPT conversations), or plain text.",
-                    choices=("synthetic", "instruction", "chat", "text"))
+    kind: Literal["synthetic", "instruction", "chat", "text"] = fld("synthetic", "Dataset kind: generated task, instruction/response pairs, multi-turn chat "
+                                 "(messages or ShareGPT conversations), or plain text.")
     path: str = fld("", "Training data: JSONL, a JSON array, Parquet or a datasets save_to_disk folder (text also "
                         "takes a plain text file). Unused for synthetic.")
     eval_path: str = fld("", "Held-out data file; '' = split eval_fraction off the training data.")
@@ -59,7 +57,7 @@ class DataSection:
                                  "'byte' (built-in byte-level), or a Hugging Face tokenizer folder or tokenizer.json.")
     seq_len: int = fld(128, "Tokens per training sequence.", gt=1)
     pack: bool = fld(True, "Pack several examples into each sequence (document-masked attention).")
-    template: str = fld("alpaca", "Prompt template for instruction data.", choices=("alpaca", "plain", "chatml"))
+    template: Literal["alpaca", "plain", "chatml"] = fld("alpaca", "Prompt template for instruction data.")
     chat_template: str = fld("auto", "Chat data: 'auto' (the tokenizer's own chat_template), a built-in name "
                                      "(chatml, llama-3, mistral) or a path to a .jinja file.")
     messages_field: str = fld("messages", "Chat data: field with the list of {role, content} messages; rows with "
@@ -70,9 +68,8 @@ class DataSection:
     response_field: str = fld("response", "JSONL field holding the target response / answer.")
     train_on_prompt: bool = fld(False, "Also compute loss on prompt tokens (default: response only; for chat: "
                                        "every assistant turn with its end-of-turn token).")
-    tokenize: str = fld("ahead", "Tokenise all data before training ('ahead'), or each row as the loader asks for it "
-                                 "('on_the_fly': no start-up cost, work moves into data.num_workers; needs pack = false).",
-                        choices=("ahead", "on_the_fly"))
+    tokenize: Literal["ahead", "on_the_fly"] = fld("ahead", "Tokenise all data before training ('ahead'), or each row as the loader asks for it "
+                                 "('on_the_fly': no start-up cost, work moves into data.num_workers; needs pack = false).")
     skip_bad_lines: bool = fld(False, "Skip bad rows (malformed JSON, missing fields, bad chat messages) and "
                                       "report how many, instead of failing.")
     synthetic_examples: int = fld(20000, "Number of generated examples for the built-in synthetic task.", gt=0)
@@ -82,28 +79,26 @@ class DataSection:
     seed: int = fld(1234, "Seed for shuffling and the synthetic task.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSection:
-    mode: str = fld("full", "Train every weight ('full') or low-rank adapters only ('lora').", choices=("full", "lora"))
+    mode: Literal["full", "lora"] = fld("full", "Train every weight ('full') or low-rank adapters only ('lora').")
     steps: int = fld(600, "Optimizer steps to run.", gt=0)
     epochs: float = fld(0.0, "Passes over the training data instead of train.steps (0 = use steps): steps = "
                              "ceil(epochs * batches per epoch / grad_accum_steps), sized once the data is built.",
                         ge=0)
     micro_batch_size: int = fld(16, "Sequences per forward/backward pass.", gt=0)
     grad_accum_steps: int = fld(1, "Micro-batches accumulated per optimizer step.", gt=0)
-    precision: str = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU); fp16 uses dynamic "
-                                 "loss scaling.", choices=("auto", "fp32", "bf16", "fp16"))
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU); fp16 uses dynamic "
+                                 "loss scaling.")
     device: str = fld("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'.")
-    compile: str = fld("auto", "torch.compile each transformer block ('auto' = on for CUDA).", choices=("auto", "on", "off"))
-    attention: str = fld("auto", "Attention kernel: 'flex' (FlexAttention, document masks as block masks), 'sdpa', "
-                                 "or 'auto' (flex for packed rows on CUDA, else sdpa).", choices=("auto", "sdpa", "flex"))
-    fused_kernels: str = fld("auto", "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off).",
-                             choices=("auto", "on", "off"))
+    compile: Literal["auto", "on", "off"] = fld("auto", "torch.compile each transformer block ('auto' = on for CUDA).")
+    attention: Literal["auto", "sdpa", "flex"] = fld("auto", "Attention kernel: 'flex' (FlexAttention, document masks as block masks), 'sdpa', "
+                                 "or 'auto' (flex for packed rows on CUDA, else sdpa).")
+    fused_kernels: Literal["auto", "on", "off"] = fld("auto", "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off).")
     fused_ce: bool = fld(True, "Chunked fused lm_head + cross-entropy: full-vocabulary fp32 logits never exist.")
     fused_ce_chunk: int = fld(4096, "Tokens per chunk of the fused lm_head + cross-entropy.", gt=0)
-    fp8: str = fld("none", "FP8 GEMMs in the blocks (GPU with compute capability >= 8.9): 'tensorwise' or 'rowwise' "
-                           "scaling; LoRA bases are quantised once, full fine-tuning uses torchao.",
-                   choices=("none", "tensorwise", "rowwise"))
+    fp8: Literal["none", "tensorwise", "rowwise"] = fld("none", "FP8 GEMMs in the blocks (GPU with compute capability >= 8.9): 'tensorwise' or 'rowwise' "
+                           "scaling; LoRA bases are quantised once, full fine-tuning uses torchao.")
     seed: int = fld(0, "Seed for weight init and dropout.")
     grad_clip: float = fld(1.0, "Clip the global gradient norm to this value (0 = off).", ge=0)
     eval_interval: int = fld(200, "Evaluate on the held-out split every N steps (0 = only at the end).", ge=0)
@@ -114,42 +109,40 @@ class TrainSection:
     run_name: str = fld("", "Run directory name ('' = timestamp).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimSection:
     # An AdamW step moves each weight by about lr, whatever the gradient's scale: beyond 1 a single step
     # outweighs any pre-trained weight, so larger values are typos (1e39 for 1e-3), not experiments.
     lr: float = fld(1e-3, "Peak learning rate (AdamW: 0 < lr <= 1).", gt=0, le=1)
     min_lr_ratio: float = fld(0.1, "Final learning rate as a fraction of lr.", ge=0, le=1)
-    schedule: str = fld("cosine", "Decay after warmup.", choices=("cosine", "linear", "constant"))
+    schedule: Literal["cosine", "linear", "constant"] = fld("cosine", "Decay after warmup.")
     warmup_steps: int = fld(50, "Linear warmup steps.", ge=0)
     weight_decay: float = fld(0.1, "AdamW decoupled weight decay (not applied to norms and biases).", ge=0)
     beta1: float = fld(0.9, "AdamW beta1.", ge=0, le=1)
     beta2: float = fld(0.95, "AdamW beta2.", ge=0, le=1)
     eps: float = fld(1e-8, "AdamW epsilon.", gt=0)
-    fused: str = fld("auto", "Fused AdamW kernel ('auto' = on for CUDA).", choices=("auto", "on", "off"))
+    fused: Literal["auto", "on", "off"] = fld("auto", "Fused AdamW kernel ('auto' = on for CUDA).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraSection:
     rank: int = fld(16, "Adapter rank r.", gt=0)
     alpha: float = fld(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", gt=0)
     dropout: float = fld(0.0, "Dropout on the adapter input.", ge=0, le=1)
     targets: list[str] = fld(["q_proj", "k_proj", "v_proj", "o_proj"],
                              "Linear layers to adapt, by name ('all-linear' = every projection).")
-    base_dtype: str = fld("auto", "dtype of frozen base weights ('auto' = bf16 on GPU, fp32 on CPU).",
-                          choices=("auto", "fp32", "bf16"))
-    adapter_dtype: str = fld("fp32", "dtype of the trained adapter weights (and their optimizer states).",
-                             choices=("fp32", "bf16"))
+    base_dtype: Literal["auto", "fp32", "bf16"] = fld("auto", "dtype of frozen base weights ('auto' = bf16 on GPU, fp32 on CPU).")
+    adapter_dtype: Literal["fp32", "bf16"] = fld("fp32", "dtype of the trained adapter weights (and their optimizer states).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointSection:
     interval: int = fld(0, "Save every N steps (0 = only at the end and on interrupt).", ge=0)
     keep_last: int = fld(2, "Checkpoints to keep; older ones are deleted after a successful save.", gt=0)
     save_final: bool = fld(True, "Save a checkpoint when training ends.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingSection:
     log_interval: int = fld(10, "Read back metrics (one host sync) and log every N steps.", gt=0)
     progress: bool = fld(True, "Show a live progress bar on the console.")
@@ -157,27 +150,24 @@ class LoggingSection:
     peak_tflops: float = fld(0.0, "Peak dense FLOP/s (in TFLOP/s) for MFU; 0 = look up the GPU in the table.", ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemorySection:
-    recompute: str = fld("none", "Activation recomputation: none, full (whole blocks) or selective (cheap ops only).",
-                         choices=("none", "full", "selective"))
+    recompute: Literal["none", "full", "selective"] = fld("none", "Activation recomputation: none, full (whole blocks) or selective (cheap ops only).")
     recompute_every: int = fld(1, "Recompute every k-th block only (1 = all blocks).", gt=0)
-    activation_offload: str = fld("none", "Move saved activations to pinned CPU memory during forward.",
-                                  choices=("none", "save_on_cpu", "streamed"))
+    activation_offload: Literal["none", "save_on_cpu", "streamed"] = fld("none", "Move saved activations to pinned CPU memory during forward.")
     activation_offload_fraction: float = fld(1.0, "Streamed offload: share of blocks offloaded, the first ones "
                                                   "(1.0 = all but the last; less = faster, less saved).",
                                              gt=0, le=1)
     optimizer_offload: bool = fld(False, "Keep fp32 master weights and AdamW moments in CPU memory (ZeRO-Offload).")
     offload_threads: int = fld(0, "CPU threads for the offloaded optimizer step (0 = all cores).", ge=0)
-    unified_memory: str = fld("none", "Allocate these in CUDA managed memory (experimental).",
-                              choices=("none", "optimizer", "model"))
+    unified_memory: Literal["none", "optimizer", "model"] = fld("none", "Allocate these in CUDA managed memory (experimental).")
     coherent_memory: bool = fld(False, "The GPU shares coherent memory with the CPU (GH200): allow managed "
                                        "memory beyond free GPU memory.")
     expandable_segments: bool = fld(True, "Use the CUDA caching allocator's expandable segments (less fragmentation).")
     oom_snapshot: bool = fld(True, "On CUDA out-of-memory, write an allocator snapshot into the run directory.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileSection:
     enabled: bool = fld(False, "Capture a profile of steps [start_step, start_step + num_steps).")
     start_step: int = fld(10, "First profiled step (earlier steps are warm-up).", ge=1)
@@ -193,7 +183,7 @@ class ProfileSection:
     analyze: bool = fld(True, "Analyze the captured trace at the end and write report.html / report.json.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelSection:
     dp_replicate: int = fld(1, "Data-parallel replicas (DDP-style, or the replicate axis of HSDP).", gt=0)
     dp_shard: int = fld(1, "Data-parallel shards (ZeRO / FSDP axis).", gt=0)
@@ -207,14 +197,14 @@ class ParallelSection:
                                             "one more all-gather in backward).")
     sequence_parallel: bool = fld(True, "With tp > 1: shard norms and residuals along the sequence too.")
     loss_parallel: bool = fld(True, "With tp > 1: compute the loss on vocabulary-sharded logits.")
-    pp_schedule: str = fld("1f1b", "Pipeline schedule.", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = fld("1f1b", "Pipeline schedule.")
     pp_microbatches: int = fld(0, "Micro-batches per pipeline step (0 = number of stages).", ge=0)
     pp_stages_per_rank: int = fld(2, "Virtual stages per rank for interleaved_1f1b.", gt=0)
     fsdp_cpu_offload: bool = fld(False, "Keep FSDP-sharded parameters, gradients and optimizer states in CPU memory.")
     timeout_s: int = fld(600, "End the whole job with an error when a collective waits longer than this.", gt=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -252,7 +242,15 @@ def _allowed_types(tp: Any) -> tuple[tuple[type, ...], bool]:
         tp = args[0]
     if typing.get_origin(tp) is list:
         return (list,), optional
+    if typing.get_origin(tp) is Literal:
+        return (str,), optional
     return {int: (int,), float: (int, float), bool: (bool,), str: (str,)}[tp], optional
+
+
+def field_choices(section: type, name: str) -> tuple[str, ...]:
+    """The values a `Literal`-typed config field allows (empty for free-form fields)."""
+    tp = typing.get_type_hints(section)[name]
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
 
 
 def _describe(tp: Any) -> str:
@@ -277,8 +275,9 @@ def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
     if list in kinds and not all(isinstance(v, str) for v in value):
         raise ConfigError(f"config key '{key}': {value!r} must be a list of strings")
     meta = f.metadata
-    if meta.get("choices") and value not in meta["choices"]:
-        allowed = ", ".join(repr(c) for c in meta["choices"])
+    choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+    if choices and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"config key '{key}': {value!r} is not allowed; choose one of {allowed}")
     for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                             ("le", lambda v, b: v <= b, "<=")):
@@ -298,21 +297,24 @@ def _unknown(kind: str, name: str, known: list[str], where: str) -> ConfigError:
 
 def from_dict(raw: dict[str, Any], where: str = "") -> Config:
     """Build and validate a Config from nested dicts (TOML layout). `where` prefixes error messages."""
-    cfg = Config()
+    sections: dict[str, Any] = {}
     for section_name, values in raw.items():
         if section_name not in _SECTION_OWNER:
             raise _unknown("config section", section_name, list(_SECTION_OWNER), where)
         if not isinstance(values, dict):
             raise ConfigError(f"{where}config section '{section_name}' must be a table, got {values!r}")
-        section = getattr(cfg, section_name)
-        fields = {f.name: f for f in dataclasses.fields(section)}
+        owner = _SECTION_OWNER[section_name]
+        fields = {f.name: f for f in dataclasses.fields(owner)}
+        checked = {}
         for key, value in values.items():
             if key not in fields:
                 raise _unknown("config key", f"{section_name}.{key}", [f"{section_name}.{k}" for k in fields], where)
             try:
-                setattr(section, key, _check_value(f"{section_name}.{key}", fields[key], value))
+                checked[key] = _check_value(f"{section_name}.{key}", fields[key], value)
             except ConfigError as e:
                 raise ConfigError(f"{where}{e}") from None
+        sections[section_name] = owner(**checked)
+    cfg = Config(**sections)
     _check_cross_fields(cfg, where)
     return cfg
 
@@ -342,7 +344,7 @@ def _check_data_path_used(data: DataSection, where: str) -> None:
     for key in ("path", "eval_path"):
         if getattr(data, key):
             # Listed from the field's own choices, so a new data kind needs no edit here.
-            kinds = [k for k in _field(DataSection, "kind").metadata["choices"] if k != "synthetic"]
+            kinds = [k for k in field_choices(DataSection, "kind") if k != "synthetic"]
             raise ConfigError(f"{where}config key 'data.{key}': {getattr(data, key)!r} is ignored with "
                               f"data.kind = 'synthetic'; set data.kind to one of {', '.join(kinds)}")
 
@@ -464,7 +466,8 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(sf.default_factory()):  # type: ignore[misc]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             m = f.metadata
-            allowed = " / ".join(map(str, m["choices"])) if m.get("choices") else " ".join(
+            choices = field_choices(sf.default_factory, f.name)  # type: ignore[arg-type]  # a section class
+            allowed = " / ".join(choices) if choices else " ".join(
                 s for s in (f">= {m['ge']}" if m.get("ge") is not None else "",
                             f"> {m['gt']}" if m.get("gt") is not None else "",
                             f"<= {m['le']}" if m.get("le") is not None else "") if s)

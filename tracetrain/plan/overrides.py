@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tracetrain.config import Config
+from tracetrain.config import Config, field_choices
 from tracetrain.plan.core import Plan
 
 
@@ -77,5 +77,5 @@ def _choices(key: str) -> tuple | None:
         if sf.name == section:
             for f in dataclasses.fields(sf.default_factory()):  # type: ignore[misc]
                 if f.name == name:
-                    return f.metadata.get("choices")
+                    return field_choices(sf.default_factory, name) or None  # type: ignore[arg-type]  # a section class
     return None
