@@ -77,7 +77,7 @@ def bench_train_step(cfg, batch: int, seq: int, warmup: int, steps: int, cap_gib
     from tracetrain.devices import peak_flops
     from tracetrain.models.accounting import training_flops_per_token
     from tracetrain.train.assemble import assemble, run_step_context
-    from tracetrain.train.spec import resolve
+    from tracetrain.spec import resolve
     from tracetrain.train.step import train_step
 
     device = torch.device("cuda")

@@ -88,7 +88,7 @@ def probe(a: argparse.Namespace, fp8: str, root: Path) -> dict:
     from tracetrain.data.tokenizer import load_tokenizer
     from tracetrain.kernels.fp8 import probe_amax
     from tracetrain.train.assemble import assemble, step_context
-    from tracetrain.train.spec import resolve
+    from tracetrain.spec import resolve
     from tracetrain.train.step import IGNORE_INDEX, loss_sum, to_device
 
     # Eager sdpa for the probe: eager FlexAttention would materialise every score matrix.

@@ -34,7 +34,7 @@ from common import environment, median, time_steps, write_result  # noqa: E402
 
 from tracetrain.config import load_config  # noqa: E402
 from tracetrain.train.assemble import assemble, run_step_context  # noqa: E402
-from tracetrain.train.spec import resolve  # noqa: E402
+from tracetrain.spec import resolve  # noqa: E402
 from tracetrain.plan import plan, plan_input_from_config  # noqa: E402
 from tracetrain.train.step import StepContext, train_step  # noqa: E402
 

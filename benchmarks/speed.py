@@ -13,7 +13,7 @@ One process, one table. Three parts, each optional:
 
 Variants combine `attention` (sdpa | flex), `kernels` (fused RMSNorm/RoPE/SwiGLU), `compile` (regional,
 per block) and `fused_ce` (chunked lm_head + cross-entropy). Each variant is assembled as `tracetrain
-train` assembles a run (train/spec.py, train/assemble.py): its switches are config keys, or spec fields
+train` assembles a run (tracetrain/spec.py, train/assemble.py): its switches are config keys, or spec fields
 changed with `RunSpec.replace` for the benchmark-only kernel subsets and the fused FP8 feed-forward.
 
   python3 benchmarks/speed.py --checks --attention --runs 7b-lora:packed:eager,7b-lora:packed:compile
@@ -44,7 +44,7 @@ from tracetrain.devices import peak_flops  # noqa: E402
 from tracetrain.kernels.apply import compiled_frame_count  # noqa: E402
 from tracetrain.models.accounting import training_flops_per_token  # noqa: E402
 from tracetrain.train.assemble import assemble, run_step_context  # noqa: E402
-from tracetrain.train.spec import resolve  # noqa: E402
+from tracetrain.spec import resolve  # noqa: E402
 from tracetrain.train.step import loss_sum, train_step  # noqa: E402
 
 CASES = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tracetrain
-from tracetrain.api import write_rows
+from tracetrain.train.api import write_rows
 from tracetrain.config import load_config
 from tracetrain.errors import ConfigError
 from tracetrain.train.assemble import build_model

@@ -27,13 +27,13 @@ from tracetrain.config import load_config, to_toml
 from tracetrain.errors import CheckpointError
 from tracetrain.inference import find_checkpoint, load_trained
 from tracetrain.train.assemble import build_model
-from tracetrain.parallel.checkpoint import load_sharded, save_sharded
+from tracetrain.train.sharded_checkpoint import load_sharded, save_sharded
 from tracetrain.parallel.testing import build_tiny, tiny_config
 from tracetrain.train.checkpoint import (TrainState, latest_checkpoint, list_checkpoints, load_checkpoint,
                                          load_weights, save_checkpoint, trainable_state_dict)
 from tracetrain.train.manifest import remove_stale, verify_checkpoint, write_manifest
 from tracetrain.train.optim import build_optimizer
-from tracetrain.train.safe_load import load_pt, read_safetensors
+from tracetrain.safe_load import load_pt, read_safetensors
 
 from test_train import run_cli
 
@@ -260,7 +260,7 @@ def test_crafted_dcp_item_does_not_run(tmp_path):
     them with weights_only=False: point one item at a crafted pickle appended to the shard file."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from tracetrain.parallel.checkpoint import read_metadata_file
+    from tracetrain.train.sharded_checkpoint import read_metadata_file
     path, model, opt = _sharded(tmp_path)
     metadata = read_metadata_file(path / "dcp" / ".metadata")
     index = next(i for i in metadata.storage_data if i.fqn.startswith("optim.param_groups"))
@@ -425,7 +425,7 @@ def test_full_disk_on_a_real_tmpfs(small_disk, monkeypatch, vocab):
         save_checkpoint(small_disk, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=2)
     # The estimate can be beaten (another process fills the disk meanwhile): then the write itself fails.
     monkeypatch.setattr(ckpt_mod, "check_free_space", lambda *a: None)
-    monkeypatch.setattr("tracetrain.parallel.checkpoint.check_free_space", lambda *a: None)
+    monkeypatch.setattr("tracetrain.train.sharded_checkpoint.check_free_space", lambda *a: None)
     for save in (lambda: save_checkpoint(small_disk, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=2),
                  lambda: save_sharded(small_disk, 1, model, opt, {"step": 1}, "", keep_last=2)):
         with pytest.raises(CheckpointError, match=rf"^disk full while saving checkpoint step_00000001 into {root} "):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tracetrain.parallel.apply import ParallelModel
-from tracetrain.parallel.checkpoint import load_sharded
+from tracetrain.train.sharded_checkpoint import load_sharded
 from tracetrain.parallel.launch import launch_local
 from tracetrain.parallel.testing import (build_tiny, dcp_drill, full_state, global_batches, run_step, state_diff,
                                          step_context, tiny_config)

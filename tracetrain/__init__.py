@@ -1,6 +1,6 @@
 """tracetrain: train and fine-tune Llama-family models fast, and see where time and memory go.
 
-`tracetrain.train(config, data=..., callbacks=[...])` trains from Python (tracetrain/api.py); the
+`tracetrain.train(config, data=..., callbacks=[...])` trains from Python (tracetrain/train/api.py); the
 command line is `tracetrain train|eval|generate|export|data|profile|analyze|plan ...` (cli.py).
 """
 

@@ -21,7 +21,7 @@ from tracetrain.train.assemble import assemble
 from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
 from tracetrain.train.manifest import MANIFEST, STEP_DIR
 from tracetrain.train.runtime import resolve_device
-from tracetrain.train.spec import RunSpec, resolve
+from tracetrain.spec import RunSpec, resolve
 
 
 @dataclass
@@ -63,9 +63,9 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
     precision = spec.precision
     model = assemble(spec, until="compile").module
     if (ckpt / "dcp" / ".metadata").is_file():
-        # Saved by several ranks (parallel/checkpoint.py): DCP gathers every shard into this single
+        # Saved by several ranks (train/sharded_checkpoint.py): DCP gathers every shard into this single
         # process's full tensors, whatever layout wrote them (no process group needed).
-        from tracetrain.parallel.checkpoint import load_sharded
+        from tracetrain.train.sharded_checkpoint import load_sharded
         load_sharded(ckpt, model, None)
     else:
         # As the trainer saved it: adapters only when the frozen base comes from model.init_from.

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-IGNORE_INDEX = -100
+from tracetrain.labels import IGNORE_INDEX
+
 PAD_DOCUMENT = -1
 
 # A tokenised document: (token ids, shifted labels), both of the same length.

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from tracetrain.kernels import triton_available
+from tracetrain.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 4096
 
 

@@ -30,7 +30,7 @@ from tracetrain.errors import CheckpointError
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import (LoRALinear, apply_lora, is_lora_key, load_lora_state_dict,
                                     lora_state_dict, resolve_targets)
-from tracetrain.train.safe_load import open_safetensors
+from tracetrain.safe_load import open_safetensors
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}

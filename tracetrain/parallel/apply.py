@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tracetrain.config import Config
+from tracetrain.labels import IGNORE_INDEX
 from tracetrain.parallel.context_parallel import apply_context_parallel, shard_sequence
 from tracetrain.parallel.data_parallel import GradSync, apply_data_parallel, grad_sync_for, model_blocks
 from tracetrain.parallel.expert_parallel import apply_expert_parallel
@@ -40,8 +41,6 @@ from tracetrain.parallel.grads import all_reduce_sum, clip_grads_, grad_norm
 from tracetrain.parallel.mesh import ParallelMesh
 from tracetrain.parallel.pipeline import Pipeline, build_pipeline, split_model, stage_ids_of_rank
 from tracetrain.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_sum, loss_parallel
-from tracetrain.train.step import IGNORE_INDEX
-
 
 
 class _PartsView(nn.Module):

@@ -16,17 +16,16 @@ Schedules (torch.distributed.pipelining): GPipe (all forwards, then all backward
 micro-batches' activations), 1F1B (at most pp micro-batches in flight), interleaved 1F1B (several
 stages per rank: a bubble pp_stages_per_rank times smaller, more point-to-point traffic).
 
-`pipeline_train_step` mirrors `train.step.train_step`: one optimizer step over the step's micro-batches
-(concatenated, then cut into `pp_microbatches` pipeline micro-batches), loss normalised by the global
-number of target tokens, gradient clipping over all stages, and loss / grad_norm / finite as device
-tensors, identical on every rank.
+The training step (`train.step.train_step`) runs the schedule in `pipeline_forward_backward`: the
+step's micro-batches are concatenated, then cut into `pp_microbatches` pipeline micro-batches, and the
+loss is normalised by the global number of target tokens; its `optimizer_update` clips over all stages,
+as for every layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,10 +35,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from tracetrain.config import ParallelSection
 from tracetrain.models.llama import Transformer
 from tracetrain.parallel.mesh import num_microbatches
-
-if TYPE_CHECKING:
-    from tracetrain.parallel.apply import ParallelModel
-    from tracetrain.train.step import StepContext, StepOutput
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
@@ -132,47 +127,6 @@ def build_pipeline(parts: list[nn.Module], stage_ids: list[int], par: ParallelSe
         cls = ScheduleGPipe if par.pp_schedule == "gpipe" else Schedule1F1B
         pipe.schedule = cls(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False)
     return pipe
-
-
-def pipeline_train_step(par: "ParallelModel", optimizer: torch.optim.Optimizer,
-                        micro_batches: list[dict[str, torch.Tensor]], ctx: "StepContext") -> "StepOutput":
-    """One optimizer step through the pipeline; the contract of `train.step.train_step`.
-
-    Returns loss (mean per target token over the whole global batch), grad_norm (before clipping) and
-    finite as device tensors, the same on every rank, so every rank takes the same skip decision.
-    """
-    from tracetrain.train.step import StepOutput, autocast, to_device
-
-    pipe = par.pipeline
-    assert pipe is not None, "pipeline_train_step needs a model parallelized with pp > 1"
-    batches = [par.shard_batch(mb) for mb in micro_batches]
-    # The step's micro-batches become one batch; the schedule cuts it into pipeline micro-batches.
-    batch = to_device({k: torch.cat([b[k] for b in batches]) for k in batches[0]}, ctx.device)
-    pipe.num_targets[:] = [par.global_num_targets(batches, ctx.device)]
-    kwargs = {"position_ids": batch["position_ids"]}
-    if ctx.use_document_mask:
-        kwargs["document_ids"] = batch["document_ids"]
-    args = (batch["input_ids"],) if pipe.has_first else ()
-    losses: list[torch.Tensor] = []
-    with ctx.phase("pipeline"), par.micro_batch(is_last=True), autocast(ctx):
-        pipe.schedule.step(*args, target=batch["labels"] if pipe.has_last else None,
-                           losses=losses if pipe.has_last else None, return_outputs=False, **kwargs)
-    total = torch.stack([l.detach().float() for l in losses]).sum() if losses else \
-        torch.zeros((), device=ctx.device)
-    # Only the last stage saw the loss: the sum over the pipeline group hands it to every stage.
-    total = par.reduce_loss(all_reduce_pp(total, pipe.group))
-
-    with ctx.phase("optimizer"):
-        max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
-        grad_norm = par.clip_grad_norm_(max_norm)
-        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-        if ctx.fused_skip:
-            optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
-            optimizer.step()
-        elif bool(finite):  # host sync: only on paths without the fused kernel (CPU)
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss=total, grad_norm=grad_norm, finite=finite, diverged=~finite)
 
 
 def all_reduce_pp(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

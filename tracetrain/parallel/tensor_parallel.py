@@ -25,12 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
+from tracetrain.labels import IGNORE_INDEX
 from tracetrain.parallel.data_parallel import model_blocks
-from tracetrain.train.step import IGNORE_INDEX
-
 
 
 def _block_plan(sequence_parallel: bool) -> dict[str, object]:

@@ -8,6 +8,8 @@ compare losses, gradients (gathered to full tensors) and parameters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -15,9 +17,8 @@ from torch.distributed.tensor import DTensor
 from tracetrain.config import Config, load_config
 from tracetrain.models.build import materialize, model_args_from_config
 from tracetrain.parallel.apply import ParallelModel
-from tracetrain.parallel.pipeline import pipeline_train_step
 from tracetrain.train.optim import build_optimizer
-from tracetrain.train.step import StepContext, StepOutput, autocast, to_device
+from tracetrain.train.step import StepContext, StepOutput, autocast, to_device, train_step
 
 TINY = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=128", "--model.vocab_size=128", "--data.seq_len=32", "--train.precision=fp32",
@@ -67,7 +68,7 @@ def run_step(par: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches
              ctx: StepContext) -> StepOutput:
     """`train_step` with the ParallelModel hooks (the integration the trainer adopts)."""
     if par.pipeline is not None:
-        return pipeline_train_step(par, optimizer, micro_batches, ctx)
+        return train_step(par.module, optimizer, micro_batches, dataclasses.replace(ctx, par=par))
     model = par.module
     batches = [par.shard_batch(mb) for mb in micro_batches]        # this rank's rows / sequence chunks
     num_targets = par.global_num_targets(batches, ctx.device)      # all ranks' targets: exact normalisation
@@ -311,8 +312,8 @@ def dcp_drill(run_dir: str) -> None:
 
     from tracetrain.parallel import dist as tdist
     from tracetrain.parallel.apply import parallelize
-    from tracetrain.parallel.checkpoint import load_sharded, save_sharded
     from tracetrain.parallel.mesh import build_mesh
+    from tracetrain.train.sharded_checkpoint import load_sharded, save_sharded
 
     torch.set_num_threads(1)
     out = Path(run_dir)

@@ -226,7 +226,7 @@ class Hardware:
 
 def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = None) -> PlanInput:
     """The `PlanInput` a `tracetrain train` run of `cfg` would be, its `auto` choices decided by the trainer's
-    own rules (train/spec.py `resolve`) for a CUDA GPU: bf16, bf16 LoRA base, fused AdamW, compile,
+    own rules (tracetrain/spec.py `resolve`) for a CUDA GPU: bf16, bf16 LoRA base, fused AdamW, compile,
     FlexAttention for packed rows, fused cross-entropy without TP/PP. With pp > 1 a pipeline micro-batch
     is the step's rows per rank / pp_microbatches, as parallel/pipeline.py cuts them. The layout is the
     config's [parallel] section; when it names a single GPU but `num_gpus` > 1, the extra GPUs are
@@ -234,7 +234,7 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
     import torch
 
     from tracetrain.models.lora import resolve_targets
-    from tracetrain.train.spec import resolve
+    from tracetrain.spec import resolve
 
     t, mem, par = cfg.train, cfg.memory, cfg.parallel
     spec = resolve(cfg, torch.device("cuda"), probe=False)  # the GPU planned for, not this process's

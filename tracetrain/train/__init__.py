@@ -5,7 +5,7 @@ The package itself is callable, so that the Python API reads as the command line
     import tracetrain
     result = tracetrain.train("configs/chat-lora.toml", data=rows, callbacks=[MyCallback()])
 
-(`tracetrain.train(...)` is `tracetrain.api.train(...)`; see its docstring.)
+(`tracetrain.train(...)` is `tracetrain.train.api.train(...)`; see its docstring.)
 """
 
 import sys
@@ -15,7 +15,7 @@ from typing import Any
 
 class _CallableModule(types.ModuleType):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from tracetrain.api import train
+        from tracetrain.train.api import train
         return train(*args, **kwargs)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tracetrain.models.llama import Transformer
-from tracetrain.train.spec import RunSpec
+from tracetrain.spec import RunSpec
 from tracetrain.train.step import StepContext
 
 
@@ -313,5 +313,5 @@ def run_step_context(a: Assembly, *, scaler: torch.amp.GradScaler | None = None,
 
 def build_model(cfg: Any, device: torch.device) -> nn.Module:
     """The single-process model of `cfg` on `device`: every model row up to `compile` (no optimizer)."""
-    from tracetrain.train.spec import resolve
+    from tracetrain.spec import resolve
     return assemble(resolve(cfg, device), until="compile").module

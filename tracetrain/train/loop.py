@@ -264,7 +264,7 @@ class _Run:
         """Every `auto` decided once (the spec), then the model, its transforms and the optimizer from the
         one ordered table (train/assemble.py)."""
         from tracetrain.train.assemble import assemble
-        from tracetrain.train.spec import resolve
+        from tracetrain.spec import resolve
         cfg, device = self.cfg, self.device
         self.spec = resolve(cfg, device, self.dist.world_size, model_args=self.model_args)
         self.precision = self.spec.precision
@@ -324,7 +324,7 @@ class _Run:
         Refused (before any file is touched) if the run would end before the checkpoint or the data changed."""
         check_steps_cover(self.cfg, resume.checkpoint)  # after train.epochs has set the step count
         if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
-            from tracetrain.parallel.checkpoint import load_sharded
+            from tracetrain.train.sharded_checkpoint import load_sharded
             raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
             set_rng_state(raw["rng"])
             state = train_state_from_dict(raw)
@@ -366,7 +366,7 @@ class _Run:
                            counters=counters, data_fingerprint=self.data_fingerprint)
         with self.reporter.status(f"saving checkpoint at step {step}"), self.prof.phase("checkpoint"):
             if self.dist.is_distributed:  # every rank writes its shards (DCP), atomically as one folder
-                from tracetrain.parallel.checkpoint import save_sharded
+                from tracetrain.train.sharded_checkpoint import save_sharded
                 trainer_state = trainer_state_dict(state)
                 return save_sharded(self.run_dir, step, self.model, self.optimizer, trainer_state,
                                     self.config_toml, self.cfg.checkpoint.keep_last)

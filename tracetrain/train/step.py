@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from tracetrain.labels import IGNORE_INDEX
 
 
 @dataclass
@@ -76,13 +76,36 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+@runtime_checkable
+class OffloadedOptimizer(Protocol):
+    """An optimizer that owns its gradients (tracetrain.memory.optimizer_offload.CPUOffloadAdamW): they
+    stream to host buffers during backward, and it clips, measures and updates in one call."""
+
+    def step_with_clip(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip to `max_norm` (inf = measure only) and update; returns (grad_norm, applied)."""
+        ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
                ctx: StepContext) -> StepOutput:
-    """Forward/backward over every micro-batch, clip, and one optimizer update (skipped if non-finite)."""
+    """Forward/backward over every micro-batch, clip, and one optimizer update (skipped if non-finite).
+
+    The one training step of every run and layout: `forward_backward` (plain, or the pipeline schedule)
+    then `optimizer_update`.
+    """
     par = ctx.par
     if par is not None and par.pipeline is not None:  # the pipeline schedule runs forward and backward
-        from tracetrain.parallel.pipeline import pipeline_train_step
-        return pipeline_train_step(par, optimizer, micro_batches, ctx)
+        total = pipeline_forward_backward(par, micro_batches, ctx)
+    else:
+        total = forward_backward(model, micro_batches, ctx)
+    return optimizer_update(optimizer, total, ctx)
+
+
+def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], ctx: StepContext) -> torch.Tensor:
+    """Accumulate the step's gradients; returns the step's loss (mean per target token, device tensor)."""
+    par = ctx.par
     # Normalise by the target tokens of the whole step, so that accumulating k micro-batches gives the
     # same gradient as one batch k times larger. Labels are still on the host: counting costs no sync.
     # With several ranks each takes its rows (and sequence chunks) of the global micro-batch, and the
@@ -106,9 +129,37 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         total += loss.detach()
     if par is not None:
         total = par.reduce_loss(total)  # every rank's share: the step's loss, on every rank
+    return total
 
+
+def pipeline_forward_backward(par: Any, micro_batches: list[dict[str, torch.Tensor]], ctx: StepContext) -> torch.Tensor:
+    """The pipeline schedule's forward and backward over the step's rows; returns the step's loss, the
+    same on every rank (only the last stage computes it; a sum over the pipeline group hands it on)."""
+    from tracetrain.parallel.pipeline import all_reduce_pp
+
+    pipe = par.pipeline
+    batches = [par.shard_batch(mb) for mb in micro_batches]
+    # The step's micro-batches become one batch; the schedule cuts it into pipeline micro-batches.
+    batch = to_device({k: torch.cat([b[k] for b in batches]) for k in batches[0]}, ctx.device)
+    pipe.num_targets[:] = [par.global_num_targets(batches, ctx.device)]
+    kwargs = {"position_ids": batch["position_ids"]}
+    if ctx.use_document_mask:
+        kwargs["document_ids"] = batch["document_ids"]
+    args = (batch["input_ids"],) if pipe.has_first else ()
+    losses: list[torch.Tensor] = []
+    with ctx.phase("pipeline"), par.micro_batch(is_last=True), autocast(ctx):
+        pipe.schedule.step(*args, target=batch["labels"] if pipe.has_last else None,
+                           losses=losses if pipe.has_last else None, return_outputs=False, **kwargs)
+    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else \
+        torch.zeros((), device=ctx.device)
+    return par.reduce_loss(all_reduce_pp(total, pipe.group))
+
+
+def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx: StepContext) -> StepOutput:
+    """Clip, measure and apply one update from the accumulated gradients (skipped if non-finite)."""
+    par = ctx.par
     max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
-    if hasattr(optimizer, "step_with_clip"):
+    if isinstance(optimizer, OffloadedOptimizer):
         with ctx.phase("optimizer"):
             # CPU optimizer offload: gradients already streamed to host buffers during backward; the
             # norm, clipping and AdamW run on the CPU and the new weights stream back. Waiting for the
@@ -118,6 +169,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             optimizer.zero_grad(set_to_none=True)
         return StepOutput(loss=total, grad_norm=grad_norm.to(ctx.device), finite=finite, diverged=~finite)
 
+    scaler = ctx.scaler
     with ctx.phase("optimizer"):
         if scaler:
             scaler.unscale_(optimizer)  # clip and measure the true gradient norm
@@ -136,7 +188,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             diverged = ~torch.isfinite(total)
         elif ctx.fused_skip:
             # Fused AdamW skips the update on the device when found_inf is non-zero: no host sync.
-            optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
+            optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]  # read by the fused kernel
             optimizer.step()
             diverged = ~finite
         else:

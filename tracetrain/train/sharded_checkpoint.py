@@ -43,7 +43,7 @@ from tracetrain.errors import CheckpointError
 from tracetrain.train.checkpoint import SAVE_MARGIN_BYTES, check_checkpoint, publish, tensor_bytes
 from tracetrain.train.manifest import (check_free_space, fsync_path, remove_stale, staging, temp_dir_for,
                                        write_manifest)
-from tracetrain.train.safe_load import load_pt
+from tracetrain.safe_load import load_pt
 
 
 def _rank() -> int:
