@@ -38,18 +38,16 @@ def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.train.evaluation import exact_match_eval, run_eval
-    from tracetrain.train.step import StepContext
     from tracetrain.data import build_datasets
     from tracetrain.inference import load_trained
+    from tracetrain.train.assemble import step_context
 
     if a.output:
         _check_output_path(a.output, "--output")  # before the model loads and the answers are generated
     loaded = load_trained(a.path, a.device, overrides)
     cfg = loaded.cfg
     _, eval_ds, _ = build_datasets(cfg.data, loaded.tokenizer)
-    import torch
-    ctx = StepContext(loaded.device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision), 0.0,
-                      cfg.data.pack, False)
+    ctx = step_context(loaded.spec)  # scored exactly as the training run's evaluations were
     result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
     if a.output and not (cfg.train.eval_generate and getattr(eval_ds, "examples", [])):
         raise TracetrainError("--output writes generated answers, but none are scored: this run has no held-out "
