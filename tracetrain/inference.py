@@ -17,11 +17,11 @@ from torch import nn
 from tracetrain.config import Config, load_config
 from tracetrain.data import load_tokenizer
 from tracetrain.errors import CheckpointError
+from tracetrain.spec import RunSpec, resolve
 from tracetrain.train.assemble import assemble
 from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
 from tracetrain.train.manifest import MANIFEST, STEP_DIR
 from tracetrain.train.runtime import resolve_device
-from tracetrain.spec import RunSpec, resolve
 
 
 @dataclass

@@ -32,8 +32,17 @@ import torch
 from torch import nn
 
 from tracetrain.kernels import triton_available
-from tracetrain.kernels.fp8 import (E4M3, E5M2, FAST_ACCUM_FORWARD, Recipe, fp8_compatible, fp8_matmul, quantize,
-                                    quantize_weight, scaled_matmul)
+from tracetrain.kernels.fp8 import (
+    E4M3,
+    E5M2,
+    FAST_ACCUM_FORWARD,
+    Recipe,
+    fp8_compatible,
+    fp8_matmul,
+    quantize,
+    quantize_weight,
+    scaled_matmul,
+)
 from tracetrain.models.llama import FeedForward
 
 # ------------------------------------------------------------------------------------ the row kernels

@@ -218,7 +218,7 @@ def check_against_reference(device: str | torch.device = "cuda", tokens: int = 8
                 line += f", NaN-scale rows {got[1].isnan().flatten().nonzero().flatten().tolist()}"
             if benchmark:
                 compiled = torch.compile(reference, fullgraph=True, dynamic=False)
-                times = [triton.testing.do_bench(lambda f=f: f(*args, dtype, rowwise)) * 1e3
+                times = [triton.testing.do_bench(lambda f=f, a=args, d=dtype, r=rowwise: f(*a, d, r)) * 1e3
                          for f in (kernel, reference, compiled)]
                 line += ", us: triton {:.0f}, eager {:.0f}, inductor {:.0f}".format(*times)
             print(line, flush=True)

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tracetrain.models.llama import KVCacheLayer, Transformer, TransformerBlock
 

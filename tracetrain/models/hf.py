@@ -28,8 +28,14 @@ from torch import nn
 
 from tracetrain.errors import CheckpointError
 from tracetrain.models.llama import ModelArgs
-from tracetrain.models.lora import (LoRALinear, apply_lora, is_lora_key, load_lora_state_dict,
-                                    lora_state_dict, resolve_targets)
+from tracetrain.models.lora import (
+    LoRALinear,
+    apply_lora,
+    is_lora_key,
+    load_lora_state_dict,
+    lora_state_dict,
+    resolve_targets,
+)
 from tracetrain.safe_load import open_safetensors
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -221,7 +227,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         by_file.setdefault(file, []).append(name)
     for file, names in sorted(by_file.items()):
         with open_safetensors(path / file) as f:
-            stored = {_local_name(k): k for k in f.keys()}
+            stored = {_local_name(k): k for k in f.keys()}  # noqa: SIM118  # a safetensors handle, not a dict
             for name in names:
                 _copy_tensor(f, stored, name, targets[name], path / file)
 
@@ -420,7 +426,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, base_dtype: tor
         raise CheckpointError(f"{file} does not exist")
     with safe_open(file, framework="pt") as f:
         # 'base_model.model.model.layers.0...lora_A.weight' -> 'layers.0...lora_A.weight'
-        tensors = {_local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}
+        tensors = {_local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     count = apply_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"],
                        base_dtype, adapter_dtype)
     try:

@@ -21,9 +21,8 @@ KV cache uses `attention.cached_attention` instead, whose kernel choice follows 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -142,7 +141,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | BlockMask | CausalBias | None,
-                cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+                cache: KVCacheLayer | None = None) -> torch.Tensor:
         b, s, _ = x.shape  # (batch, seq, dim)
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -177,7 +176,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | BlockMask | CausalBias | None,
-                cache: "KVCacheLayer | None" = None) -> torch.Tensor:
+                cache: KVCacheLayer | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -235,7 +234,7 @@ class Transformer(nn.Module):
 
     def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                        document_ids: torch.Tensor | None = None,
-                       cache: "KVCache | None" = None) -> torch.Tensor:
+                       cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states (batch, seq, dim); the loss may apply lm_head itself (chunked)."""
         b, s = tokens.shape
         if position_ids is None:
@@ -253,7 +252,7 @@ class Transformer(nn.Module):
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: "KVCache | None" = None, *,
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None, *,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab); or, with `labels`, the summed cross-entropy through the fused head
         that `apply_fused_ce` attached (kernels/fused_ce.py), never materialising the full logits.
@@ -270,7 +269,7 @@ class Transformer(nn.Module):
 class KVCacheLayer:
     """One layer's preallocated keys and values: (batch, kv_heads, max_len, head_dim)."""
 
-    def __init__(self, owner: "KVCache", k: torch.Tensor, v: torch.Tensor) -> None:
+    def __init__(self, owner: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
         self.owner, self.k, self.v = owner, k, v
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,7 +67,7 @@ def init_distributed(timeout_s: int, device_type: str) -> DistInfo:
     process group is created (NCCL binds communicators to the current device).
     """
     world_size = env_world_size()
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -82,7 +82,7 @@ def init_distributed(timeout_s: int, device_type: str) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def shutdown(watchdog: "Watchdog | None" = None) -> None:
+def shutdown(watchdog: Watchdog | None = None) -> None:
     """End the job cleanly: stop the watchdog, wait for every rank, destroy the process group.
 
     The watchdog stops before the barrier, so that no rank mistakes rank 0's normal exit (which takes

@@ -28,10 +28,21 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tracetrain.errors import CheckpointError
-from tracetrain.train.manifest import (check_free_space, discard, fsync_path, is_legacy, looks_complete, note,
-                                       remove_stale, staging, step_of, temp_dir_for, verify_checkpoint,
-                                       write_manifest)
 from tracetrain.safe_load import load_pt, read_safetensors
+from tracetrain.train.manifest import (
+    check_free_space,
+    discard,
+    fsync_path,
+    is_legacy,
+    looks_complete,
+    note,
+    remove_stale,
+    staging,
+    step_of,
+    temp_dir_for,
+    verify_checkpoint,
+    write_manifest,
+)
 
 
 @dataclass

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from tracetrain.config import Config

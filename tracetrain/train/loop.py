@@ -263,8 +263,8 @@ class _Run:
     def _build_model_and_optimizer(self) -> None:
         """Every `auto` decided once (the spec), then the model, its transforms and the optimizer from the
         one ordered table (train/assemble.py)."""
-        from tracetrain.train.assemble import assemble
         from tracetrain.spec import resolve
+        from tracetrain.train.assemble import assemble
         cfg, device = self.cfg, self.device
         self.spec = resolve(cfg, device, self.dist.world_size, model_args=self.model_args)
         self.precision = self.spec.precision

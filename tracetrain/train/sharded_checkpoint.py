@@ -24,8 +24,8 @@ and a load planner that reads DCP's non-tensor items with `weights_only=True`.
 from __future__ import annotations
 
 import io
-import warnings
 import pickle
+import warnings
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,14 +36,18 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from tracetrain.errors import CheckpointError
-from tracetrain.train.checkpoint import SAVE_MARGIN_BYTES, check_checkpoint, publish, tensor_bytes
-from tracetrain.train.manifest import (check_free_space, fsync_path, remove_stale, staging, temp_dir_for,
-                                       write_manifest)
 from tracetrain.safe_load import load_pt
+from tracetrain.train.checkpoint import SAVE_MARGIN_BYTES, check_checkpoint, publish, tensor_bytes
+from tracetrain.train.manifest import check_free_space, fsync_path, remove_stale, staging, temp_dir_for, write_manifest
 
 
 def _rank() -> int:
