@@ -10,7 +10,7 @@ Worker (inside torchrun): `--group NAME --case-out DIR` runs that group's cases 
 
 Every case: random full-length rows (no packing), bf16 (FSDP MixedPrecisionPolicy: bf16 params, fp32
 reduce; autocast for TP/PP-only layouts), fused AdamW, gradient clipping, the step with every
-ParallelModel hook (`tracetrain.parallel.testing.run_step`, i.e. pipeline_train_step for pp > 1),
+ParallelModel hooks (the trainer's `train_step`, which runs the pipeline schedule for pp > 1),
 3 warm-up steps, then the median of 10 timed steps (CUDA events). Tokens/s per GPU = rows * seq of
 the global batch / step time / GPUs; MFU from the shared FLOP formula (models/accounting.py; for MoE
 the active weights: top_k experts plus the router); peak memory = max over ranks of max_memory_allocated during
@@ -86,32 +86,29 @@ def run_case(name: str, overrides: list[str], mbs: int, seq: int, warmup: int, s
     from tracetrain.config import load_config
     from tracetrain.devices import peak_flops
     from tracetrain.models.accounting import training_flops_per_token
-    from tracetrain.models.build import materialize, model_args_from_config
-    from tracetrain.parallel.apply import parallelize
+    from tracetrain.models.build import model_args_from_config
     from tracetrain.parallel.mesh import build_mesh, validate_parallel
-    from tracetrain.parallel.testing import run_step
-    from tracetrain.train.optim import build_optimizer
-    from tracetrain.train.step import StepContext
+    from tracetrain.spec import resolve
+    from tracetrain.train.assemble import assemble, run_step_context
+    from tracetrain.train.step import train_step
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if DRY_RUN:
         overrides, seq = overrides + DRY_SHAPE, 64
+    # The eager path: SDPA, no compile, no fused kernels or fused cross-entropy (what plan_vs_scale models).
     cfg = load_config(None, overrides + [f"--data.seq_len={seq}", f"--train.micro_batch_size={mbs}",
-                                         "--data.pack=false", "--train.precision=bf16"])
+                                         "--data.pack=false", "--train.precision=bf16", "--train.compile=off",
+                                         "--train.attention=sdpa", "--train.fused_kernels=off", "--train.fused_ce=false",
+                                         f"--train.device={'cpu' if DRY_RUN else 'cuda'}"])
     args = model_args_from_config(cfg)
     validate_parallel(cfg, args, world)
     device = torch.device("cpu") if DRY_RUN else torch.device("cuda", torch.cuda.current_device())
     mesh = build_mesh(cfg.parallel, device.type) if world > 1 else None
-    model = materialize(args, device, seed=0)
-    if cfg.model.num_experts:
-        from tracetrain.models.moe import apply_moe
-        apply_moe(model, cfg.model.num_experts, cfg.model.experts_top_k)
-    par = parallelize(model, mesh, cfg, device=device, param_dtype=torch.bfloat16)
-    del model
-    opt = build_optimizer(par.module, cfg.optim, device)
-    ctx = StepContext(device=device, autocast_dtype=torch.bfloat16, grad_clip=1.0, use_document_mask=False,
-                      fused_skip=not DRY_RUN)
-    rows = mbs * par.dp_size  # the global micro-batch; shard_batch hands each rank its rows
+    # The trainer's path: spec, the transform table (layout rows included), the optimizer, the real step.
+    built = assemble(resolve(cfg, device, world, args), mesh)
+    par = built.par
+    ctx = run_step_context(built)
+    rows = mbs * (par.dp_size if par is not None else 1)  # the global micro-batch; each rank takes its rows
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (rows, seq + 1), generator=gen)
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
@@ -121,8 +118,9 @@ def run_case(name: str, overrides: list[str], mbs: int, seq: int, warmup: int, s
         batch = {k: v.pin_memory() for k, v in batch.items()}
     losses = []
 
-    def step() -> None:
-        losses.append(run_step(par, opt, [batch], ctx).loss)
+    def step(model: torch.nn.Module = built.module, opt: torch.optim.Optimizer | None = built.optimizer) -> None:
+        assert opt is not None
+        losses.append(train_step(model, opt, [batch], ctx).loss)
 
     for _ in range(warmup):
         step()
@@ -152,7 +150,7 @@ def run_case(name: str, overrides: list[str], mbs: int, seq: int, warmup: int, s
               "tflops_per_gpu": tokens_per_s_per_gpu * flops / 1e12,
               "mfu": tokens_per_s_per_gpu * flops / peak_fl if peak_fl else None, "peak_gib": float(peak),
               "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
-    del par, opt
+    del par, built
     gc.collect()
     if not DRY_RUN:
         torch.cuda.empty_cache()

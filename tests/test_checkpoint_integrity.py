@@ -28,7 +28,7 @@ from tracetrain.errors import CheckpointError
 from tracetrain.inference import find_checkpoint, load_trained
 from tracetrain.train.assemble import build_model
 from tracetrain.train.sharded_checkpoint import load_sharded, save_sharded
-from tracetrain.parallel.testing import build_tiny, tiny_config
+from parallel_harness import build_tiny, tiny_config
 from tracetrain.train.checkpoint import (TrainState, latest_checkpoint, list_checkpoints, load_checkpoint,
                                          load_weights, save_checkpoint, trainable_state_dict)
 from tracetrain.train.manifest import remove_stale, verify_checkpoint, write_manifest

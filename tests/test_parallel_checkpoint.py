@@ -18,7 +18,7 @@ import torch
 from tracetrain.parallel.apply import ParallelModel
 from tracetrain.train.sharded_checkpoint import load_sharded
 from tracetrain.parallel.launch import launch_local
-from tracetrain.parallel.testing import (build_tiny, dcp_drill, full_state, global_batches, run_step, state_diff,
+from parallel_harness import (build_tiny, dcp_drill, full_state, global_batches, run_step, state_diff,
                                          step_context, tiny_config)
 from tracetrain.train.optim import build_optimizer
 

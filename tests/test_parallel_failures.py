@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tracetrain.parallel.launch import free_port
-from tracetrain.parallel.testing import build_tiny, global_batches, tiny_config, train_and_record
+from parallel_harness import build_tiny, global_batches, tiny_config, train_and_record
 from tracetrain.parallel.apply import ParallelModel
 
 TIMEOUT_S = 5
@@ -30,7 +30,8 @@ MODES = ("raise", "hang", "exit")
 
 def _start_drill(mode: str, run_dir: Path) -> list[subprocess.Popen]:
     port = free_port()
-    code = f"from tracetrain.parallel.testing import failure_drill; failure_drill({mode!r}, {str(run_dir)!r}, {TIMEOUT_S})"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from parallel_harness import failure_drill; "
+            f"failure_drill({mode!r}, {str(run_dir)!r}, {TIMEOUT_S})")
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -77,7 +78,7 @@ def test_failure_messages_name_the_rank_and_cause(drills: dict) -> None:
 def _torchrun_node(node_rank: int, port: int, out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
            "--nproc-per-node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rehearsal",
-           "-m", "tracetrain.parallel.smoke", "--out", str(out), "--steps=2"]
+           "-m", "tracetrain.train.smoke", "--out", str(out), "--steps=2"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tracetrain.parallel.launch import launch_local
-from tracetrain.parallel.testing import check_layouts
+from parallel_harness import check_layouts
 
 TOL_LOSS, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-6
 MOE = ["--model.num_experts=4", "--model.experts_top_k=2", "--model.moe_aux_loss_coef=0.01"]

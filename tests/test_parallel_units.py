@@ -14,7 +14,7 @@ from tracetrain.parallel.apply import ParallelModel
 from tracetrain.parallel.context_parallel import CPDocuments, _unzigzag, shard_sequence
 from tracetrain.parallel.mesh import validate_parallel
 from tracetrain.parallel.pipeline import split_layers
-from tracetrain.parallel.testing import build_tiny, global_batches, run_step, step_context, tiny_config
+from parallel_harness import build_tiny, global_batches, run_step, step_context, tiny_config
 from tracetrain.train.optim import build_optimizer
 from tracetrain.train.step import train_step
 

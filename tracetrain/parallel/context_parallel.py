@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from tracetrain.parallel.comm import all_gather_dim
+from tracetrain.parallel.collectives import all_gather_dim
 from tracetrain.parallel.data_parallel import model_blocks
 
 SEQUENCE_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "document_ids")

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from tracetrain.models.moe import GroupedExperts, MoEFeedForward
-from tracetrain.parallel.comm import all_to_all
+from tracetrain.parallel.collectives import all_to_all
 from tracetrain.parallel.data_parallel import model_blocks
 
 

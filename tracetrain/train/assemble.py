@@ -291,6 +291,19 @@ def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None) -> As
     return a
 
 
+def parallelize(model: Transformer, spec: RunSpec, mesh: Any) -> Any:
+    """The layout rows of TRANSFORMS (pipeline_split .. layout) on an already built plain model; returns
+    the ParallelModel (None on one process). For tests and benchmarks that build the model themselves
+    (`assemble` builds it too: use that when the weights row fits)."""
+    names = [t.name for t in TRANSFORMS]
+    a = Assembly(spec=spec, mesh=mesh, model=model, parts=[model])
+    for t in TRANSFORMS[names.index("pipeline_split"):names.index("layout") + 1]:
+        if t.applies(spec):
+            t.apply(a)
+            a.applied.append(t.name)
+    return a.par
+
+
 def step_context(spec: RunSpec, *, optimizer: torch.optim.Optimizer | None = None, par: Any = None,
                  activation_offload: Any = None, scaler: torch.amp.GradScaler | None = None,
                  phase: Callable[[str], Any] | None = None) -> StepContext:

@@ -1,9 +1,9 @@
-"""Test support for the parallel layouts: a tiny model, deterministic global batches, and the training
-step with the `ParallelModel` hooks wired in exactly as `train.step.train_step` should call them.
+"""Test support for the parallel layouts: a tiny model, deterministic global batches, and runs of the
+trainer's own `train_step` (train/step.py) with a layout's `ParallelModel` in its StepContext.
 
-`run_steps` is the reference integration for train_step (see docs/parallel.md, "Integration"); the
-multi-process tests run it for a layout and for a single process on the same global batches, and
-compare losses, gradients (gathered to full tensors) and parameters.
+The multi-process tests run a layout and a single process on the same global batches and compare
+losses, gradients (gathered to full tensors) and parameters. Layouts are applied by the layout rows of
+the trainer's transform table (`tracetrain.train.assemble.parallelize`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from tracetrain.config import Config, load_config
 from tracetrain.models.build import materialize, model_args_from_config
 from tracetrain.parallel.apply import ParallelModel
 from tracetrain.train.optim import build_optimizer
-from tracetrain.train.step import StepContext, StepOutput, autocast, to_device, train_step
+from tracetrain.train.step import StepContext, StepOutput, train_step
 
 TINY = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=128", "--model.vocab_size=128", "--data.seq_len=32", "--train.precision=fp32",
         "--train.device=cpu", "--optim.warmup_steps=0", "--optim.schedule=constant", "--optim.lr=5e-2",
-        "--optim.fused=off", "--optim.eps=1.0"]
+        "--optim.fused=off", "--optim.eps=1.0", "--train.fused_ce=false"]
 
 
 def tiny_config(overrides: list[str]) -> Config:
@@ -66,33 +66,20 @@ def step_context(cfg: Config) -> StepContext:
 
 def run_step(par: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
              ctx: StepContext) -> StepOutput:
-    """`train_step` with the ParallelModel hooks (the integration the trainer adopts)."""
-    if par.pipeline is not None:
-        return train_step(par.module, optimizer, micro_batches, dataclasses.replace(ctx, par=par))
-    model = par.module
-    batches = [par.shard_batch(mb) for mb in micro_batches]        # this rank's rows / sequence chunks
-    num_targets = par.global_num_targets(batches, ctx.device)      # all ranks' targets: exact normalisation
-    total = torch.zeros((), device=ctx.device)
-    for i, mb in enumerate(batches):
-        mb = to_device(mb, ctx.device)
-        with par.micro_batch(is_last=i == len(batches) - 1):       # grad sync choice + loss parallel
-            doc = mb["document_ids"] if ctx.use_document_mask else None
-            with autocast(ctx):
-                logits = model(mb["input_ids"], mb["position_ids"], doc)
-            loss = par.cross_entropy_sum(logits, mb["labels"]) / num_targets
-            loss.backward()
-        total += loss.detach()
-    total = par.reduce_loss(total)                                 # sum of every rank's share
-    max_norm = ctx.grad_clip if ctx.grad_clip > 0 else float("inf")
-    grad_norm = par.clip_grad_norm_(max_norm)
-    finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-    if ctx.fused_skip:
-        optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]  # skipped on the device
-        optimizer.step()
-    elif bool(finite):  # host sync, only without the fused kernel (CPU)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss=total, grad_norm=grad_norm, finite=finite, diverged=~finite)
+    """The trainer's `train_step` for the layout `par` (its hooks ride in the StepContext, as in the trainer)."""
+    return train_step(par.module, optimizer, micro_batches, dataclasses.replace(ctx, par=par))
+
+
+def apply_layout(cfg: Config, model: nn.Module, world_size: int, mesh: object = None) -> ParallelModel:
+    """`model` with cfg's layout applied by the transform table's layout rows (on `mesh`, default a new
+    mesh over the `world_size` ranks)."""
+    from tracetrain.parallel.mesh import build_mesh
+    from tracetrain.spec import resolve
+    from tracetrain.train.assemble import parallelize
+    mesh = mesh if mesh is not None else build_mesh(cfg.parallel, "cpu")
+    par = parallelize(model, resolve(cfg, torch.device("cpu"), world_size), mesh)  # type: ignore[arg-type]
+    assert par is not None
+    return par
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -209,7 +196,6 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
     from tracetrain.models.build import model_args_from_config
     from tracetrain.models.moe import set_aux_loss_weight
     from tracetrain.parallel import dist as tdist
-    from tracetrain.parallel.apply import parallelize
     from tracetrain.parallel.mesh import build_mesh, validate_parallel
 
     torch.set_num_threads(1)
@@ -230,7 +216,7 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
         # MoE aux-loss weight: the mean over the step's micro-batches and data-parallel ranks.
         set_aux_loss_weight(reference.module, cfg.model.moe_aux_loss_coef / len(ref_steps[0]))
         ref = train_and_record(reference, cfg, ref_steps)
-        par = parallelize(build_tiny(cfg), pm, cfg, device=torch.device("cpu"))
+        par = apply_layout(cfg, build_tiny(cfg), info.world_size, pm)
         set_aux_loss_weight(par.module, cfg.model.moe_aux_loss_coef / (accum * dp))
         probe = _accumulation_probe(par, cfg, steps[0][0]) if accum > 1 else None
         got = train_and_record(par, cfg, steps)
@@ -311,8 +297,6 @@ def dcp_drill(run_dir: str) -> None:
     from pathlib import Path
 
     from tracetrain.parallel import dist as tdist
-    from tracetrain.parallel.apply import parallelize
-    from tracetrain.parallel.mesh import build_mesh
     from tracetrain.train.sharded_checkpoint import load_sharded, save_sharded
 
     torch.set_num_threads(1)
@@ -323,7 +307,7 @@ def dcp_drill(run_dir: str) -> None:
 
     def setup(overrides: list[str], seed: int) -> tuple[ParallelModel, torch.optim.Optimizer]:
         cfg = tiny_config(overrides + [f"--train.seed={seed}"])
-        par = parallelize(build_tiny(cfg), build_mesh(cfg.parallel, "cpu"), cfg, device=torch.device("cpu"))
+        par = apply_layout(cfg, build_tiny(cfg), info.world_size)
         return par, build_optimizer(par.module, cfg.optim, torch.device("cpu"))
 
     par, opt = setup(["--parallel.dp_shard=4"], seed=0)

@@ -1,0 +1,107 @@
+"""The architecture's rules, checked on the source (docs/architecture.md): folders import one way, each
+transform is a row of the one table, one definition of shared constants, no test helpers in the library."""
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from tracetrain.train.assemble import TRANSFORMS
+
+PKG = Path(__file__).resolve().parents[1] / "tracetrain"
+
+
+def _node(module: str) -> str | None:
+    """The folder (or top-level module) a `tracetrain.*` module belongs to."""
+    parts = module.split(".")
+    if parts[0] != "tracetrain":
+        return None
+    return parts[1] if len(parts) > 1 else "tracetrain"
+
+
+def _imports() -> dict[str, dict[str, set[str]]]:
+    """folder -> imported folder -> the files that import it."""
+    edges: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).with_suffix("")
+        src = rel.parts[0] if len(rel.parts) > 1 else rel.parts[0]
+        if rel.parts == ("__init__",):
+            src = "tracetrain"
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for name in names:
+                dst = _node(name)
+                if dst and dst != src:
+                    edges[src][dst].add(str(rel))
+    return edges
+
+
+def test_no_import_cycle_between_folders():
+    edges = _imports()
+    graph = {a: set(b) for a, b in edges.items()}
+    # Any cycle (not only two-way pairs): depth-first search with colours.
+    colour: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in colour and (found := visit(nxt)):
+                return found
+        stack.pop()
+        colour[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in colour and (cycle := visit(start)):
+            hops = [f"{a} -> {b} ({', '.join(sorted(edges[a][b]))})" for a, b in zip(cycle, cycle[1:])]
+            raise AssertionError("import cycle between folders:\n  " + "\n  ".join(hops))
+
+
+# Calls of a transform outside the table, each with its reason: not a step of assembling a run.
+NOT_ASSEMBLY = {
+    ("models/hf.py", "apply_lora"): "loading a PEFT adapter folder onto a model for inference or export",
+}
+
+
+def _calls(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            out.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return out
+
+
+def test_every_transform_is_applied_only_from_the_table():
+    """The model's `apply_*` transforms are called from train/assemble.py alone."""
+    table_calls = {c for c in _calls(PKG / "train" / "assemble.py") if c.startswith("apply_")}
+    assert {"apply_lora", "apply_fp8", "apply_recompute", "apply_compile", "apply_data_parallel",
+            "apply_tensor_parallel", "apply_activation_offload", "apply_fused_ce"} <= table_calls
+    offenders = sorted(f"{rel}: {name}" for path in PKG.rglob("*.py") if path.name != "assemble.py"
+                       for rel in [str(path.relative_to(PKG))] for name in _calls(path) & table_calls
+                       if (rel, name) not in NOT_ASSEMBLY)
+    assert not offenders, f"transforms applied outside the table: {offenders}"
+    names = [t.name for t in TRANSFORMS]
+    assert len(names) == len(set(names)) and all(t.why for t in TRANSFORMS)
+    # The order the docs promise: LoRA before every wrapper, recompute before compile before FSDP.
+    assert names.index("lora") < names.index("fp8") < names.index("tensor_parallel") < names.index("recompute") \
+        < names.index("compile") < names.index("data_parallel") < names.index("optimizer")
+
+
+def test_shared_constants_and_step_context_have_one_home():
+    defs = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if re.search(r"^IGNORE_INDEX\s*=", p.read_text(), re.M)]
+    assert defs == ["labels.py"]
+    builders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+                if re.search(r"(?<![\w.])StepContext\(", p.read_text()) and p.name != "step.py"]
+    assert builders == ["train/assemble.py"], builders
+
+
+def test_no_test_helpers_in_the_library():
+    assert not (PKG / "parallel" / "testing.py").exists()
+    for path in PKG.rglob("*.py"):
+        assert "import pytest" not in path.read_text(), path
