@@ -12,12 +12,15 @@ import select
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tracetrain import __version__
 from tracetrain.errors import TracetrainError
 
-EPILOG_OVERRIDES = ("Any config key can be overridden as --section.key=value, e.g. --optim.lr=3e-4 "
-                    "--data.path=my.jsonl --train.steps=200. `tracetrain config --reference` lists every key.")
+EPILOG_OVERRIDES = (
+    "Any config key can be overridden as --section.key=value, e.g. --optim.lr=3e-4 "
+    "--data.path=my.jsonl --train.steps=200. `tracetrain config --reference` lists every key."
+)
 
 
 def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
@@ -37,10 +40,10 @@ def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
-    from tracetrain.train.evaluation import exact_match_eval, run_eval
     from tracetrain.data import build_datasets
     from tracetrain.inference import load_trained
     from tracetrain.train.assemble import step_context
+    from tracetrain.train.evaluation import exact_match_eval, run_eval
 
     if a.output:
         _check_output_path(a.output, "--output")  # before the model loads and the answers are generated
@@ -50,16 +53,28 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     ctx = step_context(loaded.spec)  # scored exactly as the training run's evaluations were
     result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
     if a.output and not (cfg.train.eval_generate and getattr(eval_ds, "examples", [])):
-        raise TracetrainError("--output writes generated answers, but none are scored: this run has no held-out "
-                              "examples or train.eval_generate = 0 (set e.g. --train.eval_generate=200)")
-    result.update(exact_match_eval(loaded.model, loaded.tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, None,
-                                   samples_path=Path(a.output) if a.output else None))
+        raise TracetrainError(
+            "--output writes generated answers, but none are scored: this run has no held-out "
+            "examples or train.eval_generate = 0 (set e.g. --train.eval_generate=200)"
+        )
+    result.update(
+        exact_match_eval(
+            loaded.model,
+            loaded.tokenizer,
+            getattr(eval_ds, "examples", []),
+            cfg,
+            ctx,
+            None,
+            samples_path=Path(a.output) if a.output else None,
+        )
+    )
     print(json.dumps(result, indent=2))
     return 0
 
 
 def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     import torch
+
     from tracetrain.inference import load_trained
     from tracetrain.models.generate import bad_generation_option, generate_records, prompt_record, read_prompts_jsonl
 
@@ -71,8 +86,14 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
         raise TracetrainError("--chat takes --prompt TEXT (one user message each), not --prompts-file or --raw")
     if a.system is not None and not a.chat:
         raise TracetrainError("--system goes with --chat")
-    bad = bad_generation_option(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, temperature=a.temperature,
-                                top_k=a.top_k, top_p=a.top_p, gpu_window=a.gpu_window)
+    bad = bad_generation_option(
+        max_new_tokens=a.max_new_tokens,
+        batch_size=a.batch_size,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        gpu_window=a.gpu_window,
+    )
     if bad is not None:
         raise TracetrainError(f"--{bad[0].replace('_', '-')} {bad[1]}: must be {bad[2]}")
     output = Path(a.output) if a.output else None
@@ -84,21 +105,44 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     data = loaded.cfg.data
     if a.chat:  # the run's chat template around each --prompt (and --system), answered until end-of-turn
         from tracetrain.models.chat import generate_chat
+
         lines, summary = generate_chat(
-            loaded.model, loaded.tokenizer, loaded.cfg, a.prompt, a.system, max_new_tokens=a.max_new_tokens,
-            stop=a.stop, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+            loaded.model,
+            loaded.tokenizer,
+            loaded.cfg,
+            a.prompt,
+            a.system,
+            max_new_tokens=a.max_new_tokens,
+            stop=a.stop,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
             generator=torch.Generator(device=loaded.device).manual_seed(a.seed),
             dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
-            kv_offload=a.kv_offload, gpu_window=a.gpu_window)
+            kv_offload=a.kv_offload,
+            gpu_window=a.gpu_window,
+        )
     else:
-        records = read_prompts_jsonl(a.prompts_file, data, a.raw) if a.prompts_file else \
-            [prompt_record({"prompt": p}, data, a.raw) for p in a.prompt]
+        records = (
+            read_prompts_jsonl(a.prompts_file, data, a.raw)
+            if a.prompts_file
+            else [prompt_record({"prompt": p}, data, a.raw) for p in a.prompt]
+        )
         lines, summary = generate_records(
-            loaded.model, loaded.tokenizer, records, max_new_tokens=a.max_new_tokens, stop=a.stop,
-            batch_size=a.batch_size, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+            loaded.model,
+            loaded.tokenizer,
+            records,
+            max_new_tokens=a.max_new_tokens,
+            stop=a.stop,
+            batch_size=a.batch_size,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
             generator=torch.Generator(device=loaded.device).manual_seed(a.seed),
             dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
-            kv_offload=a.kv_offload, gpu_window=a.gpu_window)
+            kv_offload=a.kv_offload,
+            gpu_window=a.gpu_window,
+        )
     text = "".join(json.dumps(line) + "\n" for line in lines)
     if output is not None:
         try:
@@ -113,8 +157,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.inference import load_trained
-    from tracetrain.models.export import EXPORT_DTYPES, check_export_target, export_run_hf, export_run_peft, \
-        parse_size
+    from tracetrain.models.export import EXPORT_DTYPES, check_export_target, export_run_hf, export_run_peft, parse_size
 
     targets = [Path(p) for p in (a.peft, a.hf) if p]
     if not targets:
@@ -143,9 +186,16 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
     """Build the configured data as `train` would; print its statistics and --show N examples."""
     from rich.console import Console
+
     from tracetrain.config import load_config
-    from tracetrain.data.inspect import DataReport, console_progress, examples_json, inspect_data, render_plain, \
-        render_terminal
+    from tracetrain.data.inspect import (
+        DataReport,
+        console_progress,
+        examples_json,
+        inspect_data,
+        render_plain,
+        render_terminal,
+    )
 
     if a.show is not None and a.show < 0:
         raise TracetrainError(f"--show {a.show}: must be >= 0")
@@ -179,8 +229,15 @@ def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
         steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
         # The window decides the length, not the data (epochs 0). The learning rate does not change what a
         # step costs: a warmup longer than the window is cut to it.
-        cfg = cfg.replace({"train.steps": steps, "train.epochs": 0, "optim.warmup_steps": min(cfg.optim.warmup_steps, steps - 1),
-                           "checkpoint.save_final": False, "train.eval_generate": 0})
+        cfg = cfg.replace(
+            {
+                "train.steps": steps,
+                "train.epochs": 0,
+                "optim.warmup_steps": min(cfg.optim.warmup_steps, steps - 1),
+                "checkpoint.save_final": False,
+                "train.eval_generate": 0,
+            }
+        )
     result = train(cfg)
     for key in ("trace", "report_html", "report_json"):
         if key in result.summary:
@@ -193,7 +250,7 @@ def cmd_analyze(a: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise TracetrainError(f"analyze takes no config overrides (got {' '.join(overrides)})")
-    result = analyze(a.paths, device_name=a.device_name)
+    result: Any = analyze(a.paths, device_name=a.device_name)  # a Report, or a CompareReport below
     if a.compare:
         result = compare(result, analyze(a.compare, device_name=a.device_name))
     _show(result, a, render_terminal, render_html, render_json)
@@ -203,6 +260,7 @@ def cmd_analyze(a: argparse.Namespace, overrides: list[str]) -> int:
 def _show(result: object, a: argparse.Namespace, terminal: Callable, html: Callable, as_json: Callable) -> None:
     """Render a report to the console (wide when not a terminal) and to --html / --json files."""
     from rich.console import Console
+
     console = Console()
     terminal(result, console if console.is_terminal else Console(width=160))
     if a.html:
@@ -240,21 +298,36 @@ def _write_output(path: str, flag: str, text: str) -> None:
 def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.config import load_config
     from tracetrain.models.build import model_args_from_config
-    from tracetrain.plan import plan, plan_input_from_config, plan_to_config_overrides, render_html, render_json, \
-        render_terminal, search
+    from tracetrain.plan import (
+        plan,
+        plan_input_from_config,
+        plan_to_config_overrides,
+        render_html,
+        render_json,
+        render_terminal,
+        search,
+    )
     from tracetrain.validate import validate_run
 
     cfg = load_config(a.config, overrides)
     validate_run(cfg, model_args_from_config(cfg))  # plan only runs that train would accept
     inp = plan_input_from_config(cfg, num_gpus=a.gpus, gpu=a.gpu)
-    changes = {k: v for k, v in (("gpu_memory_gib", a.gpu_memory_gib), ("host_memory_gib", a.host_memory_gib),
-                                 ("gpus_per_node", a.gpus_per_node)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("gpu_memory_gib", a.gpu_memory_gib),
+            ("host_memory_gib", a.host_memory_gib),
+            ("gpus_per_node", a.gpus_per_node),
+        )
+        if v is not None
+    }
     inp = inp.replace(**changes) if changes else inp
     result = search(inp, a.gpus, a.top) if a.search else plan(inp)
     if a.search and not result:
         raise TracetrainError(f"no layout of {a.gpus} GPU(s) fits; try more GPUs, recomputation or offload")
     _show(result, a, render_terminal, render_html, render_json)
     if a.search:
+        assert isinstance(result, list)  # search() returns the ranked plans
         print("overrides for the top row: " + " ".join(plan_to_config_overrides(result[0])))
     return 0
 
@@ -264,8 +337,10 @@ def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.models.presets import PRESETS
 
     for name, args in PRESETS.items():
-        print(f"{name:<14} {num_params(args) / 1e9:>7.3f}B  dim {args.dim:<5} layers {args.n_layers:<3} "
-              f"heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.vocab_size}")
+        print(
+            f"{name:<14} {num_params(args) / 1e9:>7.3f}B  dim {args.dim:<5} layers {args.n_layers:<3} "
+            f"heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.vocab_size}"
+        )
     return 0
 
 
@@ -277,93 +352,167 @@ def cmd_config(a: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace, list[str]], int]]]:
-    p = argparse.ArgumentParser(prog="tracetrain", description="Train and fine-tune Llama-family models, "
-                                "and see where every millisecond and gigabyte goes.")
+    p = argparse.ArgumentParser(
+        prog="tracetrain",
+        description="Train and fine-tune Llama-family models, and see where every millisecond and gigabyte goes.",
+    )
     p.add_argument("--version", action="version", version=f"tracetrain {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {}
 
-    t = sub.add_parser("train", help="train or fine-tune (default: a tiny model on a built-in task)",
-                       epilog=EPILOG_OVERRIDES)
+    t = sub.add_parser(
+        "train", help="train or fine-tune (default: a tiny model on a built-in task)", epilog=EPILOG_OVERRIDES
+    )
     t.add_argument("--config", help="TOML config file (default: built-in defaults)")
     t.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its latest checkpoint")
     handlers["train"] = cmd_train
 
-    for name, helptext in (("eval", "held-out loss, perplexity and exact match of a trained run"),
-                           ("generate", "sample from a trained run")):
+    for name, helptext in (
+        ("eval", "held-out loss, perplexity and exact match of a trained run"),
+        ("generate", "sample from a trained run"),
+    ):
         s = sub.add_parser(name, help=helptext, epilog=EPILOG_OVERRIDES)
         s.add_argument("path", help="run directory (latest checkpoint) or checkpoint folder")
         s.add_argument("--device", default="auto")
         handlers[name] = cmd_eval if name == "eval" else cmd_generate
-        s.add_argument("--output", metavar="OUT.jsonl", help="write one JSON line per prompt (generate) or per "
-                       "scored held-out example: prompt, reference, prediction, correct (eval)")
+        s.add_argument(
+            "--output",
+            metavar="OUT.jsonl",
+            help="write one JSON line per prompt (generate) or per "
+            "scored held-out example: prompt, reference, prediction, correct (eval)",
+        )
         if name == "generate":
             s.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-            s.add_argument("--prompts-file", metavar="FILE.jsonl", help="JSONL, one prompt per line: a 'prompt' "
-                           "field, or the run's instruction (+ context) fields; optional 'stop', 'max_new_tokens'")
-            s.add_argument("--stop", action="append", default=[], metavar="STR",
-                           help="stop when the continuation contains STR (repeatable; cut from the completion)")
+            s.add_argument(
+                "--prompts-file",
+                metavar="FILE.jsonl",
+                help="JSONL, one prompt per line: a 'prompt' "
+                "field, or the run's instruction (+ context) fields; optional 'stop', 'max_new_tokens'",
+            )
+            s.add_argument(
+                "--stop",
+                action="append",
+                default=[],
+                metavar="STR",
+                help="stop when the continuation contains STR (repeatable; cut from the completion)",
+            )
             s.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
-            s.add_argument("--kv-offload", action="store_true",
-                           help="keep the KV cache in pinned CPU memory, streamed to the GPU layer by layer")
-            s.add_argument("--gpu-window", type=int, default=0, metavar="N",
-                           help="with --kv-offload: keep the N most recent positions of every layer on the GPU")
+            s.add_argument(
+                "--kv-offload",
+                action="store_true",
+                help="keep the KV cache in pinned CPU memory, streamed to the GPU layer by layer",
+            )
+            s.add_argument(
+                "--gpu-window",
+                type=int,
+                default=0,
+                metavar="N",
+                help="with --kv-offload: keep the N most recent positions of every layer on the GPU",
+            )
             s.add_argument("--max-new-tokens", type=int, default=128, help=">= 0")
             s.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy")
             s.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off")
             s.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
             s.add_argument("--seed", type=int, default=0)
-            s.add_argument("--raw", action="store_true",
-                           help="send the prompt as is (default: wrap it in the run's prompt template)")
-            s.add_argument("--chat", action="store_true", help="send each --prompt as a user message through the "
-                           "run's chat template (generation prompt added); stop at EOS or end-of-turn")
+            s.add_argument(
+                "--raw",
+                action="store_true",
+                help="send the prompt as is (default: wrap it in the run's prompt template)",
+            )
+            s.add_argument(
+                "--chat",
+                action="store_true",
+                help="send each --prompt as a user message through the "
+                "run's chat template (generation prompt added); stop at EOS or end-of-turn",
+            )
             s.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user message")
 
     e = sub.add_parser("export", help="export a trained run to Hugging Face and/or PEFT format")
     e.add_argument("path", help="run directory or checkpoint folder")
-    e.add_argument("--hf", metavar="OUT_DIR", help="write a transformers model folder: config.json, "
-                   "generation_config.json, safetensors (adapters merged), tokenizer files, README.md")
+    e.add_argument(
+        "--hf",
+        metavar="OUT_DIR",
+        help="write a transformers model folder: config.json, "
+        "generation_config.json, safetensors (adapters merged), tokenizer files, README.md",
+    )
     e.add_argument("--peft", metavar="OUT_DIR", help="write a PEFT LoRA adapter (+ tokenizer files)")
-    e.add_argument("--overwrite", action="store_true", help="replace OUT_DIR when it holds an earlier tracetrain "
-                   "export (recognised by its tracetrain_export.json); never a run, a checkpoint or other files")
-    e.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="dtype of the --hf weights (default: the "
-                   "run's train.precision when fp32 or fp16, else bf16; bf16 for LoRA runs)")
-    e.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                   help="split --hf weights into safetensors shards of at most SIZE (e.g. 5GB, 500MB, 2GiB)")
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR when it holds an earlier tracetrain "
+        "export (recognised by its tracetrain_export.json); never a run, a checkpoint or other files",
+    )
+    e.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        help="dtype of the --hf weights (default: the "
+        "run's train.precision when fp32 or fp16, else bf16; bf16 for LoRA runs)",
+    )
+    e.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="split --hf weights into safetensors shards of at most SIZE (e.g. 5GB, 500MB, 2GiB)",
+    )
     handlers["export"] = cmd_export
 
-    d = sub.add_parser("data", help="build the configured data as training would; show statistics and examples "
-                       "with the trained tokens marked", epilog=EPILOG_OVERRIDES)
+    d = sub.add_parser(
+        "data",
+        help="build the configured data as training would; show statistics and examples with the trained tokens marked",
+        epilog=EPILOG_OVERRIDES,
+    )
     d.add_argument("--config", help="TOML config file (default: built-in defaults)")
-    d.add_argument("--show", type=int, metavar="N", help="show the first N examples of the data file, trained tokens "
-                   "highlighted (in a terminal) or wrapped in ⟦ ⟧ (default 0; 3 with --json)")
-    d.add_argument("--json", dest="as_json", action="store_true", help="print the examples as a JSON list of "
-                   "{where, text, trained_text, trained_spans, num_tokens, num_trained}; statistics go to stderr")
+    d.add_argument(
+        "--show",
+        type=int,
+        metavar="N",
+        help="show the first N examples of the data file, trained tokens "
+        "highlighted (in a terminal) or wrapped in ⟦ ⟧ (default 0; 3 with --json)",
+    )
+    d.add_argument(
+        "--json",
+        dest="as_json",
+        action="store_true",
+        help="print the examples as a JSON list of "
+        "{where, text, trained_text, trained_spans, num_tokens, num_trained}; statistics go to stderr",
+    )
     d.add_argument("--stats-json", metavar="FILE", help="also write the statistics as JSON to FILE")
     handlers["data"] = cmd_data
 
-    pr = sub.add_parser("profile", help="train with a profiled window of steps, then analyze the trace",
-                        epilog="Window: --profile.start_step=N --profile.num_steps=K. " + EPILOG_OVERRIDES)
+    pr = sub.add_parser(
+        "profile",
+        help="train with a profiled window of steps, then analyze the trace",
+        epilog="Window: --profile.start_step=N --profile.num_steps=K. " + EPILOG_OVERRIDES,
+    )
     pr.add_argument("--config", help="TOML config file")
     pr.add_argument("--full-run", action="store_true", help="keep training after the window (default: stop)")
     handlers["profile"] = cmd_profile
 
-    an = sub.add_parser("analyze", help="explain where time goes in PyTorch profiler traces or Nsight Systems "
-                                        "SQLite exports")
-    an.add_argument("paths", nargs="+", help="trace files (Kineto .json / .json.gz, one per rank; or an "
-                                             "`nsys export --type sqlite` file) or a folder of them")
+    an = sub.add_parser(
+        "analyze", help="explain where time goes in PyTorch profiler traces or Nsight Systems SQLite exports"
+    )
+    an.add_argument(
+        "paths",
+        nargs="+",
+        help="trace files (Kineto .json / .json.gz, one per rank; or an "
+        "`nsys export --type sqlite` file) or a folder of them",
+    )
     an.add_argument("--compare", nargs="+", metavar="PATH", help="second set of traces to compare against")
     an.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     an.add_argument("--json", metavar="FILE", help="write the report as JSON")
     an.add_argument("--device-name", help="GPU name for peak FLOP/s (default: from the trace)")
     handlers["analyze"] = cmd_analyze
 
-    pl = sub.add_parser("plan", help="predict memory per GPU and step time before running; search layouts",
-                        epilog=EPILOG_OVERRIDES)
+    pl = sub.add_parser(
+        "plan", help="predict memory per GPU and step time before running; search layouts", epilog=EPILOG_OVERRIDES
+    )
     pl.add_argument("--config", help="TOML config file (the run to plan)")
     pl.add_argument("--gpus", type=int, default=1, help="number of GPUs")
-    pl.add_argument("--gpu", help="GPU type: h100-sxm, h100-pcie, h100-nvl, h200, gh200, a100, l40s "
-                                  "(default: the visible GPU, else h100-sxm)")
+    pl.add_argument(
+        "--gpu",
+        help="GPU type: h100-sxm, h100-pcie, h100-nvl, h200, gh200, a100, l40s "
+        "(default: the visible GPU, else h100-sxm)",
+    )
     pl.add_argument("--search", action="store_true", help="enumerate layouts and settings, rank those that fit")
     pl.add_argument("--top", type=int, default=10, help="rows to show with --search")
     pl.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
@@ -385,6 +534,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 def _check_flags(a: argparse.Namespace) -> None:
     """Flags shared by several subcommands, checked before any of them starts its (possibly long) work."""
     from tracetrain.config import check_device_spec
+
     if getattr(a, "device", None) is not None:  # eval, generate
         check_device_spec(a.device, "--device")
     for dest, flag in _OUTPUT_FLAGS.items():

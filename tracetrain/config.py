@@ -47,31 +47,54 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    kind: Literal["synthetic", "instruction", "chat", "text"] = fld("synthetic", "Dataset kind: generated task, instruction/response pairs, multi-turn chat "
-                                 "(messages or ShareGPT conversations), or plain text.")
-    path: str = fld("", "Training data: JSONL, a JSON array, Parquet or a datasets save_to_disk folder (text also "
-                        "takes a plain text file). Unused for synthetic.")
+    kind: Literal["synthetic", "instruction", "chat", "text"] = fld(
+        "synthetic",
+        "Dataset kind: generated task, instruction/response pairs, multi-turn chat "
+        "(messages or ShareGPT conversations), or plain text.",
+    )
+    path: str = fld(
+        "",
+        "Training data: JSONL, a JSON array, Parquet or a datasets save_to_disk folder (text also "
+        "takes a plain text file). Unused for synthetic.",
+    )
     eval_path: str = fld("", "Held-out data file; '' = split eval_fraction off the training data.")
     eval_fraction: float = fld(0.05, "Share of examples held out for eval when eval_path is ''.", ge=0, le=0.5)
-    tokenizer: str = fld("auto", "'auto' (model.init_from's tokenizer when it has a tokenizer.json, else 'byte'), "
-                                 "'byte' (built-in byte-level), or a Hugging Face tokenizer folder or tokenizer.json.")
+    tokenizer: str = fld(
+        "auto",
+        "'auto' (model.init_from's tokenizer when it has a tokenizer.json, else 'byte'), "
+        "'byte' (built-in byte-level), or a Hugging Face tokenizer folder or tokenizer.json.",
+    )
     seq_len: int = fld(128, "Tokens per training sequence.", gt=1)
     pack: bool = fld(True, "Pack several examples into each sequence (document-masked attention).")
     template: Literal["alpaca", "plain", "chatml"] = fld("alpaca", "Prompt template for instruction data.")
-    chat_template: str = fld("auto", "Chat data: 'auto' (the tokenizer's own chat_template), a built-in name "
-                                     "(chatml, llama-3, mistral) or a path to a .jinja file.")
-    messages_field: str = fld("messages", "Chat data: field with the list of {role, content} messages; rows with "
-                                          "ShareGPT 'conversations' ({from, value}) are read too.")
+    chat_template: str = fld(
+        "auto",
+        "Chat data: 'auto' (the tokenizer's own chat_template), a built-in name "
+        "(chatml, llama-3, mistral) or a path to a .jinja file.",
+    )
+    messages_field: str = fld(
+        "messages",
+        "Chat data: field with the list of {role, content} messages; rows with "
+        "ShareGPT 'conversations' ({from, value}) are read too.",
+    )
     text_field: str = fld("text", "Text data in JSONL/JSON/Parquet/datasets form: the field holding each document.")
     instruction_field: str = fld("instruction", "JSONL field holding the instruction / question / prompt.")
     context_field: str = fld("context", "JSONL field holding optional context ('' = none).")
     response_field: str = fld("response", "JSONL field holding the target response / answer.")
-    train_on_prompt: bool = fld(False, "Also compute loss on prompt tokens (default: response only; for chat: "
-                                       "every assistant turn with its end-of-turn token).")
-    tokenize: Literal["ahead", "on_the_fly"] = fld("ahead", "Tokenise all data before training ('ahead'), or each row as the loader asks for it "
-                                 "('on_the_fly': no start-up cost, work moves into data.num_workers; needs pack = false).")
-    skip_bad_lines: bool = fld(False, "Skip bad rows (malformed JSON, missing fields, bad chat messages) and "
-                                      "report how many, instead of failing.")
+    train_on_prompt: bool = fld(
+        False,
+        "Also compute loss on prompt tokens (default: response only; for chat: "
+        "every assistant turn with its end-of-turn token).",
+    )
+    tokenize: Literal["ahead", "on_the_fly"] = fld(
+        "ahead",
+        "Tokenise all data before training ('ahead'), or each row as the loader asks for it "
+        "('on_the_fly': no start-up cost, work moves into data.num_workers; needs pack = false).",
+    )
+    skip_bad_lines: bool = fld(
+        False,
+        "Skip bad rows (malformed JSON, missing fields, bad chat messages) and report how many, instead of failing.",
+    )
     synthetic_examples: int = fld(20000, "Number of generated examples for the built-in synthetic task.", gt=0)
     num_workers: int = fld(0, "DataLoader worker processes.", ge=0)
     pin_memory: bool = fld(True, "Pin host batches for faster, asynchronous copies to the GPU.")
@@ -83,22 +106,34 @@ class DataSection:
 class TrainSection:
     mode: Literal["full", "lora"] = fld("full", "Train every weight ('full') or low-rank adapters only ('lora').")
     steps: int = fld(600, "Optimizer steps to run.", gt=0)
-    epochs: float = fld(0.0, "Passes over the training data instead of train.steps (0 = use steps): steps = "
-                             "ceil(epochs * batches per epoch / grad_accum_steps), sized once the data is built.",
-                        ge=0)
+    epochs: float = fld(
+        0.0,
+        "Passes over the training data instead of train.steps (0 = use steps): steps = "
+        "ceil(epochs * batches per epoch / grad_accum_steps), sized once the data is built.",
+        ge=0,
+    )
     micro_batch_size: int = fld(16, "Sequences per forward/backward pass.", gt=0)
     grad_accum_steps: int = fld(1, "Micro-batches accumulated per optimizer step.", gt=0)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = fld("auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU); fp16 uses dynamic "
-                                 "loss scaling.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = fld(
+        "auto", "Compute precision ('auto' = bf16 on GPU, fp32 on CPU); fp16 uses dynamic loss scaling."
+    )
     device: str = fld("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'.")
     compile: Literal["auto", "on", "off"] = fld("auto", "torch.compile each transformer block ('auto' = on for CUDA).")
-    attention: Literal["auto", "sdpa", "flex"] = fld("auto", "Attention kernel: 'flex' (FlexAttention, document masks as block masks), 'sdpa', "
-                                 "or 'auto' (flex for packed rows on CUDA, else sdpa).")
-    fused_kernels: Literal["auto", "on", "off"] = fld("auto", "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off).")
+    attention: Literal["auto", "sdpa", "flex"] = fld(
+        "auto",
+        "Attention kernel: 'flex' (FlexAttention, document masks as block masks), 'sdpa', "
+        "or 'auto' (flex for packed rows on CUDA, else sdpa).",
+    )
+    fused_kernels: Literal["auto", "on", "off"] = fld(
+        "auto", "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off)."
+    )
     fused_ce: bool = fld(True, "Chunked fused lm_head + cross-entropy: full-vocabulary fp32 logits never exist.")
     fused_ce_chunk: int = fld(4096, "Tokens per chunk of the fused lm_head + cross-entropy.", gt=0)
-    fp8: Literal["none", "tensorwise", "rowwise"] = fld("none", "FP8 GEMMs in the blocks (GPU with compute capability >= 8.9): 'tensorwise' or 'rowwise' "
-                           "scaling; LoRA bases are quantised once, full fine-tuning uses torchao.")
+    fp8: Literal["none", "tensorwise", "rowwise"] = fld(
+        "none",
+        "FP8 GEMMs in the blocks (GPU with compute capability >= 8.9): 'tensorwise' or 'rowwise' "
+        "scaling; LoRA bases are quantised once, full fine-tuning uses torchao.",
+    )
     seed: int = fld(0, "Seed for weight init and dropout.")
     grad_clip: float = fld(1.0, "Clip the global gradient norm to this value (0 = off).", ge=0)
     eval_interval: int = fld(200, "Evaluate on the held-out split every N steps (0 = only at the end).", ge=0)
@@ -129,10 +164,15 @@ class LoraSection:
     rank: int = fld(16, "Adapter rank r.", gt=0)
     alpha: float = fld(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", gt=0)
     dropout: float = fld(0.0, "Dropout on the adapter input.", ge=0, le=1)
-    targets: list[str] = fld(["q_proj", "k_proj", "v_proj", "o_proj"],
-                             "Linear layers to adapt, by name ('all-linear' = every projection).")
-    base_dtype: Literal["auto", "fp32", "bf16"] = fld("auto", "dtype of frozen base weights ('auto' = bf16 on GPU, fp32 on CPU).")
-    adapter_dtype: Literal["fp32", "bf16"] = fld("fp32", "dtype of the trained adapter weights (and their optimizer states).")
+    targets: list[str] = fld(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "Linear layers to adapt, by name ('all-linear' = every projection)."
+    )
+    base_dtype: Literal["auto", "fp32", "bf16"] = fld(
+        "auto", "dtype of frozen base weights ('auto' = bf16 on GPU, fp32 on CPU)."
+    )
+    adapter_dtype: Literal["fp32", "bf16"] = fld(
+        "fp32", "dtype of the trained adapter weights (and their optimizer states)."
+    )
 
 
 @dataclass(frozen=True)
@@ -152,17 +192,28 @@ class LoggingSection:
 
 @dataclass(frozen=True)
 class MemorySection:
-    recompute: Literal["none", "full", "selective"] = fld("none", "Activation recomputation: none, full (whole blocks) or selective (cheap ops only).")
+    recompute: Literal["none", "full", "selective"] = fld(
+        "none", "Activation recomputation: none, full (whole blocks) or selective (cheap ops only)."
+    )
     recompute_every: int = fld(1, "Recompute every k-th block only (1 = all blocks).", gt=0)
-    activation_offload: Literal["none", "save_on_cpu", "streamed"] = fld("none", "Move saved activations to pinned CPU memory during forward.")
-    activation_offload_fraction: float = fld(1.0, "Streamed offload: share of blocks offloaded, the first ones "
-                                                  "(1.0 = all but the last; less = faster, less saved).",
-                                             gt=0, le=1)
+    activation_offload: Literal["none", "save_on_cpu", "streamed"] = fld(
+        "none", "Move saved activations to pinned CPU memory during forward."
+    )
+    activation_offload_fraction: float = fld(
+        1.0,
+        "Streamed offload: share of blocks offloaded, the first ones "
+        "(1.0 = all but the last; less = faster, less saved).",
+        gt=0,
+        le=1,
+    )
     optimizer_offload: bool = fld(False, "Keep fp32 master weights and AdamW moments in CPU memory (ZeRO-Offload).")
     offload_threads: int = fld(0, "CPU threads for the offloaded optimizer step (0 = all cores).", ge=0)
-    unified_memory: Literal["none", "optimizer", "model"] = fld("none", "Allocate these in CUDA managed memory (experimental).")
-    coherent_memory: bool = fld(False, "The GPU shares coherent memory with the CPU (GH200): allow managed "
-                                       "memory beyond free GPU memory.")
+    unified_memory: Literal["none", "optimizer", "model"] = fld(
+        "none", "Allocate these in CUDA managed memory (experimental)."
+    )
+    coherent_memory: bool = fld(
+        False, "The GPU shares coherent memory with the CPU (GH200): allow managed memory beyond free GPU memory."
+    )
     expandable_segments: bool = fld(True, "Use the CUDA caching allocator's expandable segments (less fragmentation).")
     oom_snapshot: bool = fld(True, "On CUDA out-of-memory, write an allocator snapshot into the run directory.")
 
@@ -178,8 +229,11 @@ class ProfileSection:
     profile_memory: bool = fld(True, "Record allocator events (memory over time).")
     memory_snapshot: bool = fld(False, "Also dump a CUDA allocator snapshot (pickle) for pytorch.org/memory_viz.")
     nvtx: bool = fld(True, "Emit NVTX ranges for steps and phases (for Nsight Systems).")
-    cuda_profiler_api: bool = fld(False, "Call cudaProfilerStart/Stop around the profiled steps, for "
-                                         "`nsys profile --capture-range=cudaProfilerApi` (the torch profiler is off).")
+    cuda_profiler_api: bool = fld(
+        False,
+        "Call cudaProfilerStart/Stop around the profiled steps, for "
+        "`nsys profile --capture-range=cudaProfilerApi` (the torch profiler is off).",
+    )
     analyze: bool = fld(True, "Analyze the captured trace at the end and write report.html / report.json.")
 
 
@@ -191,10 +245,12 @@ class ParallelSection:
     pp: int = fld(1, "Pipeline-parallel stages.", gt=0)
     cp: int = fld(1, "Context-parallel degree (sequence split across GPUs, ring attention).", gt=0)
     ep: int = fld(1, "Expert-parallel degree (MoE experts sharded; needs model.num_experts > 0).", gt=0)
-    zero_stage: int = fld(3, "With dp_shard > 1: 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP).",
-                          ge=1, le=3)
-    reshard_after_forward: bool = fld(True, "ZeRO-3: free gathered parameters after forward (less memory, "
-                                            "one more all-gather in backward).")
+    zero_stage: int = fld(
+        3, "With dp_shard > 1: 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP).", ge=1, le=3
+    )
+    reshard_after_forward: bool = fld(
+        True, "ZeRO-3: free gathered parameters after forward (less memory, one more all-gather in backward)."
+    )
     sequence_parallel: bool = fld(True, "With tp > 1: shard norms and residuals along the sequence too.")
     loss_parallel: bool = fld(True, "With tp > 1: compute the loss on vocabulary-sharded logits.")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = fld("1f1b", "Pipeline schedule.")
@@ -221,7 +277,8 @@ class Config:
         """A validated copy with dotted keys changed: `cfg.replace({"optim.lr": 1e-4, "train.steps": 100})`.
         Every check of `load_config` runs again (field values and cross-field rules)."""
         raw: dict[str, dict[str, Any]] = {
-            name: {k: v for k, v in values.items() if v is not None} for name, values in to_dict(self).items()}
+            name: {k: v for k, v in values.items() if v is not None} for name, values in to_dict(self).items()
+        }
         for key, value in changes.items():
             section, dot, name = key.partition(".")
             if not dot:
@@ -232,6 +289,7 @@ class Config:
 
 # ----------------------------------------------------------------------------------------------------
 # Loading and validation
+
 
 def _allowed_types(tp: Any) -> tuple[tuple[type, ...], bool]:
     """Python types a TOML value may have for annotation `tp`, and whether None is allowed."""
@@ -268,7 +326,7 @@ def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise ConfigError(f"config key '{key}': {value!r} is not {_describe(tp)}")
     if float in kinds:
-        value = float(value)
+        value = float(value)  # type: ignore[arg-type]  # an int or float: checked by isinstance above
         # TOML spells inf and nan, and 1e400 overflows to inf: no float setting means anything there.
         if not math.isfinite(value):
             raise ConfigError(f"config key '{key}': {value!r} is not a finite number")
@@ -279,8 +337,11 @@ def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
     if choices and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"config key '{key}': {value!r} is not allowed; choose one of {allowed}")
-    for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                            ("le", lambda v, b: v <= b, "<=")):
+    for bound, ok, word in (
+        ("ge", lambda v, b: v >= b, ">="),
+        ("gt", lambda v, b: v > b, ">"),
+        ("le", lambda v, b: v <= b, "<="),
+    ):
         if meta.get(bound) is not None and not ok(value, meta[bound]):
             raise ConfigError(f"config key '{key}': {value!r} is out of range; it must be {word} {meta[bound]}")
     return value
@@ -332,9 +393,11 @@ def check_warmup(optim: OptimSection, total_steps: int, where: str = "", source:
     train.epochs once the data is built (that caller passes it, and `source` = e.g. "train.epochs = 2").
     """
     if optim.warmup_steps >= total_steps:
-        raise ConfigError(f"{where}config key 'optim.warmup_steps': {optim.warmup_steps} is not shorter than the "
-                          f"run ({total_steps} steps from {source}); set it below {total_steps} "
-                          f"(e.g. --optim.warmup_steps={total_steps // 10})")
+        raise ConfigError(
+            f"{where}config key 'optim.warmup_steps': {optim.warmup_steps} is not shorter than the "
+            f"run ({total_steps} steps from {source}); set it below {total_steps} "
+            f"(e.g. --optim.warmup_steps={total_steps // 10})"
+        )
 
 
 def _check_data_path_used(data: DataSection, where: str) -> None:
@@ -345,8 +408,10 @@ def _check_data_path_used(data: DataSection, where: str) -> None:
         if getattr(data, key):
             # Listed from the field's own choices, so a new data kind needs no edit here.
             kinds = [k for k in field_choices(DataSection, "kind") if k != "synthetic"]
-            raise ConfigError(f"{where}config key 'data.{key}': {getattr(data, key)!r} is ignored with "
-                              f"data.kind = 'synthetic'; set data.kind to one of {', '.join(kinds)}")
+            raise ConfigError(
+                f"{where}config key 'data.{key}': {getattr(data, key)!r} is ignored with "
+                f"data.kind = 'synthetic'; set data.kind to one of {', '.join(kinds)}"
+            )
 
 
 def _field(section: type, name: str) -> dataclasses.Field:
@@ -356,25 +421,35 @@ def _field(section: type, name: str) -> dataclasses.Field:
 def _check_cross_fields(cfg: Config, where: str) -> None:
     _check_data_path_used(cfg.data, where)
     if cfg.train.epochs and cfg.train.steps != TrainSection.steps:  # steps left at its default: epochs decides
-        raise ConfigError(f"{where}config keys 'train.steps' ({cfg.train.steps}) and 'train.epochs' "
-                          f"({cfg.train.epochs}) are both set; set one (epochs sizes the run from the data)")
+        raise ConfigError(
+            f"{where}config keys 'train.steps' ({cfg.train.steps}) and 'train.epochs' "
+            f"({cfg.train.epochs}) are both set; set one (epochs sizes the run from the data)"
+        )
     if cfg.data.kind in ("instruction", "chat", "text") and not cfg.data.path:
         raise ConfigError(f"{where}config key 'data.path' is required when data.kind = '{cfg.data.kind}'")
     if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind == "text"):
-        raise ConfigError(f"{where}config key 'data.tokenize': 'on_the_fly' needs data.pack = false and "
-                          "instruction or synthetic data (packing must know every length ahead of time)")
+        raise ConfigError(
+            f"{where}config key 'data.tokenize': 'on_the_fly' needs data.pack = false and "
+            "instruction or synthetic data (packing must know every length ahead of time)"
+        )
     mem = cfg.memory
     if mem.optimizer_offload and (cfg.train.mode == "lora" or cfg.train.precision == "fp16"):
-        raise ConfigError(f"{where}config key 'memory.optimizer_offload' works with full fine-tuning in bf16 or "
-                          "fp32 (LoRA optimizer states are tiny; fp16 loss scaling is not supported with it)")
+        raise ConfigError(
+            f"{where}config key 'memory.optimizer_offload' works with full fine-tuning in bf16 or "
+            "fp32 (LoRA optimizer states are tiny; fp16 loss scaling is not supported with it)"
+        )
     if mem.optimizer_offload and mem.unified_memory == "optimizer":
-        raise ConfigError(f"{where}config keys 'memory.optimizer_offload' and memory.unified_memory = 'optimizer' "
-                          "both place optimizer states; choose one")
+        raise ConfigError(
+            f"{where}config keys 'memory.optimizer_offload' and memory.unified_memory = 'optimizer' "
+            "both place optimizer states; choose one"
+        )
     if cfg.data.num_workers == 0 and cfg.data.prefetch_factor != 2:
         raise ConfigError(f"{where}config key 'data.prefetch_factor' needs data.num_workers > 0")
     if cfg.train.attention == "flex" and cfg.train.device == "cpu":
-        raise ConfigError(f"{where}config key 'train.attention': 'flex' trains on CUDA only (FlexAttention has no "
-                          "CPU backward); use 'sdpa' or 'auto'")
+        raise ConfigError(
+            f"{where}config key 'train.attention': 'flex' trains on CUDA only (FlexAttention has no "
+            "CPU backward); use 'sdpa' or 'auto'"
+        )
     check_device_spec(cfg.train.device, f"{where}config key 'train.device'")
 
 
@@ -404,9 +479,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         text = data.decode("utf-8")  # TOML is UTF-8 by definition, whatever the locale says
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text "
-                          "(TOML files must be saved as UTF-8)") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text (TOML files must be saved as UTF-8)"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -463,14 +539,23 @@ def reference_markdown() -> str:
     out: list[str] = []
     for sf in dataclasses.fields(Config):
         out += [f"### [{sf.name}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(sf.default_factory()):  # type: ignore[misc]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        for f in dataclasses.fields(sf.default_factory()):  # type: ignore[operator]  # sections have factories
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]  # list fields
             m = f.metadata
             choices = field_choices(sf.default_factory, f.name)  # type: ignore[arg-type]  # a section class
-            allowed = " / ".join(choices) if choices else " ".join(
-                s for s in (f">= {m['ge']}" if m.get("ge") is not None else "",
-                            f"> {m['gt']}" if m.get("gt") is not None else "",
-                            f"<= {m['le']}" if m.get("le") is not None else "") if s)
+            allowed = (
+                " / ".join(choices)
+                if choices
+                else " ".join(
+                    s
+                    for s in (
+                        f">= {m['ge']}" if m.get("ge") is not None else "",
+                        f"> {m['gt']}" if m.get("gt") is not None else "",
+                        f"<= {m['le']}" if m.get("le") is not None else "",
+                    )
+                    if s
+                )
+            )
             shown = "(preset)" if default is None else f"`{_toml_value(default)}`"
             out.append(f"| `{f.name}` | {shown} | {allowed} | {m['doc']} |")
         out.append("")

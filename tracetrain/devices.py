@@ -11,10 +11,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str
-    bf16_tflops: float        # dense (no sparsity)
+    bf16_tflops: float  # dense (no sparsity)
     fp8_tflops: float
-    fp32_tflops: float        # plain (non-tensor-core) fp32
-    memory_gib: float         # as the driver reports it (nvidia-smi's total), in GiB
+    fp32_tflops: float  # plain (non-tensor-core) fp32
+    memory_gib: float  # as the driver reports it (nvidia-smi's total), in GiB
     hbm_tb_s: float
 
 
@@ -46,5 +46,6 @@ def peak_flops(device_name: str, precision: str, override_tflops: float = 0.0) -
     spec = lookup_device(device_name)
     if spec is None:
         return None
-    return {"bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops, "fp8": spec.fp8_tflops,
-            "fp32": spec.fp32_tflops}[precision] * 1e12
+    return {"bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops, "fp8": spec.fp8_tflops, "fp32": spec.fp32_tflops}[
+        precision
+    ] * 1e12

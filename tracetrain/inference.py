@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from tracetrain.config import Config, load_config
 from tracetrain.data import load_tokenizer
 from tracetrain.errors import CheckpointError
+from tracetrain.models.llama import Transformer
 from tracetrain.spec import RunSpec, resolve
 from tracetrain.train.assemble import assemble
 from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
@@ -26,19 +26,21 @@ from tracetrain.train.runtime import resolve_device
 
 @dataclass
 class Loaded:
-    model: nn.Module   # a Transformer, with the run's model transforms applied
+    model: Transformer  # with the run's model transforms applied (LoRA, attention, kernels, FP8, ...)
     tokenizer: Any
     cfg: Config
     checkpoint: Path
     device: torch.device
     precision: str
-    spec: RunSpec      # the run's spec on this device: `step_context(spec)` scores as training did
+    spec: RunSpec  # the run's spec on this device: `step_context(spec)` scores as training did
 
 
 def _is_checkpoint_folder(p: Path) -> bool:
     if (p / MANIFEST).is_file() and STEP_DIR.match(p.name):
         return True
-    return ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()) and (p / "config.toml").is_file()
+    return ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()) and (
+        p / "config.toml"
+    ).is_file()
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -61,11 +63,12 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
     # model rows: weights, MoE, LoRA, attention, kernels, FP8, recompute, compile (no optimizer).
     spec = resolve(cfg, dev)
     precision = spec.precision
-    model = assemble(spec, until="compile").module
+    model = assemble(spec, until="compile").plain()
     if (ckpt / "dcp" / ".metadata").is_file():
         # Saved by several ranks (train/sharded_checkpoint.py): DCP gathers every shard into this single
         # process's full tensors, whatever layout wrote them (no process group needed).
         from tracetrain.train.sharded_checkpoint import load_sharded
+
         load_sharded(ckpt, model, None)
     else:
         # As the trainer saved it: adapters only when the frozen base comes from model.init_from.

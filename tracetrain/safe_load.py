@@ -31,8 +31,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_sentence(e)}); "
-                              "it is truncated, empty or corrupt") from None
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({_first_sentence(e)}); it is truncated, empty or corrupt"
+        ) from None
 
 
 def open_safetensors(path: Path) -> Any:
@@ -41,8 +42,9 @@ def open_safetensors(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_sentence(e)}); "
-                              "it is truncated, empty or corrupt") from None
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({_first_sentence(e)}); it is truncated, empty or corrupt"
+        ) from None
 
 
 def _unpickling_reason(error: BaseException) -> str:
@@ -60,8 +62,11 @@ def load_pt(path: Path, *, mmap: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: cannot be loaded ({_unpickling_reason(e)}); tracetrain reads only "
-                              "tensors and plain values from .pt files") from None
+        raise CheckpointError(
+            f"{path}: cannot be loaded ({_unpickling_reason(e)}); tracetrain reads only "
+            "tensors and plain values from .pt files"
+        ) from None
     except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError, IndexError) as e:
-        raise CheckpointError(f"{path}: not a readable PyTorch file ({_first_sentence(e) or 'empty'}); "
-                              "it is truncated, empty or corrupt") from None
+        raise CheckpointError(
+            f"{path}: not a readable PyTorch file ({_first_sentence(e) or 'empty'}); it is truncated, empty or corrupt"
+        ) from None

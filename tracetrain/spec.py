@@ -33,20 +33,20 @@ class RunSpec:
 
     cfg: Config
     device: torch.device
-    world_size: int                  # processes of the job (1 = no process group)
-    model_args: ModelArgs            # the architecture: preset or checkpoint, plus overrides
+    world_size: int  # processes of the job (1 = no process group)
+    model_args: ModelArgs  # the architecture: preset or checkpoint, plus overrides
     precision: Precision
-    weights_dtype: torch.dtype       # dtype the model is materialised in
-    lora_base_dtype: torch.dtype | None   # frozen LoRA base weights (None: full fine-tuning)
+    weights_dtype: torch.dtype  # dtype the model is materialised in
+    lora_base_dtype: torch.dtype | None  # frozen LoRA base weights (None: full fine-tuning)
     attention: Literal["sdpa", "flex"]
-    compile: bool                    # regional torch.compile of each block
-    fused_kernels: tuple[str, ...]   # Triton kernels swapped in ('' = none); see kernels/apply.py
+    compile: bool  # regional torch.compile of each block
+    fused_kernels: tuple[str, ...]  # Triton kernels swapped in ('' = none); see kernels/apply.py
     fp8: Literal["none", "tensorwise", "rowwise"]
-    fp8_fused_mlp: bool              # the opt-in fused FP8 feed-forward (benchmarks); config: always False
-    fused_ce_chunk: int              # > 0: chunked fused lm_head + cross-entropy, tokens per chunk
+    fp8_fused_mlp: bool  # the opt-in fused FP8 feed-forward (benchmarks); config: always False
+    fused_ce_chunk: int  # > 0: chunked fused lm_head + cross-entropy, tokens per chunk
     fsdp_param_dtype: torch.dtype | None  # FSDP compute dtype (None: the parameters' own, fp32)
-    optimizer_fused: bool            # fused AdamW kernel (honours found_inf on the device)
-    adapters_only: bool              # LoRA checkpoints hold only adapters (the base reloads from init_from)
+    optimizer_fused: bool  # fused AdamW kernel (honours found_inf on the device)
+    adapters_only: bool  # LoRA checkpoints hold only adapters (the base reloads from init_from)
     decisions: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -66,6 +66,7 @@ def resolve_precision(spec: str, device: torch.device, probe: bool = True) -> Pr
     """'auto' -> bf16 on GPUs that support it, fp32 otherwise. `probe` False: assume a bf16 GPU (planning
     for hardware this process does not see)."""
     from tracetrain.errors import ConfigError
+
     bf16_ok = not probe or (device.type == "cuda" and torch.cuda.is_bf16_supported())
     if spec == "auto":
         return "bf16" if device.type == "cuda" and bf16_ok else "fp32"
@@ -98,8 +99,9 @@ def fused_ce_chunk(cfg: Config) -> int:
     return cfg.train.fused_ce_chunk if on else 0
 
 
-def resolve(cfg: Config, device: torch.device, world_size: int = 1, model_args: ModelArgs | None = None, *,
-            probe: bool = True) -> RunSpec:
+def resolve(
+    cfg: Config, device: torch.device, world_size: int = 1, model_args: ModelArgs | None = None, *, probe: bool = True
+) -> RunSpec:
     """The RunSpec of `cfg` on `device` with `world_size` processes (see module docstring).
 
     `model_args`: the architecture when already read (it may come from a checkpoint's config.json).
@@ -110,6 +112,7 @@ def resolve(cfg: Config, device: torch.device, world_size: int = 1, model_args: 
     from tracetrain.kernels.fp8 import check_fp8_device
     from tracetrain.models.attention import resolve_attention
     from tracetrain.models.build import model_args_from_config
+
     args = model_args if model_args is not None else model_args_from_config(cfg)
     t = cfg.train
     if probe:
@@ -117,8 +120,12 @@ def resolve(cfg: Config, device: torch.device, world_size: int = 1, model_args: 
     decisions: list[tuple[str, str]] = []
     precision = resolve_precision(t.precision, device, probe)
     if t.precision == "auto":
-        decisions.append(("train.precision", f"{precision}: " + (
-            "bf16 tensor cores on this GPU" if precision == "bf16" else "no bf16 GPU: fp32")))
+        decisions.append(
+            (
+                "train.precision",
+                f"{precision}: " + ("bf16 tensor cores on this GPU" if precision == "bf16" else "no bf16 GPU: fp32"),
+            )
+        )
     base_dtype = lora_base_dtype(cfg, device)
     if base_dtype is not None:
         weights_dtype = base_dtype  # a LoRA base is frozen: allocate it in its final dtype at once
@@ -126,26 +133,50 @@ def resolve(cfg: Config, device: torch.device, world_size: int = 1, model_args: 
         weights_dtype = torch.bfloat16  # the fp32 master copy lives on the host: bf16 weights on the GPU
     else:
         weights_dtype = torch.float32
-    attention = resolve_attention(t.attention, device, packed=cfg.data.pack, seq_len=cfg.data.seq_len)  # type: ignore[arg-type]  # config choices
+    attention = resolve_attention(t.attention, device, packed=cfg.data.pack, seq_len=cfg.data.seq_len)
     if t.attention == "auto":
-        decisions.append(("train.attention", f"{attention}: " + (
-            "packed rows on CUDA, whole FlexAttention tiles" if attention == "flex" else
-            "unpacked rows, CPU, or a length that is not whole FlexAttention tiles")))
+        decisions.append(
+            (
+                "train.attention",
+                f"{attention}: "
+                + (
+                    "packed rows on CUDA, whole FlexAttention tiles"
+                    if attention == "flex"
+                    else "unpacked rows, CPU, or a length that is not whole FlexAttention tiles"
+                ),
+            )
+        )
     compile_on = resolve_switch(t.compile, device)
     kernels_on = resolve_switch(t.fused_kernels, device, unless=compile_on)
     if t.compile == "auto":
-        decisions.append(("train.compile", f"{'on' if compile_on else 'off'}: " +
-                          ("CUDA" if compile_on else "not CUDA")))
+        decisions.append(
+            ("train.compile", f"{'on' if compile_on else 'off'}: " + ("CUDA" if compile_on else "not CUDA"))
+        )
     if t.fused_kernels == "auto":
-        decisions.append(("train.fused_kernels", f"{'on' if kernels_on else 'off'}: " +
-                          ("CUDA without compile" if kernels_on else "compile covers them, or not CUDA")))
+        decisions.append(
+            (
+                "train.fused_kernels",
+                f"{'on' if kernels_on else 'off'}: "
+                + ("CUDA without compile" if kernels_on else "compile covers them, or not CUDA"),
+            )
+        )
     optimizer_fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and device.type == "cuda")
     return RunSpec(
-        cfg=cfg, device=device, world_size=world_size, model_args=args, precision=precision,
-        weights_dtype=weights_dtype, lora_base_dtype=base_dtype, attention=attention,  # type: ignore[arg-type]  # resolved: sdpa | flex
-        compile=compile_on, fused_kernels=tuple(FUSED_KERNELS) if kernels_on else (),
-        fp8=t.fp8, fp8_fused_mlp=False, fused_ce_chunk=fused_ce_chunk(cfg),  # type: ignore[arg-type]  # config choices
+        cfg=cfg,
+        device=device,
+        world_size=world_size,
+        model_args=args,
+        precision=precision,
+        weights_dtype=weights_dtype,
+        lora_base_dtype=base_dtype,
+        attention=attention,  # type: ignore[arg-type]  # resolved: sdpa | flex
+        compile=compile_on,
+        fused_kernels=tuple(FUSED_KERNELS) if kernels_on else (),
+        fp8=t.fp8,
+        fp8_fused_mlp=False,
+        fused_ce_chunk=fused_ce_chunk(cfg),
         fsdp_param_dtype=torch.bfloat16 if precision == "bf16" else None,
         optimizer_fused=optimizer_fused,
         adapters_only=t.mode == "lora" and bool(cfg.model.init_from),
-        decisions=tuple(decisions))
+        decisions=tuple(decisions),
+    )

@@ -1,8 +1,11 @@
 """Checks of a run that need the model's shape, not only the config: run them before the run directory exists.
 
 `config.py` validates what the config alone can tell (types, ranges, finite numbers, keys that depend on
-each other). What is left needs `ModelArgs` — a preset's or a Hugging Face checkpoint's shape — so it
-lives here, in one function the trainer (and anything else that starts a run) calls once, early:
+each other). What is left needs `ModelArgs` — a preset's or a Hugging Face checkpoint's shape — or the
+job's size, so it lives here, in `validate`, which the trainer calls once, early:
+
+- the parallel layout against the model and the world size (`parallel/mesh.py::validate_parallel`), and
+  the switches not yet combined with several ranks (`refuse_with_parallel`);
 
 - a LoRA rank larger than a targeted projection's smaller side (the update could never have that rank:
   the extra adapter rows and columns only cost memory and change the `alpha / rank` scale);
@@ -22,8 +25,15 @@ from tracetrain.models.lora import resolve_targets
 def projection_features(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA-targetable projection of one block."""
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
-    return {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    return {
+        "q_proj": (d, d),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (d, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
 
 
 def check_lora_rank(cfg: Config, args: ModelArgs) -> None:
@@ -38,8 +48,10 @@ def check_lora_rank(cfg: Config, args: ModelArgs) -> None:
     name = min(targets, key=lambda t: min(features[t]))
     fan_in, fan_out = features[name]
     if cfg.lora.rank > min(fan_in, fan_out):
-        raise ConfigError(f"config key 'lora.rank': {cfg.lora.rank} is larger than the {name} layer it adapts "
-                          f"({fan_in} -> {fan_out} features); it must be <= {min(fan_in, fan_out)}")
+        raise ConfigError(
+            f"config key 'lora.rank': {cfg.lora.rank} is larger than the {name} layer it adapts "
+            f"({fan_in} -> {fan_out} features); it must be <= {min(fan_in, fan_out)}"
+        )
 
 
 def check_context_length(cfg: Config) -> None:
@@ -47,12 +59,15 @@ def check_context_length(cfg: Config) -> None:
     if not cfg.model.init_from:
         return
     from tracetrain.models.hf import load_hf_config
+
     # Read config.json again: model_args_from_config already raised max_seq_len to data.seq_len.
     context = load_hf_config(cfg.model.init_from).max_seq_len
     if cfg.data.seq_len > context:
-        raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} is longer than the context of "
-                          f"model.init_from {cfg.model.init_from} (max_position_embeddings = {context}); "
-                          f"use data.seq_len <= {context}")
+        raise ConfigError(
+            f"config key 'data.seq_len': {cfg.data.seq_len} is longer than the context of "
+            f"model.init_from {cfg.model.init_from} (max_position_embeddings = {context}); "
+            f"use data.seq_len <= {context}"
+        )
 
 
 def validate_run(cfg: Config, args: ModelArgs) -> None:
@@ -67,3 +82,31 @@ def validate_run(cfg: Config, args: ModelArgs) -> None:
     # With train.epochs the length is known once the data is built (train/optim.py::size_by_epochs checks it).
     if not cfg.train.epochs:
         check_warmup(cfg.optim, cfg.train.steps)
+
+
+def refuse_with_parallel(cfg: Config) -> None:
+    """Switches not yet combined with a multi-rank layout (no test covers them there)."""
+    checks = {
+        "memory.optimizer_offload": cfg.memory.optimizer_offload,
+        "memory.activation_offload": cfg.memory.activation_offload != "none",
+        "memory.unified_memory": cfg.memory.unified_memory != "none",
+        "train.precision": cfg.train.precision == "fp16",
+        "train.fp8": cfg.train.fp8 != "none",
+    }
+    for key, bad in checks.items():
+        if bad:
+            raise ConfigError(
+                f"config key '{key}' is not supported together with several ranks yet; "
+                "turn it off or run on one process"
+            )
+
+
+def validate(cfg: Config, args: ModelArgs, world_size: int) -> None:
+    """Every check of a run that needs more than the config: its model shape and its job size. The one
+    call the trainer makes before any rank waits on another and before the run directory exists."""
+    from tracetrain.parallel.mesh import validate_parallel
+
+    validate_parallel(cfg, args, world_size)
+    if world_size > 1:
+        refuse_with_parallel(cfg)
+    validate_run(cfg, args)

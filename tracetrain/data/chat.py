@@ -36,14 +36,28 @@ from tracetrain.config import DataSection
 from tracetrain.data.chat_templates import BUILTIN_TEMPLATES, has_generation_markers, render
 from tracetrain.data.files import read_rows
 from tracetrain.data.instruction import held_out_split
-from tracetrain.data.packing import (DataStats, Document, PackedDataset, TokenizedExample, empty_rows,
-                                     fill_row_stats, pack_documents, shift_labels)
+from tracetrain.data.packing import (
+    DataStats,
+    Document,
+    PackedDataset,
+    TokenizedExample,
+    empty_rows,
+    fill_row_stats,
+    pack_documents,
+    shift_labels,
+)
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 
 SHAREGPT_FIELD = "conversations"
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 
 
 class TemplateMismatch(DataError):
@@ -71,8 +85,10 @@ def chat_template_for(data: DataSection, tok: Tokenizer) -> ChatTemplate | None:
         if not path.is_file():
             raise DataError(f"chat template file {path} does not exist (config key 'data.chat_template')")
         return ChatTemplate(str(path), path.read_text(encoding="utf-8"))
-    raise DataError(f"config key 'data.chat_template': {spec!r} is not 'auto', a built-in template "
-                    f"({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
+    raise DataError(
+        f"config key 'data.chat_template': {spec!r} is not 'auto', a built-in template "
+        f"({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file"
+    )
 
 
 def resolve_chat_template(data: DataSection, tok: Tokenizer) -> str | None:
@@ -85,14 +101,17 @@ def resolve_chat_template(data: DataSection, tok: Tokenizer) -> str | None:
 def _require_template(data: DataSection, tok: Tokenizer) -> ChatTemplate:
     template = chat_template_for(data, tok)
     if template is None:
-        raise DataError(f"tokenizer {tok.name} has no chat_template (tokenizer_config.json or chat_template.jinja), "
-                        f"and data.chat_template = 'auto'; set data.chat_template to one of "
-                        f"{', '.join(BUILTIN_TEMPLATES)} or a .jinja file")
+        raise DataError(
+            f"tokenizer {tok.name} has no chat_template (tokenizer_config.json or chat_template.jinja), "
+            f"and data.chat_template = 'auto'; set data.chat_template to one of "
+            f"{', '.join(BUILTIN_TEMPLATES)} or a .jinja file"
+        )
     return template
 
 
 # ----------------------------------------------------------------------------------------------------
 # Rows -> messages
+
 
 def parse_conversation(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
     """A row -> its messages as {role, content, ...}; DataError with the reason for a bad row."""
@@ -107,8 +126,7 @@ def parse_conversation(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
         raise DataError(f"field {field if not sharegpt else SHAREGPT_FIELD!r} must be a non-empty list of messages")
     out = [_sharegpt_message(m, i) if sharegpt else _message(m, i) for i, m in enumerate(messages)]
     if not any(m["role"] == "assistant" for m in out):
-        raise DataError("no assistant message, so nothing to train on (roles: "
-                        f"{', '.join(m['role'] for m in out)})")
+        raise DataError(f"no assistant message, so nothing to train on (roles: {', '.join(m['role'] for m in out)})")
     return out
 
 
@@ -133,21 +151,31 @@ def _sharegpt_message(m: Any, i: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------
 # Messages -> text, spans, tokens
 
-def _render(template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]], *,
-            add_generation_prompt: bool = False, track: bool = False) -> tuple[str, list[tuple[int, int]]]:
+
+def _render(
+    template: ChatTemplate,
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    track: bool = False,
+) -> tuple[str, list[tuple[int, int]]]:
     try:
-        return render(template.source, tok.special_tokens(), messages, add_generation_prompt=add_generation_prompt,
-                      track=track)
+        return render(
+            template.source, tok.special_tokens(), messages, add_generation_prompt=add_generation_prompt, track=track
+        )
     except jinja2.TemplateSyntaxError as e:
-        raise TemplateMismatch(f"{template.name} is not a valid Jinja template (line {e.lineno}: "
-                               f"{e.message})") from None
+        raise TemplateMismatch(
+            f"{template.name} is not a valid Jinja template (line {e.lineno}: {e.message})"
+        ) from None
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{template.name} raised an error for this conversation: {reason}") from None
 
 
-def _spans_by_prefix(template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]],
-                     full: str) -> list[tuple[int, int]]:
+def _spans_by_prefix(
+    template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]], full: str
+) -> list[tuple[int, int]]:
     """Assistant spans found by rendering each conversation prefix (see the module doc)."""
     spans = []
     for i, m in enumerate(messages):
@@ -155,19 +183,23 @@ def _spans_by_prefix(template: ChatTemplate, tok: Tokenizer, messages: list[dict
             continue
         plain, _ = _render(template, tok, messages[:i])
         prompt, _ = _render(template, tok, messages[:i], add_generation_prompt=True)
-        turn, _ = _render(template, tok, messages[:i + 1])
+        turn, _ = _render(template, tok, messages[: i + 1])
         for rendered, last in ((plain, i - 1), (turn, i)):
             if not full.startswith(rendered):
-                raise TemplateMismatch(f"{template.name}: rendering messages 0..{last} does not give a prefix of "
-                                       f"the whole conversation's rendering, so assistant message {i} cannot be "
-                                       "located; add {% generation %} markers to the template or use another one")
+                raise TemplateMismatch(
+                    f"{template.name}: rendering messages 0..{last} does not give a prefix of "
+                    f"the whole conversation's rendering, so assistant message {i} cannot be "
+                    "located; add {% generation %} markers to the template or use another one"
+                )
         # A template without a generation prompt (or one that is not a prefix) is located by its content.
         has_prompt = prompt != plain and full.startswith(prompt)
         start = len(prompt) if has_prompt else len(plain)
         content_at = full.find(m["content"].strip(), start, len(turn))
         if content_at < 0:
-            raise TemplateMismatch(f"{template.name} does not render assistant message {i}'s content verbatim, so "
-                                   "its tokens cannot be located; use a template that keeps message text as is")
+            raise TemplateMismatch(
+                f"{template.name} does not render assistant message {i}'s content verbatim, so "
+                "its tokens cannot be located; use a template that keeps message text as is"
+            )
         spans.append((start if has_prompt else content_at, len(turn.rstrip())))
     return spans
 
@@ -177,11 +209,15 @@ def _check_all_rendered(template: ChatTemplate, messages: list[dict[str, Any]], 
     answer it rewrites makes the template unusable for masking."""
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and m["content"].strip() not in full:
-            raise TemplateMismatch(f"{template.name} does not render assistant message {i}'s content verbatim, so "
-                                   "its tokens cannot be located; use a template that keeps message text as is")
+            raise TemplateMismatch(
+                f"{template.name} does not render assistant message {i}'s content verbatim, so "
+                "its tokens cannot be located; use a template that keeps message text as is"
+            )
         if m["content"].strip() not in full:
-            raise DataError(f"message {i} (role {m['role']!r}) is not in the text {template.name} renders: it "
-                            "renders nothing for that role (roles chat templates render: system, user, assistant)")
+            raise DataError(
+                f"message {i} (role {m['role']!r}) is not in the text {template.name} renders: it "
+                "renders nothing for that role (roles chat templates render: system, user, assistant)"
+            )
 
 
 def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
@@ -194,15 +230,18 @@ def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) ->
     return mask
 
 
-def tokenize_conversation(template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]],
-                          train_on_prompt: bool = False) -> TokenizedExample:
+def tokenize_conversation(
+    template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]], train_on_prompt: bool = False
+) -> TokenizedExample:
     """One conversation -> its rendered text, ids (BOS included where due) and per-token trained mask."""
     markers = has_generation_markers(template.source)
     full, spans = _render(template, tok, messages, track=markers)
     _check_all_rendered(template, messages, full)
     if markers and not spans:
-        raise TemplateMismatch(f"{template.name} has {{% generation %}} markers but marks nothing in a conversation "
-                               "with assistant messages")
+        raise TemplateMismatch(
+            f"{template.name} has {{% generation %}} markers but marks nothing in a conversation "
+            "with assistant messages"
+        )
     if not markers:
         spans = _spans_by_prefix(template, tok, messages, full)
     ids, offsets = tok.encode_with_offsets(full)
@@ -226,8 +265,10 @@ def render_generation_prompt(template: str, tok: Tokenizer, messages: list[dict[
 # ----------------------------------------------------------------------------------------------------
 # Files -> datasets
 
-def iter_chat_examples(data: DataSection, tok: Tokenizer, path: str, key: str,
-                       stats: DataStats) -> Iterator[TokenizedExample]:
+
+def iter_chat_examples(
+    data: DataSection, tok: Tokenizer, path: str, key: str, stats: DataStats
+) -> Iterator[TokenizedExample]:
     """Every usable conversation of `path`, tokenised and cut to `data.seq_len` (`where` = file:line or
     file: row N). A bad row raises DataError `<where>: <reason>`, or with `data.skip_bad_lines` is counted
     in `stats.bad_lines_skipped`; truncations are counted in `stats.examples_truncated`."""
@@ -251,14 +292,16 @@ def _truncate(ex: TokenizedExample, seq_len: int, stats: DataStats) -> Tokenized
     if len(ex.ids) <= seq_len:
         return ex
     if not any(ex.is_target[1:seq_len]):
-        raise DataError(f"every trained token lies past data.seq_len = {seq_len} (the conversation has "
-                        f"{len(ex.ids)} tokens)")
+        raise DataError(
+            f"every trained token lies past data.seq_len = {seq_len} (the conversation has {len(ex.ids)} tokens)"
+        )
     stats.examples_truncated += 1
     return TokenizedExample(ex.where, ex.text, ex.ids[:seq_len], ex.is_target[:seq_len])
 
 
-def _pack(examples: list[TokenizedExample], data: DataSection, tok: Tokenizer, name: str,
-          shuffle: bool) -> PackedDataset:
+def _pack(
+    examples: list[TokenizedExample], data: DataSection, tok: Tokenizer, name: str, shuffle: bool
+) -> PackedDataset:
     docs: list[Document] = [(ex.ids, shift_labels(ex.ids, ex.is_target)) for ex in examples]
     if shuffle:  # packing is greedy in order, and neighbouring rows of a file are often alike
         order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(data.seed)).tolist()
@@ -270,8 +313,9 @@ def _pack(examples: list[TokenizedExample], data: DataSection, tok: Tokenizer, n
 def build_chat_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
     """`data.kind = "chat"`: conversation file(s) -> train and eval datasets plus stats."""
     if data.tokenize == "on_the_fly":
-        raise DataError("config key 'data.tokenize': 'on_the_fly' is not supported for data.kind = 'chat' yet; "
-                        "use 'ahead'")
+        raise DataError(
+            "config key 'data.tokenize': 'on_the_fly' is not supported for data.kind = 'chat' yet; use 'ahead'"
+        )
     stats = DataStats()
     examples = list(iter_chat_examples(data, tok, data.path, "data.path", stats))
     if data.eval_path:
@@ -280,8 +324,9 @@ def build_chat_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDatase
         train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
         train, eval_ = [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
     if not train:
-        raise DataError(f"{data.path}: no usable conversations ({stats.bad_lines_skipped} bad rows skipped; "
-                        "config key 'data.path')")
+        raise DataError(
+            f"{data.path}: no usable conversations ({stats.bad_lines_skipped} bad rows skipped; config key 'data.path')"
+        )
     stats.examples_read = len(examples) + (len(eval_) if data.eval_path else 0)
     train_ds = _pack(train, data, tok, "train", shuffle=True)
     eval_ds = _pack(eval_, data, tok, "eval", shuffle=False)

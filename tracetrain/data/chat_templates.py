@@ -71,7 +71,7 @@ class _GenerationTracker(jinja2.ext.Extension):
     """`{% generation %}body{% endgeneration %}`: renders body unchanged, and, while tracking, records the
     [start, end) character span it occupies in the output."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012  # jinja2.ext.Extension declares it as an instance attribute
 
     def __init__(self, environment: jinja2.Environment) -> None:
         super().__init__(environment)
@@ -95,8 +95,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -130,8 +131,9 @@ def compile_template(source: str) -> jinja2.Template:
 
     Raises jinja2.TemplateSyntaxError for a malformed template.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -144,15 +146,26 @@ def has_generation_markers(source: str) -> bool:
     return _GENERATION_TAG.search(source) is not None
 
 
-def render(source: str, variables: dict[str, Any], messages: list[dict[str, Any]], *,
-           add_generation_prompt: bool = False, track: bool = False) -> tuple[str, list[tuple[int, int]]]:
+def render(
+    source: str,
+    variables: dict[str, Any],
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    track: bool = False,
+) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, generation-block spans) of `messages`; spans are only collected with `track`.
 
     `variables` are the tokenizer's special tokens (bos_token, ...). Template errors propagate.
     """
     template = compile_template(source)
-    context = {**variables, "messages": messages, "tools": None, "documents": None,
-               "add_generation_prompt": add_generation_prompt}
+    context = {
+        **variables,
+        "messages": messages,
+        "tools": None,
+        "documents": None,
+        "add_generation_prompt": add_generation_prompt,
+    }
     if not track:
         return template.render(**context), []
     tracker = next(e for e in template.environment.extensions.values() if isinstance(e, _GenerationTracker))

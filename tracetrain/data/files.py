@@ -40,8 +40,9 @@ def is_record_file(path: str) -> bool:
     return Path(path).is_dir() or Path(path).suffix.lower() in (".jsonl", ".json", ".parquet")
 
 
-def read_rows(path: str, key: str, parse: Callable[[dict[str, Any]], T],
-              skip_bad_lines: bool) -> tuple[list[tuple[str, T]], int]:
+def read_rows(
+    path: str, key: str, parse: Callable[[dict[str, Any]], T], skip_bad_lines: bool
+) -> tuple[list[tuple[str, T]], int]:
     """`parse` applied to every row of `path` -> ([(where, parsed row)], number of bad rows skipped).
 
     `parse` gets a dict and raises DataError with the reason (without the location) for a bad row.
@@ -122,8 +123,10 @@ def _json_array_rows(path: Path) -> Iterator[RawRow]:
             value, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             # The rest of the array cannot be located reliably after a syntax error: the file is bad.
-            raise DataError(f"{path}: row {index}: not valid JSON ({e.msg} at line {e.lineno} column "
-                            f"{e.colno}); the file is unreadable from there") from None
+            raise DataError(
+                f"{path}: row {index}: not valid JSON ({e.msg} at line {e.lineno} column "
+                f"{e.colno}); the file is unreadable from there"
+            ) from None
         except RecursionError:
             value, pos = DataError("JSON nested too deeply to read"), _end_of_value(text, pos)
         yield f"{path}: row {index}", value
@@ -170,7 +173,7 @@ def _end_of_value(text: str, pos: int) -> int:
 def _pyarrow() -> Any:
     try:
         import pyarrow
-        import pyarrow.parquet  # noqa: F401  (a submodule: imported for its side effect on `pyarrow`)
+        import pyarrow.parquet
     except ImportError:
         raise DataError(f"reading Parquet files and datasets folders needs pyarrow; {_ARROW_EXTRA}") from None
     return pyarrow
@@ -198,13 +201,17 @@ def _dataset_folder_rows(folder: Path, key: str) -> Iterator[RawRow]:
     if (folder / "dataset_dict.json").is_file():
         splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
         if "train" not in splits:
-            raise DataError(f"{folder}: a DatasetDict folder without a 'train' split (splits: "
-                            f"{', '.join(splits) or 'none'}); point config key '{key}' at one split's folder")
+            raise DataError(
+                f"{folder}: a DatasetDict folder without a 'train' split (splits: "
+                f"{', '.join(splits) or 'none'}); point config key '{key}' at one split's folder"
+            )
         folder = folder / "train"
     state = folder / "state.json"
     if not state.is_file():
-        raise DataError(f"{folder}: a folder but not a Hugging Face datasets folder (no state.json or "
-                        f"dataset_dict.json; config key '{key}' takes a file or a save_to_disk folder)")
+        raise DataError(
+            f"{folder}: a folder but not a Hugging Face datasets folder (no state.json or "
+            f"dataset_dict.json; config key '{key}' takes a file or a save_to_disk folder)"
+        )
     pa = _pyarrow()
     files = [folder / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
     index = 0

@@ -106,12 +106,17 @@ def length_histogram(lengths: np.ndarray, num_bins: int = NUM_BINS) -> list[dict
 def _split_stats(rows: dict[str, torch.Tensor]) -> dict[str, Any]:
     lengths, trained = _segments(rows)
     num_tokens, num_trained = int(lengths.sum()), int(trained.sum())
-    return {"examples": len(lengths), "rows": int(rows["input_ids"].shape[0]), "tokens": num_tokens,
-            "trained_tokens": num_trained, "trained_share": num_trained / num_tokens if num_tokens else 0.0,
-            "length_min": int(lengths.min()) if len(lengths) else 0,
-            "length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-            "length_max": int(lengths.max()) if len(lengths) else 0,
-            "length_histogram": length_histogram(lengths)}
+    return {
+        "examples": len(lengths),
+        "rows": int(rows["input_ids"].shape[0]),
+        "tokens": num_tokens,
+        "trained_tokens": num_trained,
+        "trained_share": num_trained / num_tokens if num_tokens else 0.0,
+        "length_min": int(lengths.min()) if len(lengths) else 0,
+        "length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+        "length_max": int(lengths.max()) if len(lengths) else 0,
+        "length_histogram": length_histogram(lengths),
+    }
 
 
 def _pieces(ids: list[int], is_trained: list[bool], decode: Callable[[list[int]], str]) -> list[tuple[str, bool]]:
@@ -129,9 +134,15 @@ def example_view(ex: TokenizedExample, decode: Callable[[list[int]], str]) -> Ex
     """One tokenised example -> its pieces and trained tokens (`is_target[t]`: token t carries a loss)."""
     trained_ids = [i for i, t in zip(ex.ids, ex.is_target) if t]
     pieces = _pieces(ex.ids, ex.is_target, decode)
-    return ExampleView(where=ex.where, text=ex.text, pieces=pieces, trained_text=decode(trained_ids),
-                       trained_spans=[text for text, trained in pieces if trained], num_tokens=len(ex.ids),
-                       num_trained=len(trained_ids))
+    return ExampleView(
+        where=ex.where,
+        text=ex.text,
+        pieces=pieces,
+        trained_text=decode(trained_ids),
+        trained_spans=[text for text, trained in pieces if trained],
+        num_tokens=len(ex.ids),
+        num_trained=len(trained_ids),
+    )
 
 
 def inspect_data(cfg: Config, num_examples: int = 0, progress: Progress | None = None) -> DataReport:
@@ -144,10 +155,19 @@ def inspect_data(cfg: Config, num_examples: int = 0, progress: Progress | None =
     train_rows, eval_rows = _rows_of(train_ds, progress), _rows_of(eval_ds, progress)
     seq_len = cfg.data.seq_len
     train, eval_ = _split_stats(train_rows), _split_stats(eval_rows)
-    stats = {"kind": cfg.data.kind, "path": cfg.data.path, "tokenizer": tok.name, "seq_len": seq_len,
-             "pack": cfg.data.pack, "bad_rows_skipped": data_stats.bad_lines_skipped,
-             "truncated": data_stats.examples_truncated, "dropped": data_stats.examples_dropped,
-             "train": train, "eval": eval_, "data_stats": data_stats.as_dict()}
+    stats = {
+        "kind": cfg.data.kind,
+        "path": cfg.data.path,
+        "tokenizer": tok.name,
+        "seq_len": seq_len,
+        "pack": cfg.data.pack,
+        "bad_rows_skipped": data_stats.bad_lines_skipped,
+        "truncated": data_stats.examples_truncated,
+        "dropped": data_stats.examples_dropped,
+        "train": train,
+        "eval": eval_,
+        "data_stats": data_stats.as_dict(),
+    }
     decode = tok.decode_with_specials
     views = [example_view(ex, decode) for ex in itertools.islice(tokenize_rows(cfg.data, tok), num_examples)]
     return DataReport(stats=stats, examples=views)
@@ -156,10 +176,17 @@ def inspect_data(cfg: Config, num_examples: int = 0, progress: Progress | None =
 # ----------------------------------------------------------------------------------------------------
 # Rendering
 
+
 def example_json(view: ExampleView) -> dict[str, Any]:
     """One example as JSON: where, text, trained_text, trained_spans, num_tokens, num_trained."""
-    return {"where": view.where, "text": view.text, "trained_text": view.trained_text,
-            "trained_spans": view.trained_spans, "num_tokens": view.num_tokens, "num_trained": view.num_trained}
+    return {
+        "where": view.where,
+        "text": view.text,
+        "trained_text": view.trained_text,
+        "trained_spans": view.trained_spans,
+        "num_tokens": view.num_tokens,
+        "num_trained": view.num_trained,
+    }
 
 
 def examples_json(report: DataReport) -> list[dict[str, Any]]:
@@ -168,15 +195,21 @@ def examples_json(report: DataReport) -> list[dict[str, Any]]:
 
 def _stat_lines(stats: dict[str, Any]) -> list[tuple[str, str]]:
     tr, ev = stats["train"], stats["eval"]
-    return [("data", f"{stats['kind']}" + (f" ({stats['path']})" if stats["path"] else "")),
-            ("tokenizer", str(stats["tokenizer"])),
-            ("examples", f"{tr['examples']:,} train / {ev['examples']:,} eval"),
-            ("rows", f"{tr['rows']:,} train / {ev['rows']:,} eval of {stats['seq_len']} tokens"
-                     f" ({'packed' if stats['pack'] else 'one example per row'})"),
-            ("tokens", f"{tr['tokens']:,} train, {tr['trained_tokens']:,} trained ({tr['trained_share']:.1%})"),
-            ("length", f"min {tr['length_min']}, mean {tr['length_mean']:.1f}, max {tr['length_max']} tokens"),
-            ("truncated", f"{stats['truncated']:,}"), ("dropped", f"{stats['dropped']:,}"),
-            ("bad rows skipped", f"{stats['bad_rows_skipped']:,}")]
+    return [
+        ("data", f"{stats['kind']}" + (f" ({stats['path']})" if stats["path"] else "")),
+        ("tokenizer", str(stats["tokenizer"])),
+        ("examples", f"{tr['examples']:,} train / {ev['examples']:,} eval"),
+        (
+            "rows",
+            f"{tr['rows']:,} train / {ev['rows']:,} eval of {stats['seq_len']} tokens"
+            f" ({'packed' if stats['pack'] else 'one example per row'})",
+        ),
+        ("tokens", f"{tr['tokens']:,} train, {tr['trained_tokens']:,} trained ({tr['trained_share']:.1%})"),
+        ("length", f"min {tr['length_min']}, mean {tr['length_mean']:.1f}, max {tr['length_max']} tokens"),
+        ("truncated", f"{stats['truncated']:,}"),
+        ("dropped", f"{stats['dropped']:,}"),
+        ("bad rows skipped", f"{stats['bad_rows_skipped']:,}"),
+    ]
 
 
 def _bar(count: int, most: int, char: str) -> str:
@@ -192,8 +225,9 @@ def render_plain(report: DataReport) -> str:
     lines += [f"{b['lo']:>6}-{b['hi']:<6} {b['count']:>8,} {_bar(b['count'], most, '#')}" for b in hist]
     for view in report.examples:
         lines += ["", f"--- {view.where} ({view.num_tokens} tokens, {view.num_trained} trained) ---"]
-        lines.append("".join(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained else text
-                             for text, trained in view.pieces))
+        lines.append(
+            "".join(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained else text for text, trained in view.pieces)
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +235,7 @@ def render_terminal(report: DataReport, console: Any) -> None:
     """The same on a rich console: a table, bars, and trained tokens highlighted."""
     from rich.table import Table
     from rich.text import Text
+
     table = Table(show_header=False, box=None)
     for name, value in _stat_lines(report.stats):
         table.add_row(Text(name, style="bold"), Text(value))
@@ -209,12 +244,14 @@ def render_terminal(report: DataReport, console: Any) -> None:
     most = max((b["count"] for b in hist), default=0)
     console.print(Text("\ntrain example lengths (tokens)", style="bold"))
     for b in hist:
-        console.print(Text(f"{b['lo']:>6}-{b['hi']:<6} {b['count']:>8,} ") + Text(_bar(b["count"], most, "█"),
-                                                                                  style="cyan"))
+        console.print(
+            Text(f"{b['lo']:>6}-{b['hi']:<6} {b['count']:>8,} ") + Text(_bar(b["count"], most, "█"), style="cyan")
+        )
     for view in report.examples:
         console.rule(Text(f"{view.where} · {view.num_tokens} tokens, {view.num_trained} trained (highlighted)"))
-        console.print(Text.assemble(*((text, "bold black on green" if trained else "dim")
-                                      for text, trained in view.pieces)))
+        console.print(
+            Text.assemble(*((text, "bold black on green" if trained else "dim") for text, trained in view.pieces))
+        )
 
 
 @contextlib.contextmanager
@@ -226,10 +263,13 @@ def console_progress(console: Any) -> Iterator[Progress | None]:
         return
     from rich.progress import Progress as RichProgress
     from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
-    with RichProgress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                      transient=True) as bar:
+
+    with RichProgress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+    ) as bar:
         task = bar.add_task("building data", total=None)
 
         def update(what: str, done: int, total: int | None) -> None:
             bar.update(task, description=f"{what} {done:,}/{total:,}" if total else what)
+
         yield update

@@ -22,10 +22,18 @@ from typing import Any
 import torch
 
 from tracetrain.config import DataSection
+
 # open_data_file is re-exported: models/generate.py imports it from here.
 from tracetrain.data.files import open_data_file, read_rows  # noqa: F401
-from tracetrain.data.packing import (DataStats, Document, PackedDataset, empty_rows, fill_row_stats,
-                                     pack_documents, shift_labels)
+from tracetrain.data.packing import (
+    DataStats,
+    Document,
+    PackedDataset,
+    empty_rows,
+    fill_row_stats,
+    pack_documents,
+    shift_labels,
+)
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 
@@ -33,18 +41,23 @@ from tracetrain.errors import DataError
 Example = tuple[str, str]
 
 # Stanford Alpaca's two prompt preambles, with and without an input.
-_ALPACA_INTRO = ("Below is an instruction that describes a task. Write a response that appropriately "
-                 "completes the request.")
-_ALPACA_INTRO_CONTEXT = ("Below is an instruction that describes a task, paired with an input that provides "
-                         "further context. Write a response that appropriately completes the request.")
+_ALPACA_INTRO = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+)
+_ALPACA_INTRO_CONTEXT = (
+    "Below is an instruction that describes a task, paired with an input that provides "
+    "further context. Write a response that appropriately completes the request."
+)
 
 
 def format_prompt(template: str, instruction: str, context: str = "") -> str:
     """The prompt text for one example; the response follows it directly."""
     if template == "alpaca":
         if context:
-            return (f"{_ALPACA_INTRO_CONTEXT}\n\n### Instruction:\n{instruction}\n\n"
-                    f"### Input:\n{context}\n\n### Response:\n")
+            return (
+                f"{_ALPACA_INTRO_CONTEXT}\n\n### Instruction:\n{instruction}\n\n"
+                f"### Input:\n{context}\n\n### Response:\n"
+            )
         return f"{_ALPACA_INTRO}\n\n### Instruction:\n{instruction}\n\n### Response:\n"
     if template == "plain":
         return f"{instruction}\n{context}\n" if context else f"{instruction}\n"
@@ -73,8 +86,9 @@ def _string_fields(row: dict[str, Any], required: list[str], optional: list[str]
     return out
 
 
-def read_records(path: str, key: str, required: list[str], optional: list[str],
-                 skip_bad_lines: bool) -> tuple[list[tuple[str, dict[str, str]]], int]:
+def read_records(
+    path: str, key: str, required: list[str], optional: list[str], skip_bad_lines: bool
+) -> tuple[list[tuple[str, dict[str, str]]], int]:
     """String fields of every row of a data file (JSONL, JSON array, Parquet, datasets folder) ->
     ([(where, fields)], bad rows skipped). A bad row raises DataError `<where>: ...` unless `skip_bad_lines`."""
     return read_rows(path, key, lambda row: _string_fields(row, required, optional), skip_bad_lines)
@@ -89,10 +103,17 @@ def read_instruction_file(path: str, key: str, data: DataSection) -> tuple[list[
 def read_located_examples(path: str, key: str, data: DataSection) -> tuple[list[tuple[str, Example]], int]:
     """As `read_instruction_file`, each example with its location ("file:LINE" / "file: row N")."""
     optional = [data.context_field] if data.context_field else []
-    records, bad = read_records(path, key, [data.instruction_field, data.response_field], optional,
-                                data.skip_bad_lines)
-    examples = [(where, (format_prompt(data.template, r[data.instruction_field], r.get(data.context_field, "")),
-                         r[data.response_field])) for where, r in records]
+    records, bad = read_records(path, key, [data.instruction_field, data.response_field], optional, data.skip_bad_lines)
+    examples = [
+        (
+            where,
+            (
+                format_prompt(data.template, r[data.instruction_field], r.get(data.context_field, "")),
+                r[data.response_field],
+            ),
+        )
+        for where, r in records
+    ]
     return examples, bad
 
 
@@ -112,8 +133,9 @@ def held_out_split(num_examples: int, fraction: float, seed: int) -> tuple[list[
     return order[num_eval:], order[:num_eval]
 
 
-def tokenize_examples(examples: list[Example], tok: Tokenizer, seq_len: int, train_on_prompt: bool,
-                      stats: DataStats) -> tuple[list[Document], list[Example]]:
+def tokenize_examples(
+    examples: list[Example], tok: Tokenizer, seq_len: int, train_on_prompt: bool, stats: DataStats
+) -> tuple[list[Document], list[Example]]:
     """Examples -> (documents, the examples kept); truncations and drops are counted in `stats`."""
     prompts = tok.encode_batch([p for p, _ in examples])
     responses = tok.encode_batch([r for _, r in examples])
@@ -135,38 +157,48 @@ def tokenize_examples(examples: list[Example], tok: Tokenizer, seq_len: int, tra
     return docs, kept
 
 
-def datasets_from_examples(train_examples: list[Example], eval_examples: list[Example], tok: Tokenizer,
-                           data: DataSection, stats: DataStats,
-                           source: str) -> tuple[PackedDataset, PackedDataset]:
+def datasets_from_examples(
+    train_examples: list[Example],
+    eval_examples: list[Example],
+    tok: Tokenizer,
+    data: DataSection,
+    stats: DataStats,
+    source: str,
+) -> tuple[PackedDataset, PackedDataset]:
     """Tokenise, shuffle (seeded) and pack both splits; `source` names the data in errors."""
     if data.tokenize == "on_the_fly":
         return _on_the_fly_train(train_examples, eval_examples, tok, data, stats)
     train_docs, train_kept = tokenize_examples(train_examples, tok, data.seq_len, data.train_on_prompt, stats)
     eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
     if not train_docs:
-        raise DataError(f"{source}: no usable training examples ({len(train_examples)} read, all dropped: "
-                        f"empty response, or the prompt alone fills data.seq_len = {data.seq_len})")
+        raise DataError(
+            f"{source}: no usable training examples ({len(train_examples)} read, all dropped: "
+            f"empty response, or the prompt alone fills data.seq_len = {data.seq_len})"
+        )
     # Packing is greedy in order, so shuffle first: neighbouring file lines are often near-duplicates.
     order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(data.seed)).tolist()
-    train = PackedDataset(pack_documents([train_docs[i] for i in order], data.seq_len, tok.pad_id, data.pack),
-                          name="train")
-    eval_rows = (pack_documents(eval_docs, data.seq_len, tok.pad_id, data.pack) if eval_docs
-                 else empty_rows(data.seq_len))
+    train = PackedDataset(
+        pack_documents([train_docs[i] for i in order], data.seq_len, tok.pad_id, data.pack), name="train"
+    )
+    eval_rows = (
+        pack_documents(eval_docs, data.seq_len, tok.pad_id, data.pack) if eval_docs else empty_rows(data.seq_len)
+    )
     eval_ = PackedDataset(eval_rows, examples=eval_kept, name="eval")
     stats.train_examples, stats.eval_examples = len(train_kept), len(eval_kept)
     fill_row_stats(stats, train, eval_)
     return train, eval_
 
 
-def _on_the_fly_train(train_examples: list[Example], eval_examples: list[Example], tok: Tokenizer,
-                      data: DataSection, stats: DataStats) -> tuple[Any, PackedDataset]:
+def _on_the_fly_train(
+    train_examples: list[Example], eval_examples: list[Example], tok: Tokenizer, data: DataSection, stats: DataStats
+) -> tuple[Any, PackedDataset]:
     """Training rows tokenised by the loader; the (small) eval split is still tokenised ahead."""
     from tracetrain.data.on_the_fly import OnTheFlyDataset
+
     order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
     train = OnTheFlyDataset([train_examples[i] for i in order], tok, data.seq_len, data.train_on_prompt)
     eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
-    eval_rows = (pack_documents(eval_docs, data.seq_len, tok.pad_id, False) if eval_docs
-                 else empty_rows(data.seq_len))
+    eval_rows = pack_documents(eval_docs, data.seq_len, tok.pad_id, False) if eval_docs else empty_rows(data.seq_len)
     stats.train_examples, stats.eval_examples = len(train), len(eval_kept)
     return train, PackedDataset(eval_rows, examples=eval_kept, name="eval")
 

@@ -75,8 +75,17 @@ class EpochBatchSampler(Sampler[list[int]]):
     stall at epoch boundaries.
     """
 
-    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool,
-                 start_epoch: int = 0, start_batch: int = 0) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        start_epoch: int = 0,
+        start_batch: int = 0,
+    ) -> None:
         self.num_rows, self.batch_size, self.shuffle = num_rows, batch_size, shuffle
         self.seed, self.drop_last = seed, drop_last
         self.start_epoch, self.start_batch = start_epoch, start_batch
@@ -94,40 +103,61 @@ class EpochBatchSampler(Sampler[list[int]]):
         while True:
             order = self.epoch_order(epoch)
             for b in range(skip, num_batches):
-                yield order[b * self.batch_size:(b + 1) * self.batch_size]
+                yield order[b * self.batch_size : (b + 1) * self.batch_size]
             epoch, skip = epoch + 1, 0
 
 
 class StatefulLoader:
     """An endless iterator of batches whose position can be saved and restored exactly."""
 
-    def __init__(self, dataset: PackedDataset, batch_size: int, *, shuffle: bool, seed: int,
-                 drop_last: bool, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int = 2) -> None:
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int = 2,
+    ) -> None:
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
         self.batches_per_epoch = batches_per_epoch(len(dataset), batch_size, drop_last)
         if self.batches_per_epoch == 0:
-            raise DataError(f"the {dataset.name} data has {len(dataset)} rows of {dataset.seq_len} tokens, "
-                            f"fewer than one batch of {batch_size}; add data or lower the batch size")
+            raise DataError(
+                f"the {dataset.name} data has {len(dataset)} rows of {dataset.seq_len} tokens, "
+                f"fewer than one batch of {batch_size}; add data or lower the batch size"
+            )
         self.epoch, self.batch_in_epoch = 0, 0
         self._iter: Iterator[Batch] | None = None
 
     def _start(self) -> Iterator[Batch]:
-        sampler = EpochBatchSampler(len(self.dataset), self.batch_size, shuffle=self.shuffle, seed=self.seed,
-                                    drop_last=self.drop_last, start_epoch=self.epoch,
-                                    start_batch=self.batch_in_epoch)
+        sampler = EpochBatchSampler(
+            len(self.dataset),
+            self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+            start_epoch=self.epoch,
+            start_batch=self.batch_in_epoch,
+        )
         workers = self.num_workers > 0
-        loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                            # Pinned pages only pay off for asynchronous copies to a GPU.
-                            pin_memory=self.pin_memory and torch.cuda.is_available(),
-                            prefetch_factor=self.prefetch_factor if workers else None,
-                            persistent_workers=workers,
-                            # Its own generator: a DataLoader iterator otherwise draws its worker base
-                            # seed from the global RNG, and recreating the loader on resume would shift
-                            # the dropout random stream (resume would no longer be exact).
-                            generator=torch.Generator().manual_seed(self.seed))
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=sampler,
+            num_workers=self.num_workers,
+            # Pinned pages only pay off for asynchronous copies to a GPU.
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            prefetch_factor=self.prefetch_factor if workers else None,
+            persistent_workers=workers,
+            # Its own generator: a DataLoader iterator otherwise draws its worker base
+            # seed from the global RNG, and recreating the loader on resume would shift
+            # the dropout random stream (resume would no longer be exact).
+            generator=torch.Generator().manual_seed(self.seed),
+        )
         return iter(loader)
 
     def __iter__(self) -> StatefulLoader:
@@ -145,18 +175,29 @@ class StatefulLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position (batches consumed) plus what it is only meaningful with."""
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "num_rows": len(self.dataset),
-                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
-                "drop_last": self.drop_last}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "num_rows": len(self.dataset),
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; the next batch is the one after the last one consumed."""
         mine = self.state_dict()
-        changed = [f"{k} {state[k]!r} -> {mine[k]!r}" for k in ("num_rows", "batch_size", "shuffle", "seed",
-                                                                "drop_last") if state.get(k) != mine[k]]
+        changed = [
+            f"{k} {state[k]!r} -> {mine[k]!r}"
+            for k in ("num_rows", "batch_size", "shuffle", "seed", "drop_last")
+            if state.get(k) != mine[k]
+        ]
         if changed:
-            raise DataError(f"cannot resume the data position: the {self.dataset.name} data or loader "
-                            f"changed since the checkpoint ({', '.join(changed)})")
+            raise DataError(
+                f"cannot resume the data position: the {self.dataset.name} data or loader "
+                f"changed since the checkpoint ({', '.join(changed)})"
+            )
         self.close()
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
 
@@ -165,12 +206,26 @@ class StatefulLoader:
         self._iter = None
 
 
-def build_loader(dataset: PackedDataset, batch_size: int, data: DataSection, *, shuffle: bool = True,
-                 seed: int, drop_last: bool = True) -> StatefulLoader:
+def build_loader(
+    dataset: PackedDataset,
+    batch_size: int,
+    data: DataSection,
+    *,
+    shuffle: bool = True,
+    seed: int,
+    drop_last: bool = True,
+) -> StatefulLoader:
     """An endless `StatefulLoader` over `dataset` with the worker settings of the data config."""
-    return StatefulLoader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                          num_workers=data.num_workers, pin_memory=data.pin_memory,
-                          prefetch_factor=data.prefetch_factor)
+    return StatefulLoader(
+        dataset,
+        batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        num_workers=data.num_workers,
+        pin_memory=data.pin_memory,
+        prefetch_factor=data.prefetch_factor,
+    )
 
 
 def iter_batches(dataset: PackedDataset, batch_size: int) -> Iterator[Batch]:

@@ -24,8 +24,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 class OnTheFlyDataset(torch.utils.data.Dataset):
     """Same interface as PackedDataset for the loader: `len`, `[i] -> dict of (seq_len,) int64`."""
 
-    def __init__(self, examples: list[tuple[str, str]], tok: Tokenizer, seq_len: int, train_on_prompt: bool,
-                 name: str = "train") -> None:
+    def __init__(
+        self, examples: list[tuple[str, str]], tok: Tokenizer, seq_len: int, train_on_prompt: bool, name: str = "train"
+    ) -> None:
         self.examples, self.tok = examples, tok
         self._seq_len, self.train_on_prompt, self.name = seq_len, train_on_prompt, name
 
@@ -38,6 +39,7 @@ class OnTheFlyDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         from tracetrain.data.instruction import tokenize_examples
+
         docs, _ = tokenize_examples([self.examples[i]], self.tok, self._seq_len, self.train_on_prompt, DataStats())
         if not docs:  # dropped (empty response or prompt too long): a row with no targets
             docs = [([self.tok.pad_id], [-100])]

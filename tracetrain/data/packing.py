@@ -67,11 +67,17 @@ class DataStats:
     def summary(self) -> str:
         """One line for the console."""
         fill = self.train_tokens / max(1, self.train_sequences * self.seq_len)
-        parts = [f"{self.examples_read} examples read", f"{self.train_examples} train / "
-                 f"{self.eval_examples} eval", f"{self.train_sequences} train rows ({fill:.0%} filled)",
-                 f"{self.train_tokens} tokens, {self.train_target_tokens} with loss"]
-        for count, what in ((self.bad_lines_skipped, "bad lines skipped"),
-                            (self.examples_truncated, "truncated"), (self.examples_dropped, "dropped")):
+        parts = [
+            f"{self.examples_read} examples read",
+            f"{self.train_examples} train / {self.eval_examples} eval",
+            f"{self.train_sequences} train rows ({fill:.0%} filled)",
+            f"{self.train_tokens} tokens, {self.train_target_tokens} with loss",
+        ]
+        for count, what in (
+            (self.bad_lines_skipped, "bad lines skipped"),
+            (self.examples_truncated, "truncated"),
+            (self.examples_dropped, "dropped"),
+        ):
             if count:
                 parts.append(f"{count} {what}")
         return "data: " + ", ".join(parts)
@@ -84,8 +90,9 @@ class PackedDataset(Dataset):
     (instruction and synthetic data; empty for text). `name` says which split it is, for messages.
     """
 
-    def __init__(self, rows: dict[str, torch.Tensor], examples: list[tuple[str, str]] | None = None,
-                 name: str = "train") -> None:
+    def __init__(
+        self, rows: dict[str, torch.Tensor], examples: list[tuple[str, str]] | None = None, name: str = "train"
+    ) -> None:
         lengths = {t.shape for t in rows.values()}
         assert len(lengths) == 1, f"row tensors disagree in shape: {lengths}"
         # Stored as int32 to halve host memory for large corpora; rows are widened on the way out.
@@ -127,10 +134,12 @@ def _finish_rows(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray) -> dict[s
     seg_start = np.maximum.accumulate(np.where(starts, col, 0), axis=1)
     positions = np.where(doc >= 0, col - seg_start, 0)
     local_doc = np.where(doc >= 0, np.cumsum(starts, axis=1) - 1, PAD_DOCUMENT)
-    return {"input_ids": torch.from_numpy(ids.astype(np.int64)),
-            "labels": torch.from_numpy(labels.astype(np.int64)),
-            "position_ids": torch.from_numpy(positions.astype(np.int64)),
-            "document_ids": torch.from_numpy(local_doc.astype(np.int64))}
+    return {
+        "input_ids": torch.from_numpy(ids.astype(np.int64)),
+        "labels": torch.from_numpy(labels.astype(np.int64)),
+        "position_ids": torch.from_numpy(positions.astype(np.int64)),
+        "document_ids": torch.from_numpy(local_doc.astype(np.int64)),
+    }
 
 
 def _row_slots(lengths: list[int], seq_len: int, pack: bool) -> list[tuple[int, int]]:
@@ -164,8 +173,9 @@ def pack_documents(docs: list[Document], seq_len: int, pad_id: int, pack: bool) 
     return _finish_rows(ids, labels, doc)
 
 
-def chunk_stream(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, seq_len: int,
-                 pad_id: int) -> dict[str, torch.Tensor]:
+def chunk_stream(
+    ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, seq_len: int, pad_id: int
+) -> dict[str, torch.Tensor]:
     """A token stream (with shifted labels and a document index per token) cut into `seq_len` rows.
 
     The last, partial row is padded. A label at a cut keeps pointing at the document's next token
@@ -183,8 +193,7 @@ def chunk_stream(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, seq_len: 
 def empty_rows(seq_len: int) -> dict[str, torch.Tensor]:
     """Zero rows, for an absent held-out split."""
     shape = (0, seq_len)
-    return {k: torch.zeros(shape, dtype=torch.int64)
-            for k in ("input_ids", "labels", "position_ids", "document_ids")}
+    return {k: torch.zeros(shape, dtype=torch.int64) for k in ("input_ids", "labels", "position_ids", "document_ids")}
 
 
 def fill_row_stats(stats: DataStats, train: PackedDataset, eval_: PackedDataset) -> None:

@@ -54,6 +54,7 @@ def build_synthetic_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedD
     examples = generate_examples(data.synthetic_examples, data.seed)
     train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
     stats = DataStats(examples_read=len(examples))
-    train, eval_ = datasets_from_examples([examples[i] for i in train_idx], [examples[i] for i in eval_idx],
-                                          tok, data, stats, "synthetic task")
+    train, eval_ = datasets_from_examples(
+        [examples[i] for i in train_idx], [examples[i] for i in eval_idx], tok, data, stats, "synthetic task"
+    )
     return train, eval_, stats

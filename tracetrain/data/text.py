@@ -20,8 +20,7 @@ import torch
 from tracetrain.config import DataSection
 from tracetrain.data.files import is_record_file, open_data_file
 from tracetrain.data.instruction import read_records
-from tracetrain.data.packing import (IGNORE_INDEX, DataStats, PackedDataset, chunk_stream, empty_rows,
-                                     fill_row_stats)
+from tracetrain.data.packing import IGNORE_INDEX, DataStats, PackedDataset, chunk_stream, empty_rows, fill_row_stats
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 
@@ -65,7 +64,7 @@ def token_stream(docs: list[str], tok: Tokenizer) -> tuple[np.ndarray, np.ndarra
     for start, end, e in zip(starts, ends, encoded):
         if tok.add_bos:
             ids[start] = tok.bos_id
-        ids[end - len(e) - 1:end - 1] = e
+        ids[end - len(e) - 1 : end - 1] = e
         ids[end - 1] = tok.eos_id
     labels = np.empty_like(ids)
     labels[:-1] = ids[1:]
@@ -74,8 +73,9 @@ def token_stream(docs: list[str], tok: Tokenizer) -> tuple[np.ndarray, np.ndarra
     return ids, labels, doc
 
 
-def _rows(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, data: DataSection,
-          pad_id: int) -> dict[str, torch.Tensor]:
+def _rows(
+    ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, data: DataSection, pad_id: int
+) -> dict[str, torch.Tensor]:
     """A stream (or part of one) -> row tensors; with pack=False every document starts a new row."""
     if len(ids) == 0:
         return empty_rows(data.seq_len)
@@ -84,8 +84,10 @@ def _rows(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, data: DataSectio
     if data.pack:
         return chunk_stream(ids, labels, doc, data.seq_len, pad_id)
     cuts = np.flatnonzero(doc[1:] != doc[:-1]) + 1
-    parts = [chunk_stream(i, l, d, data.seq_len, pad_id)
-             for i, l, d in zip(np.split(ids, cuts), np.split(labels, cuts), np.split(doc, cuts))]
+    parts = [
+        chunk_stream(i, lab, d, data.seq_len, pad_id)
+        for i, lab, d in zip(np.split(ids, cuts), np.split(labels, cuts), np.split(doc, cuts))
+    ]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 

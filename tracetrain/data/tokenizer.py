@@ -83,9 +83,11 @@ class Tokenizer(ABC):
         return self.special_tokens().get("bos_token") if self.add_bos else None
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, "
-                f"bos={self.bos_id if self.add_bos else None}, eos={self.eos_id}, pad={self.pad_id}, "
-                f"stop={list(self.stop_ids)})")
+        return (
+            f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, "
+            f"bos={self.bos_id if self.add_bos else None}, eos={self.eos_id}, pad={self.pad_id}, "
+            f"stop={list(self.stop_ids)})"
+        )
 
 
 class ByteTokenizer(Tokenizer):
@@ -201,9 +203,11 @@ class HFTokenizer(Tokenizer):
             self.eos_id = gen_eos_ids[0]
             self._specials["eos_token"] = self._tok.id_to_token(self.eos_id)
         else:
-            raise DataError(f"{folder}: no eos_token in tokenizer_config.json or special_tokens_map.json, and no "
-                            "eos_token_id in generation_config.json; add one (the data pipeline ends documents "
-                            "with it)")
+            raise DataError(
+                f"{folder}: no eos_token in tokenizer_config.json or special_tokens_map.json, and no "
+                "eos_token_id in generation_config.json; add one (the data pipeline ends documents "
+                "with it)"
+            )
         bos = texts["bos_token"]
         self.bos_id = self._id_of(bos, where) if bos is not None else self.eos_id
         add_bos = cfg.get("add_bos_token")
@@ -219,9 +223,11 @@ class HFTokenizer(Tokenizer):
         specials = sorted((i, t.content) for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         if len(specials) != 1:
             names = ", ".join(text for _, text in specials) or "none"
-            raise DataError(f"{file}: a bare tokenizer.json with {len(specials)} special tokens ({names}) does not "
-                            "say which is BOS or EOS; set data.tokenizer to the Hugging Face tokenizer folder "
-                            "(with its tokenizer_config.json)")
+            raise DataError(
+                f"{file}: a bare tokenizer.json with {len(specials)} special tokens ({names}) does not "
+                "say which is BOS or EOS; set data.tokenizer to the Hugging Face tokenizer folder "
+                "(with its tokenizer_config.json)"
+            )
         # GPT-2's convention: its one special token separates documents, so it is BOS, EOS and PAD.
         only_id, only_text = specials[0]
         self.bos_id = self.eos_id = self.pad_id = only_id
@@ -272,10 +278,12 @@ class HFTokenizer(Tokenizer):
         }
         if chat_template is not None:
             config["chat_template"] = chat_template
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                       encoding="utf-8")
-        (out_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n",
-                                                         encoding="utf-8")
+        (out_dir / "tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+        (out_dir / "special_tokens_map.json").write_text(
+            json.dumps(specials, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
         return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
@@ -312,9 +320,11 @@ def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
     slow = [n for n in ("tokenizer.model", "vocab.json", "tokenizer_config.json") if (folder / n).is_file()]
     if slow:
         # Falling back to bytes here would train a checkpoint on ids it never saw: refuse instead.
-        raise DataError(f"{folder} has tokenizer files ({', '.join(slow)}) but no tokenizer.json, which is the "
-                        "format tracetrain reads; save it with a fast tokenizer (tokenizer.save_pretrained) or set "
-                        "data.tokenizer")
+        raise DataError(
+            f"{folder} has tokenizer files ({', '.join(slow)}) but no tokenizer.json, which is the "
+            "format tracetrain reads; save it with a fast tokenizer (tokenizer.save_pretrained) or set "
+            "data.tokenizer"
+        )
     return "byte"
 
 
@@ -330,6 +340,8 @@ def load_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
 def check_vocab(tok: Tokenizer, model_vocab_size: int) -> None:
     """Raise DataError if the tokenizer can produce ids the model's embedding has no row for."""
     if tok.vocab_size > model_vocab_size:
-        raise DataError(f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's embedding has "
-                        f"{model_vocab_size} rows; use a larger preset or set model.vocab_size >= "
-                        f"{tok.vocab_size}")
+        raise DataError(
+            f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's embedding has "
+            f"{model_vocab_size} rows; use a larger preset or set model.vocab_size >= "
+            f"{tok.vocab_size}"
+        )

@@ -65,8 +65,9 @@ class _CompiledBlock(nn.Module):
 
     _compiled_forward: Callable[..., torch.Tensor]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object,
-                cache: KVCacheLayer | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object, cache: KVCacheLayer | None = None
+    ) -> torch.Tensor:
         if cache is not None:
             return super().forward(x, cos, sin, mask, cache)
         return self._compiled_forward(x, cos, sin, mask)
@@ -81,15 +82,16 @@ class _CompiledAttentionBlock(_CompiledBlock):
     (models/moe.py), which a full graph cannot contain, and whose changing sizes would recompile
     every step; the expert half stays eager."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object,
-                cache: KVCacheLayer | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object, cache: KVCacheLayer | None = None
+    ) -> torch.Tensor:
         if cache is not None:
             return super().forward(x, cos, sin, mask, cache)  # eager, as _CompiledBlock does
         x = self._compiled_forward(x, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
 
     def _block_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask, None)
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask, None)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
 
 
 @functools.cache
@@ -113,8 +115,8 @@ def apply_compile(model: Transformer) -> int:
     for block in model.layers:
         if is_compiled(block):
             raise ValueError("model blocks are already compiled")
-        block.__class__ = _compiled_class(type(block), attention_only=hasattr(block.mlp, "experts"))
-        block._compiled_forward = torch.compile(block._block_forward, fullgraph=True, dynamic=False)
+        block.__class__ = _compiled_class(type(block), attention_only=hasattr(block.mlp, "experts"))  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        block._compiled_forward = torch.compile(block._block_forward, fullgraph=True, dynamic=False)  # type: ignore[arg-type, assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     return len(model.layers)
 
 
@@ -125,4 +127,5 @@ def is_compiled(block: nn.Module) -> bool:
 def compiled_frame_count() -> int:
     """Frames Dynamo has compiled so far in this process (one per distinct graph and guard set)."""
     from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])

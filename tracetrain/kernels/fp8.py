@@ -68,13 +68,14 @@ if TYPE_CHECKING:
 Recipe = Literal["tensorwise", "rowwise"]
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-EPS = 1e-12                  # smallest amax used for a scale (an all-zero tensor stays zero)
-ALIGN = 16                   # _scaled_mm needs K and N (both GEMMs) to be multiples of 16
-FAST_ACCUM_FORWARD = True    # as torchao's recipes: fast accumulation for the output GEMM only
-MIN_CAPABILITY = (8, 9)      # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
+EPS = 1e-12  # smallest amax used for a scale (an all-zero tensor stays zero)
+ALIGN = 16  # _scaled_mm needs K and N (both GEMMs) to be multiples of 16
+FAST_ACCUM_FORWARD = True  # as torchao's recipes: fast accumulation for the output GEMM only
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
 
 
 # ------------------------------------------------------------------------------------- quantisation
+
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = False) -> torch.Tensor:
     """`fp8_max / max(amax, EPS)` in float32; NaN where amax is not finite (never a clamped scale)."""
@@ -108,25 +109,40 @@ def quantize_weight(weight: torch.Tensor, recipe: Recipe) -> dict[str, torch.Ten
     if recipe == "tensorwise":
         q, inv = quantize(w, E4M3)
         return {"w": q, "w_inv": inv, "wt": q.t().contiguous(), "wt_inv": inv.clone()}
-    q, inv = quantize(w, E4M3, rowwise=True)                     # one scale per output channel
+    q, inv = quantize(w, E4M3, rowwise=True)  # one scale per output channel
     qt, inv_t = quantize(w.t().contiguous(), E4M3, rowwise=True)  # one scale per input channel
     return {"w": q, "w_inv": inv.reshape(1, -1), "wt": qt, "wt_inv": inv_t.reshape(1, -1)}
 
 
-def fp8_matmul(a: torch.Tensor, a_dtype: torch.dtype, b_fp8_t: torch.Tensor, b_inv: torch.Tensor,
-               recipe: Recipe, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+def fp8_matmul(
+    a: torch.Tensor,
+    a_dtype: torch.dtype,
+    b_fp8_t: torch.Tensor,
+    b_inv: torch.Tensor,
+    recipe: Recipe,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
     """`a (M, K) @ b^T` with `a` quantised now and `b_fp8_t` (N, K) quantised before; returns (M, N)."""
     a_q, a_inv = quantize(a, a_dtype, rowwise=recipe == "rowwise")
     return scaled_matmul(a_q, a_inv, b_fp8_t, b_inv, recipe, out_dtype, fast_accum)
 
 
-def scaled_matmul(a_q: torch.Tensor, a_inv: torch.Tensor, b_fp8_t: torch.Tensor, b_inv: torch.Tensor,
-                  recipe: Recipe, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+def scaled_matmul(
+    a_q: torch.Tensor,
+    a_inv: torch.Tensor,
+    b_fp8_t: torch.Tensor,
+    b_inv: torch.Tensor,
+    recipe: Recipe,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
     """`a_q (M, K) @ b^T` for two operands quantised before (b_fp8_t is (N, K)); returns (M, N) in out_dtype."""
     # The rowwise (CUTLASS) kernel writes bf16 only; other output dtypes are cast from it.
     mm_dtype = torch.bfloat16 if recipe == "rowwise" else out_dtype
-    out = torch._scaled_mm(a_q, b_fp8_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype,
-                           use_fast_accum=fast_accum)
+    out = torch._scaled_mm(
+        a_q, b_fp8_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype, use_fast_accum=fast_accum
+    )
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -134,8 +150,16 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
     """Y = X W^T with a frozen, pre-quantised W: forward and input-gradient GEMMs in FP8, no weight grad."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, w_inv: torch.Tensor, wt: torch.Tensor,
-                wt_inv: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        w_inv: torch.Tensor,
+        wt: torch.Tensor,
+        wt_inv: torch.Tensor,
+        recipe: Recipe,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
         ctx.save_for_backward(wt, wt_inv)  # fp8 buffers of the module: no activation is saved
         ctx.recipe, ctx.x_dtype = recipe, x.dtype
         x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
@@ -165,8 +189,9 @@ class Float8FrozenLinear(nn.Linear):
         if not torch.compiler.is_compiling():  # compiled blocks: `apply_fp8`'s block pre-hook does this
             self.refresh_if_stale()
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        y = _FrozenFloat8Matmul.apply(x, self.fp8_w, self.fp8_w_inv, self.fp8_wt, self.fp8_wt_inv,
-                                      self.fp8_recipe, out_dtype)
+        y = _FrozenFloat8Matmul.apply(
+            x, self.fp8_w, self.fp8_w_inv, self.fp8_wt, self.fp8_wt_inv, self.fp8_recipe, out_dtype
+        )
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @torch.no_grad()
@@ -192,10 +217,10 @@ def to_float8_frozen(linear: nn.Linear, recipe: Recipe) -> Float8FrozenLinear:
     """Swap `linear`'s class to `Float8FrozenLinear` in place and quantise its weight; returns it."""
     assert not linear.weight.requires_grad, "only frozen weights are quantised once"
     linear.__class__ = Float8FrozenLinear
-    linear.fp8_recipe = recipe
+    linear.fp8_recipe = recipe  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     for name, value in quantize_weight(linear.weight, recipe).items():
         linear.register_buffer(f"fp8_{name}", value, persistent=False)
-    linear._fp8_source = (linear.weight._version, linear.weight.data_ptr())
+    linear._fp8_source = (linear.weight._version, linear.weight.data_ptr())  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     return linear  # type: ignore[return-value]
 
 
@@ -205,6 +230,7 @@ def fp8_compatible(linear: nn.Linear) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- transform
+
 
 def apply_fp8(model: nn.Module, recipe: Recipe, fused_mlp: bool = False) -> int:
     """Run the blocks' linear layers in FP8, in place; returns how many were converted.
@@ -220,22 +246,33 @@ def apply_fp8(model: nn.Module, recipe: Recipe, fused_mlp: bool = False) -> int:
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; allowed: {', '.join(RECIPES)}")
-    linears = [(f"layers.{i}.{n}", m) for i, block in enumerate(model.layers)
-               for n, m in block.named_modules() if type(m) is nn.Linear and not _is_adapter(n)]
+    linears = [
+        (f"layers.{i}.{n}", m)
+        for i, block in enumerate(model.layers)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        for n, m in block.named_modules()
+        if type(m) is nn.Linear and not _is_adapter(n)
+    ]
     skipped = [name for name, m in linears if not fp8_compatible(m)]
     if skipped:
-        warnings.warn(f"FP8: {len(skipped)} linear layer(s) kept in bf16, their dims are not multiples of "
-                      f"{ALIGN} (first: {skipped[0]})", stacklevel=2)
+        warnings.warn(
+            f"FP8: {len(skipped)} linear layer(s) kept in bf16, their dims are not multiples of "
+            f"{ALIGN} (first: {skipped[0]})",
+            stacklevel=2,
+        )
     trained = [m for _, m in linears if m.weight.requires_grad]
     if trained:
         return _apply_torchao(model, recipe, set(skipped))
     from tracetrain.kernels.fp8_mlp import fp8_mlp_eligible, to_float8_frozen_mlp  # it imports this module
+
     count = 0
-    for block in model.layers:
+    for block in model.layers:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         mlps = [to_float8_frozen_mlp(block.mlp, recipe)] if fused_mlp and fp8_mlp_eligible(block.mlp) else []
         inside = set(block.mlp.children()) if mlps else set()  # the fused MLP's own linears stay nn.Linear
-        frozen = [to_float8_frozen(m, recipe) for n, m in block.named_modules()
-                  if type(m) is nn.Linear and m not in inside and not _is_adapter(n) and fp8_compatible(m)]
+        frozen = [
+            to_float8_frozen(m, recipe)
+            for n, m in block.named_modules()
+            if type(m) is nn.Linear and m not in inside and not _is_adapter(n) and fp8_compatible(m)
+        ]
         if frozen or mlps:
             block.register_forward_pre_hook(_refresh_hook([*frozen, *mlps]))
         count += len(frozen) + 3 * len(mlps)
@@ -248,9 +285,11 @@ def _is_adapter(name: str) -> bool:
 
 def _refresh_hook(modules: list[Float8FrozenLinear | Float8FrozenFeedForward]) -> Callable[..., None]:
     """Block forward pre-hook (runs eagerly even when the block is compiled): re-quantise stale weights."""
+
     def hook(module: nn.Module, args: Any) -> None:
         for fp8_module in modules:
             fp8_module.refresh_if_stale()
+
     return hook
 
 
@@ -259,12 +298,17 @@ def _apply_torchao(model: nn.Module, recipe: Recipe, skipped: set[str]) -> int:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise ConfigError(f"config key 'train.fp8' = {recipe!r} with full fine-tuning needs torchao: "
-                          "pip install 'tracetrain[fp8]'") from None
+        raise ConfigError(
+            f"config key 'train.fp8' = {recipe!r} with full fine-tuning needs torchao: pip install 'tracetrain[fp8]'"
+        ) from None
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        return fqn.startswith("layers.") and fqn not in skipped and isinstance(module, nn.Linear) \
+        return (
+            fqn.startswith("layers.")
+            and fqn not in skipped
+            and isinstance(module, nn.Linear)
             and fp8_compatible(module)
+        )
 
     before = sum(1 for m in model.modules() if type(m) is nn.Linear)
     convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
@@ -276,22 +320,28 @@ def check_fp8_device(recipe: str, device: torch.device) -> None:
     if recipe == "none":
         return
     if device.type != "cuda":
-        raise ConfigError(f"config key 'train.fp8': {recipe!r} needs a CUDA GPU with FP8 tensor cores "
-                          f"(compute capability >= 8.9), not {device.type}; use 'none'")
+        raise ConfigError(
+            f"config key 'train.fp8': {recipe!r} needs a CUDA GPU with FP8 tensor cores "
+            f"(compute capability >= 8.9), not {device.type}; use 'none'"
+        )
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise ConfigError(f"config key 'train.fp8': {recipe!r} needs compute capability >= 8.9 (Ada, Hopper); "
-                          f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}; use 'none'")
+        raise ConfigError(
+            f"config key 'train.fp8': {recipe!r} needs compute capability >= 8.9 (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}; use 'none'"
+        )
 
 
 def fp8_peak_tflops(device_name: str) -> float | None:
     """The FP8 dense peak from the device table, for reference next to MFU (which uses the bf16 peak)."""
     from tracetrain.devices import lookup_device
+
     spec = lookup_device(device_name)
     return spec.fp8_tflops if spec and spec.fp8_tflops > 0 else None
 
 
 # ------------------------------------------------------------------------------------------- probe
+
 
 @torch.no_grad()
 def _quant_stats(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe) -> dict[str, torch.Tensor]:
@@ -322,8 +372,12 @@ def probe_amax(model: nn.Module, run: Callable[[], Any]) -> list[dict[str, Any]]
             stats[name] = {f"x_{k}": v for k, v in _quant_stats(args[0], E4M3, mod.fp8_recipe).items()}
             stats[name]["w_amax"] = mod.weight.detach().abs().amax().float()
             if out.requires_grad:
-                out.register_hook(lambda g: stats[name].update(
-                    {f"grad_{k}": v for k, v in _quant_stats(g, grad_dtype, mod.fp8_recipe).items()}))
+                out.register_hook(
+                    lambda g: stats[name].update(
+                        {f"grad_{k}": v for k, v in _quant_stats(g, grad_dtype, mod.fp8_recipe).items()}
+                    )
+                )
+
         handles.append(module.register_forward_hook(forward_hook))
     try:
         with torch.compiler.set_stance("force_eager"):

@@ -48,8 +48,9 @@ from tracetrain.models.llama import FeedForward
 # ------------------------------------------------------------------------------------ the row kernels
 
 
-def swiglu_quant_reference(gu: torch.Tensor, fp8_dtype: torch.dtype,
-                           rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quant_reference(
+    gu: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """h = silu(gate) * up in float32 from gu (tokens, 2 ffn) = [gate | up], quantised as `quantize` does.
 
     Returns h_q (tokens, ffn) in `fp8_dtype` and its inverse scale, (tokens, 1) rowwise or () tensorwise.
@@ -60,8 +61,9 @@ def swiglu_quant_reference(gu: torch.Tensor, fp8_dtype: torch.dtype,
     return quantize(h, fp8_dtype, rowwise=rowwise)
 
 
-def swiglu_bwd_quant_reference(dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype,
-                               rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_bwd_quant_reference(
+    dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[dgate | dup] (tokens, 2 ffn) for h = silu(gate) * up and its gradient dh (tokens, ffn), quantised.
 
     dgate = dh * up * sig * (1 + gate * (1 - sig)), dup = dh * silu(gate), float32; one scale per row of the
@@ -89,8 +91,9 @@ def _(gu: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool) -> tuple[torch.Te
 
 
 @torch.library.custom_op("tracetrain::swiglu_bwd_quant", mutates_args=())
-def swiglu_bwd_quant(dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype,
-                     rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_bwd_quant(
+    dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[dgate | dup] (tokens, 2 ffn) from dh (tokens, ffn) and gu, quantised with one scale per row."""
     return swiglu_bwd_quant_reference(dh, gu, fp8_dtype, rowwise)
 
@@ -103,24 +106,37 @@ def _(dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool)
 
 if triton_available():
     from tracetrain.kernels import fp8_triton as _ft
+
     swiglu_quant.register_kernel("cuda")(_ft.swiglu_quant)
     swiglu_bwd_quant.register_kernel("cuda")(_ft.swiglu_bwd_quant)
 
 
 # ---------------------------------------------------------------------------------------- the MLP
 
+
 class _Float8FeedForward(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with frozen, pre-quantised weights: the diagram in the module docstring."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w13: torch.Tensor, w13_inv: torch.Tensor, w13t: torch.Tensor,
-                w13t_inv: torch.Tensor, w2: torch.Tensor, w2_inv: torch.Tensor, w2t: torch.Tensor,
-                w2t_inv: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w13_inv: torch.Tensor,
+        w13t: torch.Tensor,
+        w13t_inv: torch.Tensor,
+        w2: torch.Tensor,
+        w2_inv: torch.Tensor,
+        w2t: torch.Tensor,
+        w2t_inv: torch.Tensor,
+        recipe: Recipe,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
         rowwise = recipe == "rowwise"
-        x2 = x.reshape(-1, x.shape[-1])                                                  # (tokens, dim)
+        x2 = x.reshape(-1, x.shape[-1])  # (tokens, dim)
         gu = fp8_matmul(x2, E4M3, w13, w13_inv, recipe, out_dtype, FAST_ACCUM_FORWARD)  # (tokens, 2 ffn)
-        h_q, h_inv = swiglu_quant(gu, E4M3, rowwise)                                     # (tokens, ffn)
-        y = scaled_matmul(h_q, h_inv, w2, w2_inv, recipe, out_dtype, FAST_ACCUM_FORWARD)   # (tokens, dim)
+        h_q, h_inv = swiglu_quant(gu, E4M3, rowwise)  # (tokens, ffn)
+        y = scaled_matmul(h_q, h_inv, w2, w2_inv, recipe, out_dtype, FAST_ACCUM_FORWARD)  # (tokens, dim)
         ctx.save_for_backward(gu, w13t, w13t_inv, w2t, w2t_inv)  # one activation; the rest are buffers
         ctx.recipe, ctx.x_dtype = recipe, x.dtype
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -130,9 +146,9 @@ class _Float8FeedForward(torch.autograd.Function):
         gu, w13t, w13t_inv, w2t, w2t_inv = ctx.saved_tensors
         rowwise = ctx.recipe == "rowwise"
         grad_dtype = E4M3 if rowwise else E5M2
-        dy = grad_out.reshape(-1, grad_out.shape[-1])                                        # (tokens, dim)
+        dy = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, dim)
         dh = fp8_matmul(dy, grad_dtype, w2t, w2t_inv, ctx.recipe, gu.dtype, fast_accum=False)  # (tokens, ffn)
-        dgu_q, dgu_inv = swiglu_bwd_quant(dh, gu, grad_dtype, rowwise)                       # (tokens, 2 ffn)
+        dgu_q, dgu_inv = swiglu_bwd_quant(dh, gu, grad_dtype, rowwise)  # (tokens, 2 ffn)
         dx = scaled_matmul(dgu_q, dgu_inv, w13t, w13t_inv, ctx.recipe, ctx.x_dtype, fast_accum=False)  # (tokens, dim)
         return (dx.view(*grad_out.shape[:-1], dx.shape[-1]), *([None] * 10))
 
@@ -153,9 +169,19 @@ class Float8FrozenFeedForward(FeedForward):
             self.refresh_if_stale()
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        return _Float8FeedForward.apply(x, self.fp8_w13, self.fp8_w13_inv, self.fp8_w13t, self.fp8_w13t_inv,
-                                        self.fp8_w2, self.fp8_w2_inv, self.fp8_w2t, self.fp8_w2t_inv,
-                                        self.fp8_recipe, out_dtype)
+        return _Float8FeedForward.apply(
+            x,
+            self.fp8_w13,
+            self.fp8_w13_inv,
+            self.fp8_w13t,
+            self.fp8_w13t_inv,
+            self.fp8_w2,
+            self.fp8_w2_inv,
+            self.fp8_w2t,
+            self.fp8_w2t_inv,
+            self.fp8_recipe,
+            out_dtype,
+        )
 
     def quantized_weights(self) -> dict[str, torch.Tensor]:
         """The buffers' values from the current bf16 weights: W13 and W2 through `quantize_weight`."""
@@ -192,8 +218,10 @@ def fp8_mlp_eligible(mlp: nn.Module) -> bool:
     if not isinstance(mlp, FeedForward) or isinstance(mlp, Float8FrozenFeedForward):
         return False
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    return all(type(p) is nn.Linear and p.bias is None and not p.weight.requires_grad and fp8_compatible(p)
-               for p in projections)
+    return all(
+        type(p) is nn.Linear and p.bias is None and not p.weight.requires_grad and fp8_compatible(p)
+        for p in projections
+    )
 
 
 def to_float8_frozen_mlp(mlp: FeedForward, recipe: Recipe) -> Float8FrozenFeedForward:

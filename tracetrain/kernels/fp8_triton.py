@@ -55,8 +55,21 @@ def _saturate(x, fp8_max):
 
 
 @triton.jit
-def _swiglu_quant_kernel(GU, Q, INV, ROW_AMAX, SCALE, stride_gu, stride_q, n_cols, fp8_max, eps,
-                         ROWWISE: tl.constexpr, WRITE_Q: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_quant_kernel(
+    GU,
+    Q,
+    INV,
+    ROW_AMAX,
+    SCALE,
+    stride_gu,
+    stride_q,
+    n_cols,
+    fp8_max,
+    eps,
+    ROWWISE: tl.constexpr,
+    WRITE_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -75,8 +88,23 @@ def _swiglu_quant_kernel(GU, Q, INV, ROW_AMAX, SCALE, stride_gu, stride_q, n_col
 
 
 @triton.jit
-def _swiglu_bwd_quant_kernel(DH, GU, Q, INV, ROW_AMAX, SCALE, stride_dh, stride_gu, stride_q, n_cols,
-                             fp8_max, eps, ROWWISE: tl.constexpr, WRITE_Q: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_bwd_quant_kernel(
+    DH,
+    GU,
+    Q,
+    INV,
+    ROW_AMAX,
+    SCALE,
+    stride_dh,
+    stride_gu,
+    stride_q,
+    n_cols,
+    fp8_max,
+    eps,
+    ROWWISE: tl.constexpr,
+    WRITE_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -100,8 +128,14 @@ def _swiglu_bwd_quant_kernel(DH, GU, Q, INV, ROW_AMAX, SCALE, stride_dh, stride_
         tl.store(ROW_AMAX + row, amax)
 
 
-def _launch(kernel: triton.JITFunction, tensors: tuple[torch.Tensor, ...], strides: tuple[int, ...],
-            q: torch.Tensor, ffn: int, rowwise: bool) -> torch.Tensor:
+def _launch(
+    kernel: triton.JITFunction,
+    tensors: tuple[torch.Tensor, ...],
+    strides: tuple[int, ...],
+    q: torch.Tensor,
+    ffn: int,
+    rowwise: bool,
+) -> torch.Tensor:
     """Run `kernel` over the rows into q; returns the inverse scale, (rows, 1) rowwise or () tensorwise."""
     rows = q.shape[0]
     fp8_max = torch.finfo(q.dtype).max
@@ -109,15 +143,42 @@ def _launch(kernel: triton.JITFunction, tensors: tuple[torch.Tensor, ...], strid
     opts = dict(BLOCK=block, num_warps=_row_warps(block), enable_fp_fusion=False)
     if rowwise:
         inv = torch.empty((rows, 1), dtype=torch.float32, device=q.device)
-        kernel[(rows,)](*tensors, q, inv, inv, inv, *strides, q.stride(0), ffn, fp8_max, EPS,
-                        ROWWISE=True, WRITE_Q=True, **opts)
+        kernel[(rows,)](
+            *tensors, q, inv, inv, inv, *strides, q.stride(0), ffn, fp8_max, EPS, ROWWISE=True, WRITE_Q=True, **opts
+        )
         return inv
     row_amax = torch.empty(rows, dtype=torch.float32, device=q.device)
-    kernel[(rows,)](*tensors, q, row_amax, row_amax, row_amax, *strides, q.stride(0), ffn, fp8_max, EPS,
-                    ROWWISE=False, WRITE_Q=False, **opts)
+    kernel[(rows,)](
+        *tensors,
+        q,
+        row_amax,
+        row_amax,
+        row_amax,
+        *strides,
+        q.stride(0),
+        ffn,
+        fp8_max,
+        EPS,
+        ROWWISE=False,
+        WRITE_Q=False,
+        **opts,
+    )
     scale = amax_to_scale(row_amax.amax(), q.dtype)  # () on the device: no host sync
-    kernel[(rows,)](*tensors, q, scale, row_amax, scale, *strides, q.stride(0), ffn, fp8_max, EPS,
-                    ROWWISE=False, WRITE_Q=True, **opts)
+    kernel[(rows,)](
+        *tensors,
+        q,
+        scale,
+        row_amax,
+        scale,
+        *strides,
+        q.stride(0),
+        ffn,
+        fp8_max,
+        EPS,
+        ROWWISE=False,
+        WRITE_Q=True,
+        **opts,
+    )
     return scale.reciprocal()
 
 
@@ -129,8 +190,9 @@ def swiglu_quant(gu: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool) -> tup
     return q, _launch(_swiglu_quant_kernel, (gu,), (gu.stride(0),), q, ffn, rowwise)
 
 
-def swiglu_bwd_quant(dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype,
-                     rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_bwd_quant(
+    dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """dh (tokens, ffn), gu (tokens, 2 ffn), unit column strides -> [dgate | dup] (tokens, 2 ffn), inverse scale."""
     assert dh.stride(-1) == 1 and gu.stride(-1) == 1
     q = torch.empty(gu.shape, dtype=fp8_dtype, device=gu.device)
@@ -138,6 +200,7 @@ def swiglu_bwd_quant(dh: torch.Tensor, gu: torch.Tensor, fp8_dtype: torch.dtype,
 
 
 # ----------------------------------------------------------------------------------- GPU self-check
+
 
 def _compare(name: str, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> str:
     """Byte equality of the fp8 values, max |difference| of the dequantised values, scale equality (NaN = NaN)."""
@@ -148,8 +211,10 @@ def _compare(name: str, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torc
     num_diff = int(((q.view(torch.uint8) != q_ref.view(torch.uint8)) & ~both_nan).sum())
     max_diff = float((deq - deq_ref).abs().masked_fill(both_nan, 0.0).nan_to_num(float("inf")).max())
     scales_equal = torch.equal(inv.isnan(), inv_ref.isnan()) and torch.equal(inv.nan_to_num(), inv_ref.nan_to_num())
-    return (f"{name}: fp8 bytes differing {num_diff} of {q.numel()}, max |deq diff| {max_diff:.3g}, "
-            f"scales equal {scales_equal}")
+    return (
+        f"{name}: fp8 bytes differing {num_diff} of {q.numel()}, max |deq diff| {max_diff:.3g}, "
+        f"scales equal {scales_equal}"
+    )
 
 
 def _check_mlp(device: str | torch.device, tokens: int, dim: int, ffn: int, recipe: str, benchmark: bool) -> str:
@@ -157,6 +222,7 @@ def _check_mlp(device: str | torch.device, tokens: int, dim: int, ffn: int, reci
     from tracetrain.kernels.fp8 import to_float8_frozen
     from tracetrain.kernels.fp8_mlp import to_float8_frozen_mlp
     from tracetrain.models.llama import FeedForward, ModelArgs
+
     torch.manual_seed(0)
     base = FeedForward(ModelArgs(dim=dim, ffn_dim=ffn)).to(device, torch.bfloat16).requires_grad_(False)
     unfused = copy.deepcopy(base)
@@ -170,14 +236,16 @@ def _check_mlp(device: str | torch.device, tokens: int, dim: int, ffn: int, reci
         x.grad = None
         y = mlp(x)
         y.backward(dy)
-        return y.detach().float(), x.grad.float()
+        return y.detach().float(), x.grad.float()  # type: ignore[attr-defined]  # backward ran just above: x.grad exists
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).norm() / b.norm())
 
     (y_ref, dx_ref), (y_unf, dx_unf), (y, dx) = step(base), step(unfused), step(fused)
-    line = (f"mlp {recipe} {tokens}x{dim}x{ffn}: rel err vs bf16, fused y {rel(y, y_ref):.4f} "
-            f"dx {rel(dx, dx_ref):.4f}, unfused y {rel(y_unf, y_ref):.4f} dx {rel(dx_unf, dx_ref):.4f}")
+    line = (
+        f"mlp {recipe} {tokens}x{dim}x{ffn}: rel err vs bf16, fused y {rel(y, y_ref):.4f} "
+        f"dx {rel(dx, dx_ref):.4f}, unfused y {rel(y_unf, y_ref):.4f} dx {rel(dx_unf, dx_ref):.4f}"
+    )
     if benchmark:
         variants = (fused, torch.compile(fused, fullgraph=True), unfused, torch.compile(unfused, fullgraph=True))
         times = [triton.testing.do_bench(lambda m=m: step(m)) * 1e3 for m in variants]
@@ -185,8 +253,9 @@ def _check_mlp(device: str | torch.device, tokens: int, dim: int, ffn: int, reci
     return line
 
 
-def check_against_reference(device: str | torch.device = "cuda", tokens: int = 8192, dim: int = 4096,
-                            ffn: int = 11008, benchmark: bool = True) -> None:
+def check_against_reference(
+    device: str | torch.device = "cuda", tokens: int = 8192, dim: int = 4096, ffn: int = 11008, benchmark: bool = True
+) -> None:
     """Compare the Triton kernels with their PyTorch twins on `device` (llama2-7b MLP by default); print
     one line per check: bytes, dequantised values and scales, then the time of Triton, eager PyTorch and
     the twin under torch.compile (Inductor's generated kernels, as a compiled block would run it). Last,
@@ -199,27 +268,32 @@ def check_against_reference(device: str | torch.device = "cuda", tokens: int = 8
     """
     from tracetrain.kernels.fp8 import E4M3, E5M2
     from tracetrain.kernels.fp8_mlp import swiglu_bwd_quant_reference, swiglu_quant_reference
+
     gen = torch.Generator(device).manual_seed(0)
     gu = (torch.randn(tokens, 2 * ffn, device=device, generator=gen) * 2).to(torch.bfloat16)
     dh = (torch.randn(tokens, ffn, device=device, generator=gen) * 1e-3).to(torch.bfloat16)
     gu[5, 17], dh[9, 3] = float("inf"), float("nan")
-    cases = [("swiglu_quant", swiglu_quant, swiglu_quant_reference, (gu,)),
-             ("swiglu_bwd_quant", swiglu_bwd_quant, swiglu_bwd_quant_reference, (dh, gu))]
+    cases = [
+        ("swiglu_quant", swiglu_quant, swiglu_quant_reference, (gu,)),
+        ("swiglu_bwd_quant", swiglu_bwd_quant, swiglu_bwd_quant_reference, (dh, gu)),
+    ]
     for recipe in ("rowwise", "tensorwise"):
         rowwise = recipe == "rowwise"
         for name, kernel, reference, args in cases:
             dtype = E4M3 if rowwise or name == "swiglu_quant" else E5M2  # as _Float8FeedForward uses them
             if not rowwise:  # one non-finite value would make the whole tensor NaN: check finite data
                 args = tuple(a.nan_to_num(posinf=0.0) for a in args)
-            got = kernel(*args, dtype, rowwise)
+            got = kernel(*args, dtype, rowwise)  # type: ignore[operator]  # Triton / torch.compile objects are untyped
             label = f"{name} {recipe} {'x'.join(map(str, got[0].shape))} {str(dtype).removeprefix('torch.')}"
-            line = _compare(label, got, reference(*args, dtype, rowwise))
+            line = _compare(label, got, reference(*args, dtype, rowwise))  # type: ignore[operator]  # Triton / torch.compile objects are untyped
             if rowwise:
                 line += f", NaN-scale rows {got[1].isnan().flatten().nonzero().flatten().tolist()}"
             if benchmark:
-                compiled = torch.compile(reference, fullgraph=True, dynamic=False)
-                times = [triton.testing.do_bench(lambda f=f, a=args, d=dtype, r=rowwise: f(*a, d, r)) * 1e3
-                         for f in (kernel, reference, compiled)]
+                compiled = torch.compile(reference, fullgraph=True, dynamic=False)  # type: ignore[call-overload]  # Triton / torch.compile objects are untyped
+                times = [
+                    triton.testing.do_bench(lambda f=f, a=args, d=dtype, r=rowwise: f(*a, d, r)) * 1e3
+                    for f in (kernel, reference, compiled)
+                ]
                 line += ", us: triton {:.0f}, eager {:.0f}, inductor {:.0f}".format(*times)
             print(line, flush=True)
     for recipe in ("rowwise", "tensorwise"):

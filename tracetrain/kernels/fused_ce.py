@@ -34,8 +34,7 @@ from tracetrain.labels import IGNORE_INDEX
 DEFAULT_CHUNK_TOKENS = 4096
 
 
-def ce_rows_torch_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                   write_grad: bool) -> torch.Tensor:
+def ce_rows_torch_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, write_grad: bool) -> torch.Tensor:
     """Pure PyTorch twin of the Triton row kernel: loss (rows,) float32; with write_grad the logits are
     overwritten by d(sum of row losses)/d logits = softmax - onehot (zero rows for ignored labels)."""
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64 (tests)
@@ -53,12 +52,21 @@ def ce_rows_torch_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 def ce_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, write_grad: bool) -> torch.Tensor:
     if logits.is_cuda and triton_available():
         from tracetrain.kernels import triton_kernels
+
         return triton_kernels.ce_rows_(logits, labels, ignore_index, write_grad)
     return ce_rows_torch_(logits, labels, ignore_index, write_grad)
 
 
-def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-             ignore_index: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool):
+def _chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    ignore_index: int,
+    compute_dtype: torch.dtype,
+    need_h: bool,
+    need_w: bool,
+):
     """Summed loss, and (when asked) d loss / d hidden in compute dtype and d loss / d weight in float32
     (float64 for float64 inputs, which the tests use)."""
     num_tokens = hidden.shape[0]
@@ -72,14 +80,15 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
         logits = h_chunk @ w.t()  # (chunk, vocab) in compute dtype
         losses[start:end] = ce_rows_(logits, labels[start:end], ignore_index, write_grad=need_h or need_w)
         if need_h:
-            torch.mm(logits, w, out=grad_h[start:end])
+            torch.mm(logits, w, out=grad_h[start:end])  # type: ignore[index]  # filled before use: the surrounding state machine guarantees it
         if need_w:
             grad_w = _accumulate_weight_grad(grad_w, logits.t(), h_chunk, losses.dtype)
     return losses.sum(), grad_h, grad_w
 
 
-def _accumulate_weight_grad(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                            acc_dtype: torch.dtype) -> torch.Tensor:
+def _accumulate_weight_grad(
+    acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype
+) -> torch.Tensor:
     """acc + a @ b in `acc_dtype` (float32): a (vocab, chunk), b (chunk, dim), both in compute dtype.
 
     On CUDA with bf16/fp16 operands the GEMM writes float32 itself and adds into the accumulator in its
@@ -97,12 +106,20 @@ def _accumulate_weight_grad(acc: torch.Tensor | None, a: torch.Tensor, b: torch.
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                ignore_index: int, compute_dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+        ignore_index: int,
+        compute_dtype: torch.dtype,
+    ) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly here
-            loss, grad_h, grad_w = _chunked(hidden, weight, labels, chunk_tokens, ignore_index,
-                                            compute_dtype, need_h, need_w)
+            loss, grad_h, grad_w = _chunked(
+                hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype, need_h, need_w
+            )
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
@@ -116,9 +133,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None, None
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight^T, labels), ignoring `ignore_index`.
 
     hidden (tokens, dim), weight (vocab, dim), labels (tokens,) -> () float32. The matmuls run in the
@@ -127,8 +148,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     device_type = hidden.device.type
-    compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                     else hidden.dtype)
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype)
     with torch.autocast(device_type, enabled=False):
@@ -140,4 +160,4 @@ def apply_fused_ce(model: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -
     returns the summed loss, `chunk_tokens` rows of logits at a time. Parameters are untouched."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
-    model.fused_loss = functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk_tokens)
+    model.fused_loss = functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk_tokens)  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs

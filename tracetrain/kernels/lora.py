@@ -30,6 +30,7 @@ class FusedLoRALinear(LoRALinear):
         weight_b = self.lora_B.weight
         if not torch.is_autocast_enabled(x.device.type):
             weight_b = weight_b.to(out.dtype)
-        fused = torch.addmm(out.reshape(-1, out.shape[-1]), down.reshape(-1, down.shape[-1]), weight_b.t(),
-                            alpha=self.scaling)
+        fused = torch.addmm(
+            out.reshape(-1, out.shape[-1]), down.reshape(-1, down.shape[-1]), weight_b.t(), alpha=self.scaling
+        )
         return fused.view(out.shape)

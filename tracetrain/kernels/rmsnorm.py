@@ -31,13 +31,16 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
 
 @rms_norm_fwd.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
-            x.new_empty(x.shape[0], dtype=torch.promote_types(x.dtype, torch.float32)))
+    return (
+        x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+        x.new_empty(x.shape[0], dtype=torch.promote_types(x.dtype, torch.float32)),
+    )
 
 
 @torch.library.custom_op("tracetrain::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                 compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_bwd(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """dx = rstd * (g*w - xhat * mean(g*w*xhat)), dw = sum_rows g * xhat (empty if not compute_dw)."""
     xhat = _acc(x) * rstd[:, None]
     gw = _acc(grad) * _acc(weight)
@@ -47,8 +50,9 @@ def rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd
 
 
 @rms_norm_bwd.register_fake
-def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-      compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), weight.new_empty(weight.shape if compute_dw else (0,))
 
 
@@ -68,6 +72,7 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 if triton_available():
     from tracetrain.kernels import triton_kernels as _tk
+
     rms_norm_fwd.register_kernel("cuda")(_tk.rms_norm_fwd)
     rms_norm_bwd.register_kernel("cuda")(_tk.rms_norm_bwd)
 

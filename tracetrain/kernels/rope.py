@@ -34,15 +34,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
 
 
 @torch.library.custom_op("tracetrain::rope_qk", mutates_args=())
-def rope_qk_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_qk_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (batch, heads, seq, hd) and k (batch, kv_heads, seq, hd) by cos/sin (batch, seq, hd)."""
     return _rotate(q, cos, sin, backward), _rotate(k, cos, sin, backward)
 
 
 @rope_qk_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-      backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k)
 
 
@@ -64,13 +66,15 @@ if triton_available():
     from tracetrain.kernels import triton_kernels as _tk
 
     @rope_qk_op.register_kernel("cuda")
-    def _(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos.contiguous(), sin.contiguous()
         return _tk.rope(q, cos, sin, backward), _tk.rope(k, cos, sin, backward)
 
 
-def fused_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for `models.llama.apply_rope_qk` (the `Attention.rope_fn` seam)."""
     return rope_qk_op(q, k, cos, sin, False)

@@ -55,6 +55,7 @@ swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 if triton_available():
     from tracetrain.kernels import triton_kernels as _tk
+
     swiglu_fwd.register_kernel("cuda")(_tk.swiglu_fwd)
     swiglu_bwd.register_kernel("cuda")(_tk.swiglu_bwd)
 

@@ -26,6 +26,7 @@ def _num_programs(device: torch.device) -> int:
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
+
 @triton.jit
 def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -41,8 +42,22 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, BLOCK: 
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(G, X, W, RSTD, DX, DW_PARTIAL, stride_g, stride_x, stride_dx, n_rows, n_cols,
-                         rows_per_program, HAS_DW: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_bwd_kernel(
+    G,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW_PARTIAL,
+    stride_g,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    HAS_DW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -72,13 +87,15 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(dim)
-    _rms_norm_fwd_kernel[(rows,)](x, weight, y, rstd, x.stride(0), y.stride(0), dim, eps,
-                                  BLOCK=block, num_warps=_row_warps(block))
+    _rms_norm_fwd_kernel[(rows,)](
+        x, weight, y, rstd, x.stride(0), y.stride(0), dim, eps, BLOCK=block, num_warps=_row_warps(block)
+    )
     return y, rstd
 
 
-def rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                 compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_bwd(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """dx (rows, dim) in x's dtype; dw (dim,) in weight's dtype, or an empty tensor if not asked for."""
     rows, dim = x.shape
     dx = torch.empty_like(x)
@@ -87,18 +104,51 @@ def rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd
     num_programs = triton.cdiv(rows, rows_per_program)
     partial = torch.empty((num_programs, dim) if compute_dw else (0,), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(dim)
-    _rms_norm_bwd_kernel[(num_programs,)](grad, x, weight, rstd, dx, partial, grad.stride(0), x.stride(0),
-                                          dx.stride(0), rows, dim, rows_per_program, HAS_DW=compute_dw,
-                                          BLOCK=block, num_warps=_row_warps(block))
+    _rms_norm_bwd_kernel[(num_programs,)](
+        grad,
+        x,
+        weight,
+        rstd,
+        dx,
+        partial,
+        grad.stride(0),
+        x.stride(0),
+        dx.stride(0),
+        rows,
+        dim,
+        rows_per_program,
+        HAS_DW=compute_dw,
+        BLOCK=block,
+        num_warps=_row_warps(block),
+    )
     dw = partial.sum(0).to(weight.dtype) if compute_dw else weight.new_empty(0)
     return dx, dw
 
 
 # ------------------------------------------------------------------------------------------------- RoPE
 
+
 @triton.jit
-def _rope_kernel(X, OUT, COS, SIN, seq_len, n_heads, sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr):
+def _rope_kernel(
+    X,
+    OUT,
+    COS,
+    SIN,
+    seq_len,
+    n_heads,
+    sx_b,
+    sx_h,
+    sx_s,
+    so_b,
+    so_h,
+    so_s,
+    sc_b,
+    sc_s,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
     token = tl.program_id(0)
     b = (token // seq_len).to(tl.int64)
     s = (token % seq_len).to(tl.int64)
@@ -117,7 +167,7 @@ def _rope_kernel(X, OUT, COS, SIN, seq_len, n_heads, sx_b, sx_h, sx_s, so_b, so_
     if BACKWARD:  # the transpose of the rotation
         o1 = x1 * cos1 + x2 * sin2
         o2 = x2 * cos2 - x1 * sin1
-    else:         # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+    else:  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
         o1 = x1 * cos1 - x2 * sin1
         o2 = x2 * cos2 + x1 * sin2
     op = OUT + b * so_b + s * so_s + heads * so_h + d
@@ -132,14 +182,32 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) 
     assert x.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
     out = torch.empty_like(x)
     half = head_dim // 2
-    _rope_kernel[(batch * seq,)](x, out, cos, sin, seq, heads, x.stride(0), x.stride(1), x.stride(2),
-                                 out.stride(0), out.stride(1), out.stride(2), cos.stride(0), cos.stride(1),
-                                 HALF=half, BLOCK_H=triton.next_power_of_2(heads),
-                                 BLOCK_D=triton.next_power_of_2(half), BACKWARD=backward, num_warps=4)
+    _rope_kernel[(batch * seq,)](
+        x,
+        out,
+        cos,
+        sin,
+        seq,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        cos.stride(0),
+        cos.stride(1),
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(half),
+        BACKWARD=backward,
+        num_warps=4,
+    )
     return out
 
 
 # ----------------------------------------------------------------------------------------------- SwiGLU
+
 
 @triton.jit
 def _swiglu_fwd_kernel(GATE, UP, OUT, n, BLOCK: tl.constexpr):
@@ -183,9 +251,11 @@ def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tupl
 
 # ------------------------------------------------------------------------------------ cross-entropy rows
 
+
 @triton.jit
-def _ce_rows_kernel(LOGITS, LABELS, LOSS, stride_row, n_cols, ignore_index,
-                    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_rows_kernel(
+    LOGITS, LABELS, LOSS, stride_row, n_cols, ignore_index, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
     label = tl.load(LABELS + row)
@@ -222,6 +292,7 @@ def ce_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, writ
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _ce_rows_kernel[(rows,)](logits, labels, loss, logits.stride(0), vocab, ignore_index,
-                             WRITE_GRAD=write_grad, BLOCK=4096, num_warps=16)
+    _ce_rows_kernel[(rows,)](
+        logits, labels, loss, logits.stride(0), vocab, ignore_index, WRITE_GRAD=write_grad, BLOCK=4096, num_warps=16
+    )
     return loss

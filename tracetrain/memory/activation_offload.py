@@ -183,15 +183,21 @@ class _Slot:
     offloaded) holds the device tensor only: it tells `_unpack` which block's backward is running.
     """
 
-    __slots__ = ("block", "device", "host", "device_copy", "stored", "ready", "_pool", "_key", "__weakref__")
+    __slots__ = ("__weakref__", "_key", "_pool", "block", "device", "device_copy", "host", "ready", "stored")
 
-    def __init__(self, block: int, device: torch.device, host: torch.Tensor | None = None,
-                 device_copy: torch.Tensor | None = None, pool: PinnedBufferPool | None = None,
-                 key: tuple = ()) -> None:
+    def __init__(
+        self,
+        block: int,
+        device: torch.device,
+        host: torch.Tensor | None = None,
+        device_copy: torch.Tensor | None = None,
+        pool: PinnedBufferPool | None = None,
+        key: tuple = (),
+    ) -> None:
         self.block, self.device = block, device
         self.host, self.device_copy = host, device_copy
         self.stored: torch.cuda.Event | None = None  # the D2H copy into `host` is done (D2H stream)
-        self.ready: torch.cuda.Event | None = None   # copy back queued, compute stream not yet waiting
+        self.ready: torch.cuda.Event | None = None  # copy back queued, compute stream not yet waiting
         self._pool, self._key = pool, key
 
     def __del__(self) -> None:
@@ -232,10 +238,10 @@ class OffloadStats:
     """What the last forward offloaded and how its backward brought it back."""
 
     num_offloaded_blocks: int = 0  # blocks 0..k-1 offload, k..n-1 stay on the device
-    num_tensors: int = 0       # distinct saved tensors copied to the host
+    num_tensors: int = 0  # distinct saved tensors copied to the host
     offloaded_bytes: int = 0
-    num_on_demand: int = 0     # loaded back when needed instead of prefetched (0 in normal order)
-    release_lag: int = 0       # block j's forward releases block j - release_lag's device tensors
+    num_on_demand: int = 0  # loaded back when needed instead of prefetched (0 in normal order)
+    release_lag: int = 0  # block j's forward releases block j - release_lag's device tensors
     releases: list[tuple[int, int]] = field(default_factory=list)  # (forward block, block released)
     prefetches: list[tuple[int, int]] = field(default_factory=list)  # (backward block, block requested)
 
@@ -259,11 +265,16 @@ class StreamedOffload(ActivationOffload):
 
     mode = "streamed"
 
-    def __init__(self, model: nn.Module, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-                 fraction: float = 1.0, release_lag: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        fraction: float = 1.0,
+        release_lag: int | None = None,
+    ) -> None:
         super().__init__(model)
         self.min_offload_bytes = min_offload_bytes
-        self.num_blocks = len(model.layers)
+        self.num_blocks = len(model.layers)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         self.num_offloaded = num_offloaded_blocks(self.num_blocks, fraction)
         # Default: the longest lag that frees every offloaded block before the forward ends (module doc).
         self.release_lag = max(1, self.num_blocks - self.num_offloaded if release_lag is None else release_lag)
@@ -278,11 +289,15 @@ class StreamedOffload(ActivationOffload):
         self._backward_block = self._next_prefetch = self.num_blocks
         self._handles = []
         owner = weakref.ref(self)  # the hooks hold us weakly too: nor the pinned pool through a block
-        for index, block in enumerate(model.layers):
-            self._handles.append(block.register_forward_pre_hook(
-                functools.partial(_weak_hook, owner, "_enter_block", index), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(
-                functools.partial(_weak_hook, owner, "_exit_block", index)))
+        for index, block in enumerate(model.layers):  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+            self._handles.append(
+                block.register_forward_pre_hook(
+                    functools.partial(_weak_hook, owner, "_enter_block", index), with_kwargs=True
+                )
+            )
+            self._handles.append(
+                block.register_forward_hook(functools.partial(_weak_hook, owner, "_exit_block", index))
+            )
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -359,8 +374,11 @@ class StreamedOffload(ActivationOffload):
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _Slot:
         group = self._current
-        if (group is None or t.numel() * t.element_size() < max(self.min_offload_bytes, 1)
-                or _storage_ptr(t) in self._skip_ptrs):
+        if (
+            group is None
+            or t.numel() * t.element_size() < max(self.min_offload_bytes, 1)
+            or _storage_ptr(t) in self._skip_ptrs
+        ):
             # Detached: a saved output returned with its grad_fn would form a cycle that is never freed.
             return t.detach()
         key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
@@ -403,7 +421,7 @@ class StreamedOffload(ActivationOffload):
         if slot.ready is not None:
             torch.cuda.current_stream(slot.device).wait_event(slot.ready)
             slot.ready = None  # later uses of this tensor are queued behind this wait
-        return slot.device_copy
+        return slot.device_copy  # type: ignore[return-value]  # filled before use: the surrounding state machine guarantees it
 
     def _prefetch(self, block: int) -> None:
         """Backward of `block` starts: request offloaded blocks down to k - (n_layers - block)."""
@@ -422,13 +440,12 @@ class StreamedOffload(ActivationOffload):
         device = slots[0].device
         if device.type != "cuda":
             for s in slots:  # a copy, as on the GPU: the host buffer goes back to the pool later
-                s.device_copy = s.host.clone()
+                s.device_copy = s.host.clone()  # type: ignore[union-attr]  # filled before use: the surrounding state machine guarantees it
             return
         streams = self._side_streams(device)
         # Allocated on the compute stream, from the memory finished backward kernels freed (module doc);
         # the H2D stream waits for the compute stream, whose queued kernels may still use that memory.
-        copies = [torch.empty_strided(s.host.shape, s.host.stride(), dtype=s.host.dtype, device=device)
-                  for s in slots]
+        copies = [torch.empty_strided(s.host.shape, s.host.stride(), dtype=s.host.dtype, device=device) for s in slots]  # type: ignore[union-attr]  # filled before use: the surrounding state machine guarantees it
         streams.h2d.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(streams.h2d):
             for event in {id(s.stored): s.stored for s in slots}.values():
@@ -437,15 +454,19 @@ class StreamedOffload(ActivationOffload):
                 else:
                     streams.h2d.wait_event(event)
             for s, dst in zip(slots, copies):
-                dst.copy_(s.host, non_blocking=True)
+                dst.copy_(s.host, non_blocking=True)  # type: ignore[arg-type]  # filled before use: the surrounding state machine guarantees it
             ready = streams.h2d.record_event()
         for s, dst in zip(slots, copies):
             s.device_copy, s.ready = dst, ready
 
 
-def apply_activation_offload(model: nn.Module, mode: OffloadMode,
-                             min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-                             fraction: float = 1.0, release_lag: int | None = None) -> ActivationOffload | None:
+def apply_activation_offload(
+    model: nn.Module,
+    mode: OffloadMode,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    fraction: float = 1.0,
+    release_lag: int | None = None,
+) -> ActivationOffload | None:
     """Offload saved activations to CPU memory (see module doc); None for mode "none".
 
     The returned object's `forward_context()` must wrap the forward pass of each training micro-batch;

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw
 
-_SLICE_NUMEL = 1 << 22   # 16 MB of fp32 scratch: stays in the last-level cache between cast and add
+_SLICE_NUMEL = 1 << 22  # 16 MB of fp32 scratch: stays in the last-level cache between cast and add
 _ALIGN_BYTES = 64
 
 
@@ -54,18 +54,19 @@ class _Slot:
     """The host-side buffers of one trainable parameter (all shaped like the parameter)."""
 
     param: torch.Tensor
-    staging: torch.Tensor      # param dtype, pinned when the param is on CUDA
-    grad: torch.Tensor         # fp32
-    master: torch.Tensor       # fp32
-    exp_avg: torch.Tensor      # fp32
-    exp_avg_sq: torch.Tensor   # fp32
-    step: torch.Tensor         # () fp32, as torch.optim.AdamW keeps it
-    num_accumulated: int = 0   # micro-batch gradients added into `grad` since the last zero_grad
+    staging: torch.Tensor  # param dtype, pinned when the param is on CUDA
+    grad: torch.Tensor  # fp32
+    master: torch.Tensor  # fp32
+    exp_avg: torch.Tensor  # fp32
+    exp_avg_sq: torch.Tensor  # fp32
+    step: torch.Tensor  # () fp32, as torch.optim.AdamW keeps it
+    num_accumulated: int = 0  # micro-batch gradients added into `grad` since the last zero_grad
     pending: Future | None = None
 
 
-def _flat_host(params: list[torch.Tensor], dtype: torch.dtype | None,
-               pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _flat_host(
+    params: list[torch.Tensor], dtype: torch.dtype | None, pin: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One host buffer with a view per parameter (in `dtype`, or the parameter's own), page-locked
     with cudaHostRegister when `pin` (exact size, unlike the caching pinned allocator)."""
     sizes = [p.numel() * (torch.empty((), dtype=dtype or p.dtype).element_size()) for p in params]
@@ -78,7 +79,7 @@ def _flat_host(params: list[torch.Tensor], dtype: torch.dtype | None,
         err = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
         if err != 0:
             raise RuntimeError(f"cudaHostRegister of {flat.numel() / 2**30:.1f} GiB failed (cudaError {err})")
-    views = [flat[o:o + size].view(dtype or p.dtype).view(p.shape) for o, size, p in zip(offsets, sizes, params)]
+    views = [flat[o : o + size].view(dtype or p.dtype).view(p.shape) for o, size, p in zip(offsets, sizes, params)]
     return flat, views
 
 
@@ -93,7 +94,7 @@ def _accumulate(slot: _Slot, event: torch.cuda.Event | None, first: bool, scratc
     for acc, part in zip(grad.split(_SLICE_NUMEL), staged.split(_SLICE_NUMEL)):
         # A mixed-dtype add_ runs at half the speed of a cast into cache-sized fp32 scratch + fp32 add
         # (16 H200-host cores: 0.30 s vs 0.14 s unsliced per 1G elements).
-        tmp = scratch[:acc.numel()]
+        tmp = scratch[: acc.numel()]
         tmp.copy_(part)
         acc.add_(tmp)
 
@@ -126,9 +127,16 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
     backward. `chunk_numel` sets the granularity of the CPU-update / upload overlap.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 threads: int = 0, chunk_numel: int = 1 << 26) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        threads: int = 0,
+        chunk_numel: int = 1 << 26,
+    ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.threads = threads
         self.chunk_numel = chunk_numel
@@ -142,8 +150,15 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         with torch.no_grad():
             for p, staging, master in zip(all_params, stagings, masters):
                 master.copy_(p.detach())
-                self._slots[p] = _Slot(p, staging, torch.zeros_like(master), master, torch.zeros_like(master),
-                                       torch.zeros_like(master), torch.zeros((), dtype=torch.float32))
+                self._slots[p] = _Slot(
+                    p,
+                    staging,
+                    torch.zeros_like(master),
+                    master,
+                    torch.zeros_like(master),
+                    torch.zeros_like(master),
+                    torch.zeros((), dtype=torch.float32),
+                )
                 self.state[p] = self._state_view(self._slots[p])
         self._scratch = torch.empty(min(_SLICE_NUMEL, max((p.numel() for p in all_params), default=1)))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-grad")
@@ -169,12 +184,12 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         grad, event = param.grad, None
         assert grad is not None
         if grad.is_cuda:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(grad.device))
+            self._copy_stream.wait_stream(torch.cuda.current_stream(grad.device))  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
             with torch.cuda.stream(self._copy_stream):
                 slot.staging.copy_(grad, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            grad.record_stream(self._copy_stream)  # the allocator must not reuse it before the copy ran
+            grad.record_stream(self._copy_stream)  # type: ignore[arg-type]  # the copy stream exists on CUDA, the only path with CUDA grads; the allocator must not reuse it before the copy ran
         else:
             slot.staging.copy_(grad)
         param.grad = None  # gradients never all live on the GPU at once
@@ -210,8 +225,11 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         return self.step(max_norm=max_norm)
 
     @torch.no_grad()
-    def step(self, closure: None = None,  # type: ignore[override]
-             max_norm: float = math.inf) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(  # type: ignore[override]  # step also takes max_norm (step_with_clip); no closure
+        self,
+        closure: None = None,
+        max_norm: float = math.inf,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`step_with_clip` under the name lr schedulers and optimizer hooks track."""
         assert closure is None, "CPUOffloadAdamW does not take a closure"
         start = time.perf_counter()
@@ -232,7 +250,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         for slot in self._arrived:
             # Host sync, needed: the CPU update reads every accumulated gradient. The wait is on the
             # worker, which waits on the D2H events; the GPU keeps running whatever is queued.
-            slot.pending.result()
+            slot.pending.result()  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
             slot.pending = None
             squares.append(_squared_norm(slot.grad))
         if not squares:
@@ -260,10 +278,23 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self._order_uploads(before=True)
         for group, chunk in self._chunks():
             beta1, beta2 = group["betas"]
-            adamw([s.master for s in chunk], [s.grad for s in chunk], [s.exp_avg for s in chunk],
-                  [s.exp_avg_sq for s in chunk], [], [s.step for s in chunk], fused=True,
-                  grad_scale=grad_scale, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            adamw(
+                [s.master for s in chunk],
+                [s.grad for s in chunk],
+                [s.exp_avg for s in chunk],
+                [s.exp_avg_sq for s in chunk],
+                [],
+                [s.step for s in chunk],
+                fused=True,
+                grad_scale=grad_scale,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
             self._upload(chunk)
         self._order_uploads(before=False)
 
@@ -294,8 +325,10 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The host buffers by kind, in parameter order (for measurements and debugging)."""
         slots = list(self._slots.values())
-        return {name: [getattr(s, name) for s in slots]
-                for name in ("staging", "grad", "master", "exp_avg", "exp_avg_sq", "step")}
+        return {
+            name: [getattr(s, name) for s in slots]
+            for name in ("staging", "grad", "master", "exp_avg", "exp_avg_sq", "step")
+        }
 
     # ------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -307,9 +340,11 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         the masters into the device weights."""
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("optimizer state does not match the model's parameter groups "
-                             f"({[len(g['params']) for g in saved_groups]} saved vs "
-                             f"{[len(g['params']) for g in self.param_groups]} now)")
+            raise ValueError(
+                "optimizer state does not match the model's parameter groups "
+                f"({[len(g['params']) for g in saved_groups]} saved vs "
+                f"{[len(g['params']) for g in self.param_groups]} now)"
+            )
         self._wait_for_grads()
         if self._copy_stream is not None:
             self._copy_stream.synchronize()  # an upload may still be reading the masters we overwrite
@@ -318,8 +353,10 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             for index, p in zip(saved["params"], group["params"]):
                 slot, entry = self._slots[p], state_dict["state"][index]
                 if entry["master"].shape != slot.master.shape:
-                    raise ValueError(f"optimizer state {index}: shape {tuple(entry['master'].shape)}, "
-                                     f"the parameter has {tuple(slot.master.shape)}")
+                    raise ValueError(
+                        f"optimizer state {index}: shape {tuple(entry['master'].shape)}, "
+                        f"the parameter has {tuple(slot.master.shape)}"
+                    )
                 for name, target in self._state_view(slot).items():
                     target.copy_(entry[name])
         self.zero_grad()

@@ -42,10 +42,13 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
 # ATen ops whose outputs selective recomputation keeps. Names, not attributes, because some exist only
 # in some builds/versions (`_scaled_mm` needs FP8-capable builds, the cuDNN attention op torch >= 2.5).
 _SAVED_OP_NAMES: tuple[str, ...] = (
-    "mm", "addmm", "bmm", "_scaled_mm",
-    "_scaled_dot_product_flash_attention",        # CUDA, no mask (is_causal)
-    "_scaled_dot_product_efficient_attention",    # CUDA, with a document mask
-    "_scaled_dot_product_cudnn_attention",        # CUDA, cuDNN backend
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention",  # CUDA, no mask (is_causal)
+    "_scaled_dot_product_efficient_attention",  # CUDA, with a document mask
+    "_scaled_dot_product_cudnn_attention",  # CUDA, cuDNN backend
     "_scaled_dot_product_flash_attention_for_cpu",  # CPU (the unit tests)
 )
 
@@ -84,8 +87,14 @@ class _RecomputedBlock(nn.Module):
 
     _recompute_context_fn: Callable[[], tuple[AbstractContextManager, AbstractContextManager]] | None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCacheLayer | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCacheLayer | None = None,
+    ) -> torch.Tensor:
         # Nothing to save in eval / no-grad, and generation's KV-cache writes must happen exactly once.
         if cache is not None or not self.training or not torch.is_grad_enabled():
             return super().forward(x, cos, sin, mask, cache)
@@ -94,7 +103,7 @@ class _RecomputedBlock(nn.Module):
         # Full mode passes no context_fn: Dynamo cannot trace the default noop_context_fn when the
         # block is compiled (measured on an H100: full recompute + compile failed to compile).
         extra = {"context_fn": self._recompute_context_fn} if self._recompute_context_fn is not None else {}
-        return checkpoint(super().forward, x, cos, sin, mask, use_reentrant=False, **extra)
+        return checkpoint(super().forward, x, cos, sin, mask, use_reentrant=False, **extra)  # type: ignore[arg-type]  # torch's overloads are narrower than what the call passes (checked by the tests)
 
 
 @functools.cache
@@ -127,7 +136,7 @@ def apply_recompute(model: Transformer, mode: RecomputeMode, every: int = 1) -> 
         if index % every:
             continue
         assert isinstance(block, TransformerBlock), f"layers.{index} is a {type(block).__name__}"
-        block.__class__ = _recomputed_class(type(block))
-        block._recompute_context_fn = context_fn
+        block.__class__ = _recomputed_class(type(block))  # type: ignore[arg-type, assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        block._recompute_context_fn = context_fn  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         num_wrapped += 1
     return num_wrapped

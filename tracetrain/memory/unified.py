@@ -38,13 +38,13 @@ from torch import nn
 
 from tracetrain.errors import TracetrainError
 
-_MARGIN_MIN_BYTES = 2 * 2**30     # CUDA context growth, cuBLAS workspaces, allocator fragmentation
+_MARGIN_MIN_BYTES = 2 * 2**30  # CUDA context growth, cuBLAS workspaces, allocator fragmentation
 _MARGIN_FRACTION = 0.05
-_ATTACH_GLOBAL = 1                # CU_MEM_ATTACH_GLOBAL: accessible from any stream
-_ADVISE_PREFERRED_LOCATION = 3    # CU_MEM_ADVISE_SET_PREFERRED_LOCATION
-_ADVISE_ACCESSED_BY = 5           # CU_MEM_ADVISE_SET_ACCESSED_BY
+_ATTACH_GLOBAL = 1  # CU_MEM_ATTACH_GLOBAL: accessible from any stream
+_ADVISE_PREFERRED_LOCATION = 3  # CU_MEM_ADVISE_SET_PREFERRED_LOCATION
+_ADVISE_ACCESSED_BY = 5  # CU_MEM_ADVISE_SET_ACCESSED_BY
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2
-_DEVICE_CPU = -1                  # CU_DEVICE_CPU, for the pre-12.2 entry points
+_DEVICE_CPU = -1  # CU_DEVICE_CPU, for the pre-12.2 entry points
 
 Advise = Literal["none", "gpu", "cpu"]
 
@@ -72,8 +72,9 @@ class _Ledger:
 LEDGER = _Ledger()
 
 
-def check_managed_budget(request_bytes: int, held_bytes: int, free_bytes: int, total_bytes: int,
-                         coherent_memory: bool) -> None:
+def check_managed_budget(
+    request_bytes: int, held_bytes: int, free_bytes: int, total_bytes: int, coherent_memory: bool
+) -> None:
     """Raise unless `held + request <= free - margin` (or the memory is coherent, as on a GH200)."""
     if coherent_memory:
         return
@@ -85,7 +86,8 @@ def check_managed_budget(request_bytes: int, held_bytes: int, free_bytes: int, t
             f"managed allocation of {request_bytes / gib:.2f} GiB refused: with the {held_bytes / gib:.2f} GiB "
             f"already managed it would exceed the GPU's free memory ({free_bytes / gib:.2f} GiB) minus a "
             f"{margin / gib:.2f} GiB margin, and over-subscribed managed memory can stall a PCIe GPU. Set "
-            "memory.coherent_memory = true only on a GPU with coherent CPU memory (GH200).")
+            "memory.coherent_memory = true only on a GPU with coherent CPU memory (GH200)."
+        )
 
 
 class _CUmemLocation(ctypes.Structure):
@@ -117,7 +119,7 @@ class _Driver:
         self.lib = lib
 
     @staticmethod
-    def _sig(fn: ctypes._CFuncPtr, argtypes: list) -> None:
+    def _sig(fn: ctypes._CFuncPtr, argtypes: list) -> None:  # type: ignore[name-defined]  # ctypes._CFuncPtr is private in typeshed
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
 
     def check(self, result: int, what: str) -> None:
@@ -137,8 +139,11 @@ class _Driver:
     def advise(self, ptr: int, nbytes: int, advice: int, device_index: int | None) -> None:
         """`device_index` None = the CPU."""
         if self.v2:
-            loc = _CUmemLocation(_LOCATION_HOST, 0) if device_index is None else _CUmemLocation(_LOCATION_DEVICE,
-                                                                                               device_index)
+            loc = (
+                _CUmemLocation(_LOCATION_HOST, 0)
+                if device_index is None
+                else _CUmemLocation(_LOCATION_DEVICE, device_index)
+            )
             self.check(self.lib.cuMemAdvise_v2(ptr, nbytes, advice, loc), "cuMemAdvise")
         else:
             dev = _DEVICE_CPU if device_index is None else device_index
@@ -146,8 +151,11 @@ class _Driver:
 
     def prefetch(self, ptr: int, nbytes: int, device_index: int | None, stream: int) -> None:
         if self.v2:
-            loc = _CUmemLocation(_LOCATION_HOST, 0) if device_index is None else _CUmemLocation(_LOCATION_DEVICE,
-                                                                                               device_index)
+            loc = (
+                _CUmemLocation(_LOCATION_HOST, 0)
+                if device_index is None
+                else _CUmemLocation(_LOCATION_DEVICE, device_index)
+            )
             self.check(self.lib.cuMemPrefetchAsync_v2(ptr, nbytes, loc, 0, stream), "cuMemPrefetchAsync")
         else:
             dev = _DEVICE_CPU if device_index is None else device_index
@@ -189,8 +197,14 @@ class _ManagedBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
-                "strides": None, "stream": None}
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 def _as_tensor(buffer: _ManagedBuffer, device: torch.device) -> torch.Tensor:
@@ -200,14 +214,22 @@ def _as_tensor(buffer: _ManagedBuffer, device: torch.device) -> torch.Tensor:
 def _cuda_device(device: torch.device | str) -> torch.device:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise UnifiedMemoryError(f"unified memory needs a CUDA GPU (device {device}, CUDA available: "
-                                 f"{torch.cuda.is_available()}); set memory.unified_memory = \"none\"")
+        raise UnifiedMemoryError(
+            f"unified memory needs a CUDA GPU (device {device}, CUDA available: "
+            f'{torch.cuda.is_available()}); set memory.unified_memory = "none"'
+        )
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
-def managed_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cuda",
-                  advise: Advise = "none", accessed_by_gpu: bool = False, *,
-                  coherent_memory: bool = False) -> torch.Tensor:
+def managed_empty(
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype,
+    device: torch.device | str = "cuda",
+    advise: Advise = "none",
+    accessed_by_gpu: bool = False,
+    *,
+    coherent_memory: bool = False,
+) -> torch.Tensor:
     """An uninitialised CUDA tensor in managed memory, after the guard (see module docstring).
 
     advise: preferred location of its pages ("gpu": migrate there and stay; "cpu": stay in host memory
@@ -234,25 +256,31 @@ def prefetch(tensor: torch.Tensor, to: Literal["gpu", "cpu"]) -> None:
 
 
 def _to_managed(tensor: torch.Tensor, advise: Advise, coherent_memory: bool) -> torch.Tensor:
-    managed = managed_empty(tensor.shape, tensor.dtype, tensor.device, advise, accessed_by_gpu=True,
-                            coherent_memory=coherent_memory)
+    managed = managed_empty(
+        tensor.shape, tensor.dtype, tensor.device, advise, accessed_by_gpu=True, coherent_memory=coherent_memory
+    )
     managed.copy_(tensor)
     return managed
 
 
 @torch.no_grad()
-def apply_unified_memory(target: nn.Module | torch.optim.Optimizer, which: Literal["model", "optimizer"], *,
-                         coherent_memory: bool = False, advise: Advise = "gpu") -> int:
+def apply_unified_memory(
+    target: nn.Module | torch.optim.Optimizer,
+    which: Literal["model", "optimizer"],
+    *,
+    coherent_memory: bool = False,
+    advise: Advise = "gpu",
+) -> int:
     """Move a model's parameters (which="model") or an Adam/AdamW optimizer's moments
     (which="optimizer") into managed memory; returns the bytes moved.
 
     Apply it after loading a checkpoint: `Optimizer.load_state_dict` replaces state tensors.
     """
     if not torch.cuda.is_available():
-        raise UnifiedMemoryError("unified memory needs a CUDA GPU; set memory.unified_memory = \"none\"")
+        raise UnifiedMemoryError('unified memory needs a CUDA GPU; set memory.unified_memory = "none"')
     if which == "model" and isinstance(target, nn.Module):
-        tensors = [p for p in target.parameters()]   # unique: a tied weight moves once
-        return _swap_params(tensors, advise, coherent_memory)
+        tensors = list(target.parameters())  # unique: a tied weight moves once
+        return _swap_params(tensors, advise, coherent_memory)  # type: ignore[arg-type]  # Parameters are Tensors (list is invariant)
     if which == "optimizer" and isinstance(target, torch.optim.Optimizer):
         return _swap_optimizer_states(target, advise, coherent_memory)
     raise ValueError(f"apply_unified_memory: which={which!r} does not fit a {type(target).__name__}")
@@ -287,12 +315,15 @@ def _swap_optimizer_states(opt: torch.optim.Optimizer, advise: Advise, coherent_
     return moved
 
 
-def _adam_initial_state(p: torch.Tensor, group: dict, advise: Advise,
-                        coherent_memory: bool) -> dict[str, torch.Tensor]:
+def _adam_initial_state(p: torch.Tensor, group: dict, advise: Advise, coherent_memory: bool) -> dict[str, torch.Tensor]:
     """What torch's Adam/AdamW `_init_group` creates before the first step, moments managed."""
     on_device = group.get("fused") or group.get("capturable")
     names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
-    state = {name: managed_empty(p.shape, p.dtype, p.device, advise, accessed_by_gpu=True,
-                                 coherent_memory=coherent_memory).zero_() for name in names}
+    state = {
+        name: managed_empty(
+            p.shape, p.dtype, p.device, advise, accessed_by_gpu=True, coherent_memory=coherent_memory
+        ).zero_()
+        for name in names
+    }
     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
     return state

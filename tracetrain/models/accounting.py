@@ -57,8 +57,15 @@ def num_matmul_params(args: ModelArgs, num_experts: int = 0, top_k: int = 0) -> 
 def lora_params(args: ModelArgs, rank: int, targets: list[str]) -> int:
     """Adapter parameters for LoRA of `rank` on the named projections of every block."""
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
-    shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
-              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    shapes = {
+        "q_proj": (d, d),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (d, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
     names = list(shapes) if "all-linear" in targets else targets
     return args.n_layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names if n in shapes)
 
@@ -76,10 +83,16 @@ def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:
     return 2.0 * args.n_layers * seq_len * args.n_heads * args.head_dim
 
 
-def training_flops_per_token(args: ModelArgs, seq_len: int, *, mode: Literal["full", "lora"] = "full",
-                             num_lora_params: int = 0,
-                             recompute: Literal["none", "selective", "full"] = "none",
-                             num_experts: int = 0, top_k: int = 0) -> TokenFlops:
+def training_flops_per_token(
+    args: ModelArgs,
+    seq_len: int,
+    *,
+    mode: Literal["full", "lora"] = "full",
+    num_lora_params: int = 0,
+    recompute: Literal["none", "selective", "full"] = "none",
+    num_experts: int = 0,
+    top_k: int = 0,
+) -> TokenFlops:
     """FLOPs per token of one training step (forward + backward), by the conventions above."""
     n = num_matmul_params(args, num_experts, top_k)
     attn = attention_forward_flops(args, seq_len)

@@ -34,15 +34,16 @@ AttentionBackend = Literal["auto", "sdpa", "flex"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA with a dense bool mask, or causal when there is none (lets SDPA pick the flash kernel)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | CausalBias) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias
+) -> torch.Tensor:
     """Attention of a forward with a KV cache: q (batch, heads, s, head_dim), k/v (batch, kv_heads, keys,
     head_dim), `mask` from the cache's `attention_mask(s)`.
 
@@ -102,14 +103,14 @@ def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 class SDPACore(nn.Module):
     """The default core: `F.scaled_dot_product_attention` (dense mask or is_causal)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return sdpa_attention(q, k, v, mask)
 
 
 @functools.cache
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
+
     # Eager flex_attention is a slow reference that materialises the scores; the fused kernel needs
     # compile. dynamic=False: packed batches have static shapes, so this compiles once.
     return torch.compile(flex_attention, dynamic=False)
@@ -118,15 +119,14 @@ def _compiled_flex_attention():
 class FlexCore(nn.Module):
     """FlexAttention over a document-causal `BlockMask`; SDPA for anything that is not a BlockMask."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: object) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object) -> torch.Tensor:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
         if not isinstance(mask, BlockMask):
-            return sdpa_attention(q, k, v, mask)  # unpacked rows, or generation with a KV cache
+            return sdpa_attention(q, k, v, mask)  # type: ignore[arg-type]  # the SDPA core receives dense masks only; unpacked rows, or generation with a KV cache
         # Inside a compiled region (apply_compile) the block's graph takes flex_attention in directly;
         # on CPU only the eager forward exists (see module docstring).
-        fn = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" \
-            else _compiled_flex_attention()
+        fn = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" else _compiled_flex_attention()
         return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -155,13 +155,13 @@ def document_causal_block_mask(document_ids: torch.Tensor, block_size: int = FLE
     largest id for the ranges, since it sits at the end of a packed row.
     """
     from torch.nn.attention.flex_attention import BlockMask
+
     batch, seq = document_ids.shape
     if seq % block_size:
         raise ValueError(f"sequence length {seq} is not a multiple of the attention block size {block_size}")
     num_blocks = seq // block_size
 
-    def document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
-                        kv_idx: torch.Tensor) -> torch.Tensor:
+    def document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
     ids = torch.where(document_ids < 0, torch.iinfo(document_ids.dtype).max, document_ids)
@@ -169,29 +169,38 @@ def document_causal_block_mask(document_ids: torch.Tensor, block_size: int = FLE
     lo, hi = tiles.amin(-1), tiles.amax(-1)  # (batch, blocks): document range of each tile
     q_lo, q_hi, k_lo, k_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
     causal = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=ids.device).tril()
-    visible = (q_lo <= k_hi) & (k_lo <= q_hi) & causal          # (batch, q_blocks, kv_blocks)
+    visible = (q_lo <= k_hi) & (k_lo <= q_hi) & causal  # (batch, q_blocks, kv_blocks)
     one_doc = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
     full = one_doc & causal.tril(-1)
     partial = visible & ~full
     kv_num_blocks, kv_indices = _ordered(partial)
     full_num_blocks, full_indices = _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num_blocks, full_indices,
-                                    BLOCK_SIZE=block_size, mask_mod=document_causal, seq_lengths=(seq, seq))
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_num_blocks,
+        full_indices,
+        BLOCK_SIZE=block_size,
+        mask_mod=document_causal,
+        seq_lengths=(seq, seq),
+    )
 
 
-def resolve_attention(backend: AttentionBackend, device: torch.device, packed: bool,
-                      seq_len: int | None = None) -> str:
+def resolve_attention(backend: AttentionBackend, device: torch.device, packed: bool, seq_len: int | None = None) -> str:
     """'auto' -> 'flex' on CUDA with packed rows (measured faster, docs/speed.md) whose length is a whole
     number of FlexAttention tiles, else 'sdpa'. An explicit 'flex' with another length is a ConfigError."""
     from tracetrain.errors import ConfigError
+
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     whole_tiles = seq_len is None or seq_len % FLEX_BLOCK_SIZE == 0
     if backend == "auto":
         return "flex" if device.type == "cuda" and packed and whole_tiles else "sdpa"
     if backend == "flex" and not whole_tiles:
-        raise ConfigError(f"config key 'train.attention': 'flex' needs data.seq_len to be a multiple of "
-                          f"{FLEX_BLOCK_SIZE} (got {seq_len}); use 'sdpa' or 'auto', or change data.seq_len")
+        raise ConfigError(
+            f"config key 'train.attention': 'flex' needs data.seq_len to be a multiple of "
+            f"{FLEX_BLOCK_SIZE} (got {seq_len}); use 'sdpa' or 'auto', or change data.seq_len"
+        )
     return backend
 
 
@@ -201,13 +210,14 @@ def apply_attention(model: nn.Module, backend: Literal["sdpa", "flex"]) -> None:
     Call before `apply_compile` (the compiled graphs capture the core). Parameters are untouched.
     """
     from tracetrain.models.llama import document_causal_mask
+
     if backend == "flex":
-        model.mask_fn = document_causal_block_mask
+        model.mask_fn = document_causal_block_mask  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         core: type[nn.Module] = FlexCore
     elif backend == "sdpa":
-        model.mask_fn = document_causal_mask
+        model.mask_fn = document_causal_mask  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         core = SDPACore
     else:
         raise ValueError(f"attention backend {backend!r} is not one of sdpa, flex (resolve 'auto' first)")
-    for block in model.layers:
+    for block in model.layers:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         block.self_attn.attn_core = core()

@@ -27,16 +27,20 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
     m = cfg.model
     if m.init_from:
         from tracetrain.models.hf import load_hf_config
+
         args = load_hf_config(m.init_from)
     elif m.preset in PRESETS:
         args = get_preset(m.preset)
     else:
-        raise ConfigError(f"config key 'model.preset': {m.preset!r} is not a preset; "
-                          f"choose one of {', '.join(PRESETS)}")
+        raise ConfigError(
+            f"config key 'model.preset': {m.preset!r} is not a preset; choose one of {', '.join(PRESETS)}"
+        )
     changes = {k: getattr(m, k) for k in _OVERRIDES if getattr(m, k) is not None}
     if m.init_from and changes:
-        raise ConfigError(f"config keys {', '.join('model.' + k for k in changes)} cannot change the shape "
-                          f"of a loaded checkpoint ({m.init_from})")
+        raise ConfigError(
+            f"config keys {', '.join('model.' + k for k in changes)} cannot change the shape "
+            f"of a loaded checkpoint ({m.init_from})"
+        )
     # A loaded checkpoint keeps its own context length (exported configs must not understate it).
     max_seq_len = max(args.max_seq_len, cfg.data.seq_len) if m.init_from else cfg.data.seq_len
     args = dataclasses.replace(args, **changes, max_seq_len=max_seq_len, init_std=m.init_std)
@@ -47,8 +51,7 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
     return args
 
 
-def materialize(args: ModelArgs, device: torch.device, seed: int,
-                dtype: torch.dtype = torch.float32) -> Transformer:
+def materialize(args: ModelArgs, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:
     """Build on meta, allocate on `device` in `dtype`, and initialise with a seeded generator."""
     with torch.device("meta"):
         model = Transformer(args)

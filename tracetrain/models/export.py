@@ -45,6 +45,7 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**1
 # ----------------------------------------------------------------------------------------------------
 # The output folder: refuse anything but new, empty or an earlier export; write aside, rename into place
 
+
 def _earlier_export_foreign(out_dir: Path) -> str | None:
     """None when `out_dir` holds an earlier tracetrain export and nothing else; else why it is not one."""
     manifest = out_dir / MANIFEST
@@ -100,11 +101,14 @@ def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
             raise CheckpointError(f"export folder {out} is {kind}; exports never replace one, name a new folder")
         foreign = _earlier_export_foreign(out)
         if foreign is not None:
-            raise CheckpointError(f"export folder {out} exists and is not empty ({foreign}); name a new or empty "
-                                  f"folder (--overwrite replaces only an earlier tracetrain export)")
+            raise CheckpointError(
+                f"export folder {out} exists and is not empty ({foreign}); name a new or empty "
+                f"folder (--overwrite replaces only an earlier tracetrain export)"
+            )
         if not overwrite:
-            raise CheckpointError(f"export folder {out} holds an earlier tracetrain export; pass --overwrite to "
-                                  f"replace it")
+            raise CheckpointError(
+                f"export folder {out} holds an earlier tracetrain export; pass --overwrite to replace it"
+            )
     base = _nearest_existing(out.parent)
     if not base.is_dir():
         raise CheckpointError(f"cannot export to {out}: {base} is a file, not a folder")
@@ -126,8 +130,9 @@ def _list_files(root: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def export_folder(out_dir: Path, kind: Literal["hf", "peft"], overwrite: bool,
-                  source_checkpoint: Path | None = None) -> Iterator[Path]:
+def export_folder(
+    out_dir: Path, kind: Literal["hf", "peft"], overwrite: bool, source_checkpoint: Path | None = None
+) -> Iterator[Path]:
     """Yield a new temporary sibling of `out_dir` to fill; on success write the manifest and rename it into
     place (an earlier export is renamed aside first and deleted after); on error remove it.
 
@@ -144,9 +149,12 @@ def export_folder(out_dir: Path, kind: Literal["hf", "peft"], overwrite: bool,
         raise CheckpointError(f"cannot export to {out_dir}: {e.strerror} ({e.filename})") from None
     try:
         yield tmp
-        manifest = {"tracetrain_export": kind, "tracetrain_version": __version__,
-                    "source_checkpoint": str(source_checkpoint.resolve()) if source_checkpoint else None,
-                    "files": _list_files(tmp)}
+        manifest = {
+            "tracetrain_export": kind,
+            "tracetrain_version": __version__,
+            "source_checkpoint": str(source_checkpoint.resolve()) if source_checkpoint else None,
+            "files": _list_files(tmp),
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _set_normal_modes(tmp)
         aside = out_dir.with_name(f".{out_dir.name}.old-{token}")
@@ -164,6 +172,7 @@ def export_folder(out_dir: Path, kind: Literal["hf", "peft"], overwrite: bool,
 
 # ----------------------------------------------------------------------------------------------------
 # Options
+
 
 def parse_size(text: str) -> int:
     """'5GB' -> 5 * 10**9 bytes ('KB'/'MB'/'GB' decimal, 'KiB'/'MiB'/'GiB' binary, a bare number = bytes)."""
@@ -183,6 +192,7 @@ def default_export_dtype(cfg: Any) -> torch.dtype:
 
 # ----------------------------------------------------------------------------------------------------
 # Token ids, generation config, tokenizer files, model card
+
 
 def _base_json(init_from: str, name: str) -> dict[str, Any]:
     path = Path(init_from) / name if init_from else None
@@ -207,8 +217,11 @@ def special_token_ids(tok: Any, init_from: str = "") -> dict[str, Any]:
             eos.append(i)
     bos = base_cfg.get("bos_token_id")
     pad = base_cfg.get("pad_token_id")
-    return {"bos_token_id": tok.bos_id if bos is None else bos, "eos_token_id": eos[0] if len(eos) == 1 else eos,
-            "pad_token_id": tok.pad_id if pad is None else pad}
+    return {
+        "bos_token_id": tok.bos_id if bos is None else bos,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "pad_token_id": tok.pad_id if pad is None else pad,
+    }
 
 
 def generation_config_dict(tok: Any, init_from: str = "") -> dict[str, Any]:
@@ -223,8 +236,10 @@ def write_tokenizer_files(cfg: Any, tok: Any, out_dir: Path) -> list[str]:
     from tracetrain.data.tokenizer import HFTokenizer
 
     if not isinstance(tok, HFTokenizer):
-        return [f"note: the {tok.name} tokenizer has no Hugging Face form; no tokenizer files were written "
-                f"(ids: bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id})"]
+        return [
+            f"note: the {tok.name} tokenizer has no Hugging Face form; no tokenizer files were written "
+            f"(ids: bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id})"
+        ]
     from tracetrain.data.chat import resolve_chat_template
 
     tok.save_hf_files(out_dir, resolve_chat_template(cfg.data, tok))
@@ -258,27 +273,47 @@ def _held_out_loss(ckpt: Path) -> str:
 
 def model_card(cfg: Any, ckpt: Path, dtype: torch.dtype, kind: str, tokenizer_note: str) -> str:
     """A short README.md: what the export is, where it came from and how it was trained."""
-    base = f"`{Path(cfg.model.init_from).resolve()}`" if cfg.model.init_from else \
-        f"none (trained from random init, preset `{cfg.model.preset}`)"
+    base = (
+        f"`{Path(cfg.model.init_from).resolve()}`"
+        if cfg.model.init_from
+        else f"none (trained from random init, preset `{cfg.model.preset}`)"
+    )
     data = f"{cfg.data.kind}" + (f", `{cfg.data.path}`" if cfg.data.path else "")
     step = _checkpoint_step(ckpt)
-    rows = [("Base model", base), ("Training", f"{cfg.train.mode}, {cfg.train.steps} steps configured"),
-            ("Data", data), ("Tokenizer", tokenizer_note), ("Checkpoint step", str(step) if step else "?"),
-            ("Final held-out loss", _held_out_loss(ckpt)), ("Weights", f"{str(dtype).removeprefix('torch.')}")]
-    load = ("AutoModelForCausalLM.from_pretrained(path)" if kind == "hf" else
-            "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)")
+    rows = [
+        ("Base model", base),
+        ("Training", f"{cfg.train.mode}, {cfg.train.steps} steps configured"),
+        ("Data", data),
+        ("Tokenizer", tokenizer_note),
+        ("Checkpoint step", str(step) if step else "?"),
+        ("Final held-out loss", _held_out_loss(ckpt)),
+        ("Weights", f"{str(dtype).removeprefix('torch.')}"),
+    ]
+    load = (
+        "AutoModelForCausalLM.from_pretrained(path)"
+        if kind == "hf"
+        else "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)"
+    )
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    return (f"---\nlibrary_name: {'transformers' if kind == 'hf' else 'peft'}\ntags: [tracetrain]\n---\n\n"
-            f"# {ckpt.parent.parent.name if ckpt.parent.name == 'checkpoints' else ckpt.name}\n\n"
-            f"Exported by tracetrain {__version__} from checkpoint `{ckpt.resolve()}`.\n\n"
-            f"| | |\n|---|---|\n{table}\n\nLoad with `{load}`; `generation_config.json` lists the stop ids.\n")
+    return (
+        f"---\nlibrary_name: {'transformers' if kind == 'hf' else 'peft'}\ntags: [tracetrain]\n---\n\n"
+        f"# {ckpt.parent.parent.name if ckpt.parent.name == 'checkpoints' else ckpt.name}\n\n"
+        f"Exported by tracetrain {__version__} from checkpoint `{ckpt.resolve()}`.\n\n"
+        f"| | |\n|---|---|\n{table}\n\nLoad with `{load}`; `generation_config.json` lists the stop ids.\n"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
 # Whole runs
 
-def export_run_hf(loaded: Any, out_dir: str | Path, dtype: torch.dtype | None = None, overwrite: bool = False,
-                  max_shard_bytes: int = 5 * 10**9) -> list[str]:
+
+def export_run_hf(
+    loaded: Any,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 10**9,
+) -> list[str]:
     """A trained run (`inference.load_trained`) as a transformers checkpoint folder, adapters merged.
 
     Returns notes for the user (e.g. no tokenizer files for the byte tokenizer).
@@ -300,8 +335,14 @@ def export_run_peft(loaded: Any, out_dir: str | Path, overwrite: bool = False) -
     """A LoRA run's adapters as a PEFT adapter folder with the tokenizer files; returns notes for the user."""
     cfg, tok, lc = loaded.cfg, loaded.tokenizer, loaded.cfg.lora
     base = str(Path(cfg.model.init_from).resolve()) if cfg.model.init_from else ""
-    notes = [] if base else ["note: the run has no base checkpoint (model.init_from is empty), so the adapter "
-                             "names none; PEFT needs the base weights: --hf exports a merged model instead"]
+    notes = (
+        []
+        if base
+        else [
+            "note: the run has no base checkpoint (model.init_from is empty), so the adapter "
+            "names none; PEFT needs the base weights: --hf exports a merged model instead"
+        ]
+    )
     with export_folder(Path(out_dir), "peft", overwrite, loaded.checkpoint) as tmp:
         write_peft_adapter(loaded.model, tmp, lc.rank, lc.alpha, lc.dropout, lc.targets, base)
         notes += write_tokenizer_files(cfg, tok, tmp)

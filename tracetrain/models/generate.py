@@ -70,8 +70,9 @@ class GenerationResult:
 class _Row:
     """Host-side state of one request while the batch decodes."""
 
-    def __init__(self, request: GenerationRequest, stop_ids: frozenset[int],
-                 decode: Callable[[list[int]], str] | None) -> None:
+    def __init__(
+        self, request: GenerationRequest, stop_ids: frozenset[int], decode: Callable[[list[int]], str] | None
+    ) -> None:
         self.request, self.stop_ids, self.decode = request, stop_ids, decode
         self.tokens: list[int] = []
         self.num_generated = 0
@@ -88,10 +89,10 @@ class _Row:
             return True
         self.tokens.append(token)
         if self.request.stop:
-            text = self.decode(self.tokens)
+            text = self.decode(self.tokens)  # type: ignore[misc]  # bound before use (set when the object is built)
             cuts = [i for i in (text.find(s) for s in self.request.stop) if i >= 0]
             if cuts:
-                self.text, self.finish_reason = text[:min(cuts)], "stop"
+                self.text, self.finish_reason = text[: min(cuts)], "stop"
                 return True
         if self.num_generated >= self.request.max_new_tokens:
             self.finish_reason = "length"
@@ -130,8 +131,9 @@ def check_generation_options(**options: float) -> None:
         raise ValueError(f"{bad[0]} = {bad[1]} is not allowed; must be {bad[2]}")
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """(batch, vocab) logits -> (batch,) token ids."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -149,15 +151,16 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompts -> tokens, valid mask and position ids, each (batch, longest); positions count real tokens."""
     batch, longest = len(prompts), max(len(p) for p in prompts)
     tokens = torch.full((batch, longest), pad_id, dtype=torch.long)
     valid = torch.zeros(batch, longest, dtype=torch.bool)
     for i, p in enumerate(prompts):
-        tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[i, longest - len(p):] = True
+        tokens[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
+        valid[i, longest - len(p) :] = True
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     return tokens.to(device), valid.to(device), positions.to(device)
 
@@ -205,13 +208,20 @@ class GraphedDecodeStep:
             self._capture()
         if self.cache.length + 1 > self.cache.max_len:
             raise ValueError(f"KV cache holds {self.cache.max_len} tokens; {self.cache.length + 1} requested")
-        self.graph.replay()
+        self.graph.replay()  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
         self.cache.length += 1
-        return self.logits
+        return self.logits  # type: ignore[return-value]  # filled before use: the surrounding state machine guarantees it
 
 
-def make_cache(model: Transformer, batch: int, max_len: int, dtype: torch.dtype, kv_offload: bool,
-               gpu_window: int, fixed_shape: bool = False) -> StaticKVCache | OffloadedKVCache:
+def make_cache(
+    model: Transformer,
+    batch: int,
+    max_len: int,
+    dtype: torch.dtype,
+    kv_offload: bool,
+    gpu_window: int,
+    fixed_shape: bool = False,
+) -> StaticKVCache | OffloadedKVCache:
     """The cache `generate_batch` uses; `fixed_shape` (in-GPU only) for a CUDA-graph decode step."""
     device = model.embed_tokens.weight.device
     if kv_offload:
@@ -231,11 +241,24 @@ def _sync(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id: int | Iterable[int], pad_id: int, *,
-                   decode: Callable[[list[int]], str] | None = None, temperature: float = 0.0, top_k: int = 0,
-                   top_p: float = 1.0, generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-                   kv_offload: bool = False, gpu_window: int = 0, cuda_graph: bool = False,
-                   prefill_chunk: int = 2048, timings: dict[str, float] | None = None) -> list[GenerationResult]:
+def generate_batch(
+    model: Transformer,
+    requests: list[GenerationRequest],
+    eos_id: int | Iterable[int],
+    pad_id: int,
+    *,
+    decode: Callable[[list[int]], str] | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+    kv_offload: bool = False,
+    gpu_window: int = 0,
+    cuda_graph: bool = False,
+    prefill_chunk: int = 2048,
+    timings: dict[str, float] | None = None,
+) -> list[GenerationResult]:
     """Continue every request in one left-padded batch; one result per request, in order.
 
     `eos_id`: one id or several (a tokenizer's `stop_ids`: EOS and end-of-turn ids); sampling any of them
@@ -267,8 +290,7 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
     cache = make_cache(model, batch, longest + num_steps, dtype, kv_offload, gpu_window, fixed_shape=cuda_graph)
     cache.set_prompt_mask(valid)
     graphed = cuda_graph and device.type == "cuda"
-    step = GraphedDecodeStep(model, cache, batch, device) if graphed else \
-        (lambda t, p, c: forward_last(model, t, p, c))
+    step = GraphedDecodeStep(model, cache, batch, device) if graphed else (lambda t, p, c: forward_last(model, t, p, c))  # type: ignore[arg-type]  # graphed decoding is chosen only for a StaticKVCache
     host_tokens = torch.empty(batch, dtype=torch.long, pin_memory=device.type == "cuda")
     was_training = model.training
     model.eval()
@@ -277,7 +299,9 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=not graphed):
             start = time.perf_counter()
             for a in range(0, longest, prefill_chunk):
-                logits = forward_last(model, tokens[:, a:a + prefill_chunk], positions[:, a:a + prefill_chunk], cache)
+                logits = forward_last(
+                    model, tokens[:, a : a + prefill_chunk], positions[:, a : a + prefill_chunk], cache
+                )
             prefill_end = decode_start = _sync(device) if timings is not None else 0.0
             next_pos = positions[:, -1:] + 1  # (batch, 1)
             num_forwards = 0
@@ -288,19 +312,24 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
                 if copied is not None:
                     copied.record()
                 if t + 1 < num_steps:
-                    logits = step(nxt[:, None], next_pos, cache)  # enqueued before the host reads token t
+                    logits = step(nxt[:, None], next_pos, cache)  # type: ignore[arg-type]  # graphed decoding is chosen only for a StaticKVCache; enqueued before the host reads token t
                     next_pos += 1
                     num_forwards += 1
                 if copied is not None:
                     copied.synchronize()  # host sync: EOS, stop strings and budgets are checked on the host
                 if t == 0 and timings is not None:
                     decode_start = _sync(device)  # the first decode step (lazy init, graph capture) is not timed
-                if all([row.add(tok) for row, tok in zip(rows, host_tokens.tolist())]):
+                # A list, not a generator: every row must take its token (all() would stop at the first False).
+                if all([row.add(tok) for row, tok in zip(rows, host_tokens.tolist())]):  # noqa: C419
                     break
             if timings is not None:
                 timed = max(0, num_forwards - 1)
-                timings.update(prefill_s=prefill_end - start, prefill_tokens=batch * longest, decode_steps=timed,
-                               decode_s=_sync(device) - decode_start if timed else 0.0)
+                timings.update(
+                    prefill_s=prefill_end - start,
+                    prefill_tokens=batch * longest,
+                    decode_steps=timed,
+                    decode_s=_sync(device) - decode_start if timed else 0.0,
+                )
     finally:
         model.train(was_training)
         if isinstance(cache, OffloadedKVCache):
@@ -309,18 +338,37 @@ def generate_batch(model: Transformer, requests: list[GenerationRequest], eos_id
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int | Iterable[int],
-             pad_id: int, *,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-             **options: Any) -> list[list[int]]:
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | Iterable[int],
+    pad_id: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+    **options: Any,
+) -> list[list[int]]:
     """Continue each prompt; returns only the new tokens, cut at (and excluding) EOS (`eos_id`: one id or
     several stop ids).
 
     `options` are passed to `generate_batch` (kv_offload, gpu_window, cuda_graph, prefill_chunk)."""
     requests = [GenerationRequest(p, max_new_tokens) for p in prompts]
-    results = generate_batch(model, requests, eos_id, pad_id, temperature=temperature, top_k=top_k, top_p=top_p,
-                             generator=generator, dtype=dtype, **options)
+    results = generate_batch(
+        model,
+        requests,
+        eos_id,
+        pad_id,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        dtype=dtype,
+        **options,
+    )
     return [r.tokens for r in results]
 
 
@@ -344,8 +392,10 @@ def prompt_record(obj: dict[str, Any], data: Any, raw: bool = False) -> dict[str
         context = obj.get(data.context_field) if data.context_field else None
         text = format_prompt(template if templated else "plain", prompt, context if isinstance(context, str) else "")
     else:
-        raise ValueError(f"needs a string field 'prompt' or {data.instruction_field!r} "
-                         f"(fields present: {', '.join(map(repr, obj)) or 'none'})")
+        raise ValueError(
+            f"needs a string field 'prompt' or {data.instruction_field!r} "
+            f"(fields present: {', '.join(map(repr, obj)) or 'none'})"
+        )
     stop = obj.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
@@ -380,9 +430,16 @@ def read_prompts_jsonl(path: str | Path, data: Any, raw: bool = False) -> list[d
     return records
 
 
-def generate_records(model: Transformer, tokenizer: Any, records: list[dict[str, Any]], *,
-                     max_new_tokens: int = 128, stop: list[str] | None = None, batch_size: int = 16,
-                     **options: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def generate_records(
+    model: Transformer,
+    tokenizer: Any,
+    records: list[dict[str, Any]],
+    *,
+    max_new_tokens: int = 128,
+    stop: list[str] | None = None,
+    batch_size: int = 16,
+    **options: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Generate for prompt records (`prompt_record`); one {"prompt", "completion", "finish_reason", "tokens"}
     per record, in order (`tokens`: tokens generated, the stop id included), and a summary (prompts, tokens,
     seconds, tokens/s, finish reasons).
@@ -393,30 +450,54 @@ def generate_records(model: Transformer, tokenizer: Any, records: list[dict[str,
     check_generation_options(max_new_tokens=max_new_tokens, batch_size=batch_size)
     bos = [tokenizer.bos_id] if tokenizer.add_bos else []  # no BOS for tokenizers without one (Qwen)
     ids = [bos + tokenizer.encode(r["text"]) for r in records]
-    requests = [GenerationRequest(p, max_new_tokens if r["max_new_tokens"] is None else r["max_new_tokens"],
-                                  list(stop or []) + r["stop"]) for p, r in zip(ids, records)]
+    requests = [
+        GenerationRequest(
+            p, max_new_tokens if r["max_new_tokens"] is None else r["max_new_tokens"], list(stop or []) + r["stop"]
+        )
+        for p, r in zip(ids, records)
+    ]
     order = sorted(range(len(requests)), key=lambda i: len(ids[i]))
     results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
     start = time.perf_counter()
     for b in range(0, len(order), batch_size):
-        chunk = order[b:b + batch_size]
+        chunk = order[b : b + batch_size]
         # Any stop id ends a row: a chat model ends its turn with an end-of-turn id, not always with EOS.
-        outs = generate_batch(model, [requests[i] for i in chunk], tokenizer.stop_ids, tokenizer.pad_id,
-                              decode=tokenizer.decode, **options)
+        outs = generate_batch(
+            model,
+            [requests[i] for i in chunk],
+            tokenizer.stop_ids,
+            tokenizer.pad_id,
+            decode=tokenizer.decode,
+            **options,
+        )
         for i, out in zip(chunk, outs):
             results[i] = out
     seconds = time.perf_counter() - start
-    lines = [{"prompt": r["prompt"], "completion": out.text, "finish_reason": out.finish_reason,
-              "tokens": out.num_generated} for r, out in zip(records, results)]
+    lines = [
+        {"prompt": r["prompt"], "completion": out.text, "finish_reason": out.finish_reason, "tokens": out.num_generated}
+        for r, out in zip(records, results)
+    ]
     generated = sum(out.num_generated for out in results)
-    summary = {"prompts": len(records), "tokens": generated, "seconds": round(seconds, 3),
-               "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,
-               "finish_reasons": dict(Counter(out.finish_reason for out in results))}
+    summary = {
+        "prompts": len(records),
+        "tokens": generated,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,
+        "finish_reasons": dict(Counter(out.finish_reason for out in results)),
+    }
     return lines, summary
 
 
-def generate_jsonl(model: Transformer, tokenizer: Any, data: Any, prompts_path: str | Path,
-                   output_path: str | Path, *, raw: bool = False, **options: Any) -> dict[str, Any]:
+def generate_jsonl(
+    model: Transformer,
+    tokenizer: Any,
+    data: Any,
+    prompts_path: str | Path,
+    output_path: str | Path,
+    *,
+    raw: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
     """`tracetrain generate --prompts-file`: read a prompts file, generate (`generate_records`, which
     takes the `options`), write one JSON line per prompt to `output_path`; returns the summary."""
     lines, summary = generate_records(model, tokenizer, read_prompts_jsonl(prompts_path, data, raw), **options)

@@ -39,7 +39,10 @@ from tracetrain.models.lora import (
 from tracetrain.safe_load import open_safetensors
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed here
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PEFT_PREFIX = "base_model.model."
@@ -47,6 +50,7 @@ _PEFT_PREFIX = "base_model.model."
 
 # ----------------------------------------------------------------------------------------------------
 # config.json -> ModelArgs
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -129,8 +133,10 @@ def _rope_from_config(cfg: dict[str, Any], where: Path) -> tuple[float, dict[str
 def _check_unsupported_features(cfg: dict[str, Any], where: Path, dim: int, n_heads: int) -> None:
     """Features the plain model does not implement fail loudly instead of loading wrong weights."""
     if cfg.get("head_dim") not in (None, dim // n_heads):
-        raise CheckpointError(f"{where}: head_dim {cfg['head_dim']} != hidden_size / num_attention_heads "
-                              f"({dim // n_heads}) is not supported")
+        raise CheckpointError(
+            f"{where}: head_dim {cfg['head_dim']} != hidden_size / num_attention_heads "
+            f"({dim // n_heads}) is not supported"
+        )
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act '{cfg['hidden_act']}' is not supported; supported: silu")
     # Llama's attention_bias also adds an o_proj bias, which the model (like Qwen2) does not have.
@@ -148,13 +154,20 @@ def load_hf_config(path: str | Path) -> ModelArgs:
     _check_unsupported_features(cfg, where, dim, n_heads)
     theta, scaling = _rope_from_config(cfg, where)
     args = ModelArgs(
-        dim=dim, n_layers=_shape_int(cfg, "num_hidden_layers", where), n_heads=n_heads,
+        dim=dim,
+        n_layers=_shape_int(cfg, "num_hidden_layers", where),
+        n_heads=n_heads,
         n_kv_heads=_shape_int(cfg, "num_key_value_heads", where, default=n_heads),
-        ffn_dim=_shape_int(cfg, "intermediate_size", where), vocab_size=_shape_int(cfg, "vocab_size", where),
-        norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", where), rope_theta=theta,
-        rope_scaling=scaling, max_seq_len=_shape_int(cfg, "max_position_embeddings", where, default=2048),
-        qkv_bias=model_type == "qwen2", tie_embeddings=_flag(cfg, "tie_word_embeddings", where, False),
-        init_std=_positive_float(cfg.get("initializer_range", 0.02), "initializer_range", where))
+        ffn_dim=_shape_int(cfg, "intermediate_size", where),
+        vocab_size=_shape_int(cfg, "vocab_size", where),
+        norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=_shape_int(cfg, "max_position_embeddings", where, default=2048),
+        qkv_bias=model_type == "qwen2",
+        tie_embeddings=_flag(cfg, "tie_word_embeddings", where, False),
+        init_std=_positive_float(cfg.get("initializer_range", 0.02), "initializer_range", where),
+    )
     try:
         args.validate()
     except ValueError as e:
@@ -164,6 +177,7 @@ def load_hf_config(path: str | Path) -> ModelArgs:
 
 # ----------------------------------------------------------------------------------------------------
 # Weights: HF checkpoint -> model
+
 
 def _local_name(hf_name: str) -> str:
     """'model.layers.0.self_attn.q_proj.weight' -> 'layers.0.self_attn.q_proj.weight'."""
@@ -213,7 +227,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     files = {_local_name(k): v for k, v in _checkpoint_files(path).items() if not k.endswith(_IGNORED_SUFFIXES)}
     targets = _model_targets(model)
-    if getattr(model, "args", None) is not None and model.args.tie_embeddings:
+    if getattr(model, "args", None) is not None and model.args.tie_embeddings:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         # Tied: lm_head is the embedding (as in HF, which ties after loading); a saved copy is skipped.
         targets.pop("lm_head.weight", None)
         files.pop("lm_head.weight", None)
@@ -237,8 +251,9 @@ def _copy_tensor(f: Any, stored: dict[str, str], name: str, param: torch.Tensor,
         raise CheckpointError(f"{file}: tensor '{name}' is listed in the index but not in the file")
     shape = tuple(f.get_slice(stored[name]).get_shape())  # read the header only, not the data
     if shape != tuple(param.shape):
-        raise CheckpointError(f"{file}: tensor '{stored[name]}' has shape {shape} "
-                              f"but the model expects {tuple(param.shape)}")
+        raise CheckpointError(
+            f"{file}: tensor '{stored[name]}' has shape {shape} but the model expects {tuple(param.shape)}"
+        )
     param.copy_(f.get_tensor(stored[name]))
 
 
@@ -250,8 +265,14 @@ def _copy_tensor(f: Any, stored: dict[str, str], name: str, param: torch.Tensor,
 # renames a finished temporary sibling into place. `export.py` adds the run-level files (tokenizer,
 # generation_config.json, model card) for `tracetrain export`.
 
-def hf_config_dict(args: ModelArgs, dtype: torch.dtype, bos_token_id: int | None = None,
-                   eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
+
+def hf_config_dict(
+    args: ModelArgs,
+    dtype: torch.dtype,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> dict[str, Any]:
     """The `config.json` transformers needs: Qwen2ForCausalLM when q/k/v have biases, else Llama.
 
     Rope is written in the long-standing `rope_theta` + `rope_scaling` form, which transformers 4.x
@@ -260,16 +281,31 @@ def hf_config_dict(args: ModelArgs, dtype: torch.dtype, bos_token_id: int | None
     arch, model_type = ("Qwen2ForCausalLM", "qwen2") if args.qkv_bias else ("LlamaForCausalLM", "llama")
     scaling = {"rope_type": "llama3", **args.rope_scaling} if args.rope_scaling else None
     cfg: dict[str, Any] = {
-        "architectures": [arch], "model_type": model_type, "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len, "rope_theta": args.rope_theta, "rope_scaling": scaling,
-        "tie_word_embeddings": args.tie_embeddings, "initializer_range": args.init_std,
-        "attention_dropout": 0.0, "use_cache": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": args.tie_embeddings,
+        "initializer_range": args.init_std,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
         # transformers >= 4.56 reads `dtype`; older versions read `torch_dtype`.
-        "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype]}
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "dtype": _DTYPE_NAMES[dtype],
+    }
     if args.qkv_bias:
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
     else:
@@ -301,8 +337,9 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
 
 
 @torch.no_grad()
-def write_hf_weights(model: nn.Module, args: ModelArgs, out_dir: Path, dtype: torch.dtype,
-                     max_shard_bytes: int) -> None:
+def write_hf_weights(
+    model: nn.Module, args: ModelArgs, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int
+) -> None:
     """`model.safetensors`, or shards + `model.safetensors.index.json`, into the existing folder `out_dir`.
 
     LoRA adapters are merged into the written weights without changing `model`. Shards are built one
@@ -325,10 +362,18 @@ def write_hf_weights(model: nn.Module, args: ModelArgs, out_dir: Path, dtype: to
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def export_hf(model: nn.Module, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-              max_shard_bytes: int = 5 * 10**9, bos_token_id: int | None = None,
-              eos_token_id: int | list[int] | None = None, *, pad_token_id: int | None = None,
-              overwrite: bool = True) -> None:
+def export_hf(
+    model: nn.Module,
+    args: ModelArgs,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 10**9,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    *,
+    pad_token_id: int | None = None,
+    overwrite: bool = True,
+) -> None:
     """Write `config.json` and `model.safetensors` (or shards + index) loadable by transformers.
 
     `out_dir` must be new, empty, or (with `overwrite`, the default here, as before) an earlier tracetrain
@@ -346,6 +391,7 @@ def export_hf(model: nn.Module, args: ModelArgs, out_dir: str | Path, dtype: tor
 # ----------------------------------------------------------------------------------------------------
 # PEFT adapters
 
+
 def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> None:
     """The config written must describe the adapters written, or PEFT would load them wrongly."""
     wrapped = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -357,26 +403,57 @@ def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> None
         raise ValueError(f"targets {targets} do not match the model's adapted layers {sorted(names)}")
 
 
-def write_peft_adapter(model: nn.Module, out_dir: Path, rank: int, alpha: float, dropout: float,
-                       targets: list[str], base_model_name_or_path: str = "") -> None:
+def write_peft_adapter(
+    model: nn.Module,
+    out_dir: Path,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str],
+    base_model_name_or_path: str = "",
+) -> None:
     """`adapter_config.json` and `adapter_model.safetensors` into the existing folder `out_dir`."""
     adapters = lora_state_dict(model)
     if not adapters:
         raise ValueError("model has no LoRA adapters to export; apply_lora first")
     _check_adapter_args(model, rank, targets)
     cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
-        "target_modules": resolve_targets(targets), "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "base_model_name_or_path": base_model_name_or_path,
-        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
-        "alpha_pattern": {}, "use_rslora": False, "use_dora": False, "lora_bias": False}
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": resolve_targets(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "base_model_name_or_path": base_model_name_or_path,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_bias": False,
+    }
     tensors = {_PEFT_PREFIX + _hf_name(k): v.detach().cpu().contiguous() for k, v in adapters.items()}
     (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
-def export_peft_adapter(model: nn.Module, out_dir: str | Path, rank: int, alpha: float, dropout: float,
-                        targets: list[str], base_model_name_or_path: str = "", *, overwrite: bool = True) -> None:
+def export_peft_adapter(
+    model: nn.Module,
+    out_dir: str | Path,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str],
+    base_model_name_or_path: str = "",
+    *,
+    overwrite: bool = True,
+) -> None:
     """Write the model's adapters as a PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`)
     that `peft.PeftModel.from_pretrained(hf_base_model, out_dir)` loads. `out_dir` as in `export_hf`."""
     from tracetrain.models.export import export_folder  # export.py builds on this module
@@ -389,9 +466,19 @@ def export_peft_adapter(model: nn.Module, out_dir: str | Path, rank: int, alpha:
 
 
 # Adapter features with no equivalent here; a set value would silently change what the adapter computes.
-_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern",
-                     "modules_to_save", "layers_to_transform", "layer_replication", "target_parameters",
-                     "trainable_token_indices")
+_PEFT_UNSUPPORTED = (
+    "use_dora",
+    "use_rslora",
+    "fan_in_fan_out",
+    "lora_bias",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+    "layers_to_transform",
+    "layer_replication",
+    "target_parameters",
+    "trainable_token_indices",
+)
 
 
 def _read_peft_config(adapter_dir: Path) -> dict[str, Any]:
@@ -413,8 +500,12 @@ def _read_peft_config(adapter_dir: Path) -> dict[str, Any]:
     return cfg
 
 
-def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, base_dtype: torch.dtype | None = None,
-                      adapter_dtype: torch.dtype = torch.float32) -> int:
+def load_peft_adapter(
+    model: nn.Module,
+    adapter_dir: str | Path,
+    base_dtype: torch.dtype | None = None,
+    adapter_dtype: torch.dtype = torch.float32,
+) -> int:
     """Apply LoRA as a PEFT adapter describes it and load its tensors, to continue training from it.
 
     Returns the number of trainable parameters (as `apply_lora`).
@@ -427,8 +518,15 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, base_dtype: tor
     with safe_open(file, framework="pt") as f:
         # 'base_model.model.model.layers.0...lora_A.weight' -> 'layers.0...lora_A.weight'
         tensors = {_local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    count = apply_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"],
-                       base_dtype, adapter_dtype)
+    count = apply_lora(
+        model,
+        cfg["r"],
+        cfg["lora_alpha"],
+        cfg.get("lora_dropout", 0.0),
+        cfg["target_modules"],
+        base_dtype,
+        adapter_dtype,
+    )
     try:
         load_lora_state_dict(model, tensors)
     except CheckpointError as e:

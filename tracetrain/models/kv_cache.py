@@ -72,7 +72,7 @@ class CacheMask:
     def set_prompt_mask(self, valid: torch.Tensor) -> None:
         """(batch, prompt_len) bool, False at left padding. Notes on the host whether any row is padded
         (one device sync, before the prefill): unpadded batches attend without a mask tensor."""
-        self.valid[:, :valid.shape[1]] = valid
+        self.valid[:, : valid.shape[1]] = valid
         self.padded = not bool(valid.all())
 
     def num_keys(self, s: int) -> int:
@@ -113,12 +113,23 @@ class StaticKVCache(CacheMask):
     """Whole cache on the compute device; with `fixed_shape`, decode steps have static shapes (module
     docstring)."""
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device,
-                 dtype: torch.dtype, fixed_shape: bool = False) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        batch: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        fixed_shape: bool = False,
+    ) -> None:
         shape = (batch, args.n_kv_heads, max_len, args.head_dim)
         # Zeros, not empty: a decode step reads unwritten positions too (masked, but 0 * NaN = NaN).
-        self.layers = [StaticKVLayer(self, torch.zeros(shape, device=device, dtype=dtype),
-                                     torch.zeros(shape, device=device, dtype=dtype)) for _ in range(args.n_layers)]
+        self.layers = [
+            StaticKVLayer(
+                self, torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+            )
+            for _ in range(args.n_layers)
+        ]
         self.max_len = max_len
         self.length = 0  # host copy of the write position: bounds checks and prefill slicing
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # what a captured step reads
@@ -148,8 +159,9 @@ def _ring_runs(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
     return runs
 
 
-def carve_blocks(count: int, shape: tuple[int, ...], dtype: torch.dtype,
-                 alloc: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+def carve_blocks(
+    count: int, shape: tuple[int, ...], dtype: torch.dtype, alloc: Callable[[int], torch.Tensor]
+) -> list[torch.Tensor]:
     """`count` tensors of `shape`, cut from byte blocks `alloc(nbytes)` whose sizes are powers of two (each
     block: the largest power of two that the remaining tensors fill, or one tensor's rounded size).
     Each block wastes less than one tensor, and there are about log2(count) + 1 blocks."""
@@ -160,7 +172,7 @@ def carve_blocks(count: int, shape: tuple[int, ...], dtype: torch.dtype,
         block_bytes = max(1 << (remaining_bytes.bit_length() - 1), 1 << (nbytes - 1).bit_length())
         block = alloc(block_bytes)
         for offset in range(0, min(block_bytes // nbytes, count - len(out)) * nbytes, nbytes):
-            out.append(block[offset:offset + nbytes].view(dtype).view(shape))
+            out.append(block[offset : offset + nbytes].view(dtype).view(shape))
     return out
 
 
@@ -184,14 +196,15 @@ class OffloadedKVLayer:
         for buf, new in zip(stage, (k, v)):
             buf[start:end].copy_(new.permute(2, 0, 1, 3))  # (s, batch, kv_heads, head_dim)
         o.write_back(i, start, end)
-        return tuple(buf[:end].permute(1, 2, 0, 3) for buf in stage)  # (batch, kv_heads, end, head_dim)
+        return tuple(buf[:end].permute(1, 2, 0, 3) for buf in stage)  # type: ignore[return-value]  # stage holds the two buffers, keys and values; (batch, kv_heads, end, head_dim)
 
 
 class OffloadedKVCache(CacheMask):
     """K/V in (pinned) CPU memory, streamed through two staging buffers; see the module docstring."""
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype,
-                 gpu_window: int = 0) -> None:
+    def __init__(
+        self, args: ModelArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype, gpu_window: int = 0
+    ) -> None:
         if gpu_window < 0:
             raise ValueError(f"gpu_window must be >= 0, got {gpu_window}")
         row = (batch, args.n_kv_heads, args.head_dim)
@@ -201,11 +214,12 @@ class OffloadedKVCache(CacheMask):
         else:
             flat = [torch.empty((max_len, *row), dtype=dtype) for _ in range(2 * args.n_layers)]
         self.store = list(zip(flat[0::2], flat[1::2]))  # (k, v) per layer
-        self.staging = [tuple(torch.empty((max_len, *row), dtype=dtype, device=device) for _ in "kv")
-                        for _ in range(2)]
+        self.staging = [tuple(torch.empty((max_len, *row), dtype=dtype, device=device) for _ in "kv") for _ in range(2)]
         self.gpu_window = min(gpu_window, max_len)
-        self.window = [tuple(torch.empty((self.gpu_window, *row), dtype=dtype, device=device) for _ in "kv")
-                       for _ in range(args.n_layers if self.gpu_window else 0)]
+        self.window = [
+            tuple(torch.empty((self.gpu_window, *row), dtype=dtype, device=device) for _ in "kv")
+            for _ in range(args.n_layers if self.gpu_window else 0)
+        ]
         self.layers = [OffloadedKVLayer(self, i) for i in range(args.n_layers)]
         self.max_len, self.length, self.device = max_len, 0, device
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
@@ -231,13 +245,13 @@ class OffloadedKVCache(CacheMask):
                 buf[:num_old].copy_(src[:num_old], non_blocking=True)
             for first, last, slot in _ring_runs(num_old, self.length, self.gpu_window or 1):
                 for buf, ring in zip(self.staging[i % 2], self.window[i]):
-                    buf[first:last].copy_(ring[slot:slot + last - first], non_blocking=True)
+                    buf[first:last].copy_(ring[slot : slot + last - first], non_blocking=True)
             if self.ready[i % 2] is not None:
-                self.ready[i % 2].record()
+                self.ready[i % 2].record()  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
 
     def wait_ready(self, i: int) -> None:
         if self.ready[i % 2] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[i % 2])
+            torch.cuda.current_stream(self.device).wait_event(self.ready[i % 2])  # type: ignore[arg-type]  # created together with the flag checked before this line (CUDA path only)
 
     def write_back(self, i: int, start: int, end: int) -> None:
         """New positions [start, end) of layer i: into its GPU window (the most recent W), and to the CPU."""
@@ -245,7 +259,7 @@ class OffloadedKVCache(CacheMask):
         if self.gpu_window:
             for first, last, slot in _ring_runs(max(start, end - self.gpu_window), end, self.gpu_window):
                 for ring, buf in zip(self.window[i], stage):
-                    ring[slot:slot + last - first].copy_(buf[first:last])
+                    ring[slot : slot + last - first].copy_(buf[first:last])
         # On the copy stream, after the write into staging; fetch(i + 2) into the same buffer is
         # enqueued later on this stream, so the buffer is not overwritten before it is read here.
         with self._on_copy_stream():

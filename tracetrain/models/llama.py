@@ -100,8 +100,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of queries and keys: the default `Attention.rope_fn`."""
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
@@ -136,12 +137,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.dim, args.dim, bias=False)
-        self.rope_fn = apply_rope_qk   # (q, k, cos, sin) -> (q, k); a fused kernel may replace it
+        self.rope_fn = apply_rope_qk  # (q, k, cos, sin) -> (q, k); a fused kernel may replace it
         self.attn_core: nn.Module = SDPACore()  # (q, k, v, mask) -> (batch, heads, seq, head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | CausalBias | None,
-                cache: KVCacheLayer | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | BlockMask | CausalBias | None,
+        cache: KVCacheLayer | None = None,
+    ) -> torch.Tensor:
         b, s, _ = x.shape  # (batch, seq, dim)
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -149,7 +155,7 @@ class Attention(nn.Module):
         q, k = self.rope_fn(q, k, cos, sin)
         if cache is not None:  # generation: the cache's mask picks a GQA-capable kernel (attention.py)
             k, v = cache.update(k, v)  # (batch, kv_heads, cached + seq, head_dim)
-            out = cached_attention(q, k, v, mask)  # (batch, heads, seq, head_dim)
+            out = cached_attention(q, k, v, mask)  # type: ignore[arg-type]  # BlockMask reaches only the flex core, which takes it; (batch, heads, seq, head_dim)
         else:
             out = self.attn_core(q, k, v, mask)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -174,9 +180,14 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | CausalBias | None,
-                cache: KVCacheLayer | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | BlockMask | CausalBias | None,
+        cache: KVCacheLayer | None = None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -211,7 +222,7 @@ class Transformer(nn.Module):
         Called after `to_empty` when the model was built on the meta device.
         """
         std = self.args.init_std
-        self.rope_inv_freq.copy_(rope_inv_freq(self.args))
+        self.rope_inv_freq.copy_(rope_inv_freq(self.args))  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         nn.init.normal_(self.embed_tokens.weight, std=std)
         for block in self.layers:
             for name, mod in block.named_modules():
@@ -228,13 +239,17 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, seq) positions -> cos, sin of shape (batch, seq, head_dim), float32."""
-        freqs = position_ids.float().unsqueeze(-1) * self.rope_inv_freq  # (batch, seq, head_dim / 2)
+        freqs = position_ids.float().unsqueeze(-1) * self.rope_inv_freq  # type: ignore[operator]  # a registered buffer (typed Tensor | Module); (batch, seq, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                       document_ids: torch.Tensor | None = None,
-                       cache: KVCache | None = None) -> torch.Tensor:
+    def forward_hidden(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """Final normed hidden states (batch, seq, dim); the loss may apply lm_head itself (chunked)."""
         b, s = tokens.shape
         if position_ids is None:
@@ -251,9 +266,15 @@ class Transformer(nn.Module):
             cache.advance(s)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: KVCache | None = None, *,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (batch, seq, vocab); or, with `labels`, the summed cross-entropy through the fused head
         that `apply_fused_ce` attached (kernels/fused_ce.py), never materialising the full logits.
         The loss goes through `forward` (not `forward_hidden`) so that module hooks on the root (FSDP's
@@ -285,8 +306,12 @@ class KVCache:
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
         shape = (batch, args.n_kv_heads, max_len, args.head_dim)
-        self.layers = [KVCacheLayer(self, torch.zeros(shape, device=device, dtype=dtype),
-                                    torch.zeros(shape, device=device, dtype=dtype)) for _ in range(args.n_layers)]
+        self.layers = [
+            KVCacheLayer(
+                self, torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+            )
+            for _ in range(args.n_layers)
+        ]
         self.length = 0
         self.max_len = max_len
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)

@@ -31,8 +31,9 @@ class LoRALinear(nn.Module):
     in the base output's dtype, so a bf16 base stays a bf16 activation stream.
     """
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float,
-                 adapter_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, dropout: float, adapter_dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {rank}")
@@ -99,8 +100,15 @@ def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent_name) if parent_name else root), leaf
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str],
-               base_dtype: torch.dtype | None = None, adapter_dtype: torch.dtype = torch.float32) -> int:
+def apply_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str],
+    base_dtype: torch.dtype | None = None,
+    adapter_dtype: torch.dtype = torch.float32,
+) -> int:
     """Wrap the `targets` projections of every block in `model.layers` with `LoRALinear`, in place.
 
     Every other parameter is frozen (and cast to `base_dtype` when given, to halve the memory of the
@@ -115,9 +123,10 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
         # Assigning `.data` keeps each Parameter object, so tied weights (lm_head = embedding) stay tied.
         for p in model.parameters():
             p.data = p.data.to(base_dtype)
-    for block in model.layers:
-        matches = [(n, m) for n, m in block.named_modules()
-                   if isinstance(m, nn.Linear) and n.rpartition(".")[2] in names]
+    for block in model.layers:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        matches = [
+            (n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear) and n.rpartition(".")[2] in names
+        ]
         for name, linear in matches:
             parent, leaf = _parent(block, name)
             setattr(parent, leaf, LoRALinear(linear, rank, alpha, dropout, adapter_dtype))
@@ -169,8 +178,10 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
         raise CheckpointError(f"unexpected LoRA adapters in the state dict: {_list_some(unexpected)}")
     for key, param in params.items():
         if state_dict[key].shape != param.shape:
-            raise CheckpointError(f"LoRA tensor '{key}' has shape {tuple(state_dict[key].shape)} "
-                                  f"but the model expects {tuple(param.shape)} (different rank?)")
+            raise CheckpointError(
+                f"LoRA tensor '{key}' has shape {tuple(state_dict[key].shape)} "
+                f"but the model expects {tuple(param.shape)} (different rank?)"
+            )
     for key, param in params.items():
         param.copy_(state_dict[key])
 

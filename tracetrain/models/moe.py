@@ -63,16 +63,17 @@ class GroupedExperts(nn.Module):
 class LocalDispatcher:
     """All experts on this rank: sort token-expert pairs by expert, run, weight and sum back."""
 
-    def __call__(self, tokens: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts
+    ) -> torch.Tensor:
         # tokens (T, dim); expert_idx, weights (T, top_k)
         top_k = expert_idx.shape[1]
-        flat = expert_idx.flatten()                          # (T * top_k,)
+        flat = expert_idx.flatten()  # (T * top_k,)
         order = flat.argsort(stable=True)
-        token_of = order // top_k                            # source token of each sorted pair
+        token_of = order // top_k  # source token of each sorted pair
         # Host sync: group sizes decide the split (a grouped-GEMM kernel would avoid it on GPUs).
         counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-        y = experts(tokens[token_of], counts)                # (T * top_k, dim)
+        y = experts(tokens[token_of], counts)  # (T * top_k, dim)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(tokens).index_add_(0, token_of, y.to(tokens.dtype))
 
@@ -81,12 +82,12 @@ class _InjectAuxLossGrad(torch.autograd.Function):
     """Identity on `out`; in backward, gives `aux` the gradient `weight` (d(weight * aux) / d aux)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
         ctx.weight, ctx.aux_meta = weight, (aux.dtype, aux.device)
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor):
         dtype, device = ctx.aux_meta
         return grad_out, torch.tensor(ctx.weight, dtype=dtype, device=device), None
 
@@ -95,7 +96,7 @@ def load_balancing_loss(probs: torch.Tensor, expert_idx: torch.Tensor) -> torch.
     """Switch-Transformer auxiliary loss; probs (T, E) float32, expert_idx (T, top_k). 1.0 = balanced."""
     num_experts = probs.shape[1]
     counts = torch.bincount(expert_idx.flatten(), minlength=num_experts).to(probs.dtype)
-    share = counts / expert_idx.numel()                      # f_e (no gradient)
+    share = counts / expert_idx.numel()  # f_e (no gradient)
     return num_experts * (share * probs.mean(0)).sum()
 
 
@@ -114,9 +115,9 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        tokens = x.reshape(b * s, d)                                   # (T, dim)
-        probs = self.router(tokens).float().softmax(dim=-1)            # (T, num_experts)
-        top_p, expert_idx = probs.topk(self.top_k, dim=-1)             # (T, top_k)
+        tokens = x.reshape(b * s, d)  # (T, dim)
+        probs = self.router(tokens).float().softmax(dim=-1)  # (T, num_experts)
+        top_p, expert_idx = probs.topk(self.top_k, dim=-1)  # (T, top_k)
         weights = top_p / top_p.sum(dim=-1, keepdim=True)
         out = self.dispatcher(tokens, expert_idx, weights, self.experts)
         if self.training and torch.is_grad_enabled():
@@ -135,18 +136,18 @@ def apply_moe(model: nn.Module, num_experts: int, top_k: int, aux_loss_weight: f
     the dense output projections. Returns the number of blocks converted.
     """
     args = model.args
-    std = args.init_std
-    out_std = std / math.sqrt(2 * args.n_layers)
-    for block in model.layers:
+    std = args.init_std  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+    out_std = std / math.sqrt(2 * args.n_layers)  # type: ignore[operator, union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+    for block in model.layers:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         dense = block.mlp
         ref = dense.gate_proj.weight
-        moe = MoEFeedForward(args.dim, args.ffn_dim, num_experts, top_k, aux_loss_weight)
+        moe = MoEFeedForward(args.dim, args.ffn_dim, num_experts, top_k, aux_loss_weight)  # type: ignore[arg-type, union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         moe.to(device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
-            nn.init.normal_(moe.router.weight, std=std)
-        moe.experts.init_weights(std, out_std)
+            nn.init.normal_(moe.router.weight, std=std)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        moe.experts.init_weights(std, out_std)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         block.mlp = moe
-    return len(model.layers)
+    return len(model.layers)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
 
 
 def set_aux_loss_weight(model: nn.Module, weight: float) -> None:
@@ -158,6 +159,5 @@ def set_aux_loss_weight(model: nn.Module, weight: float) -> None:
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum over blocks of the last forward's load-balancing losses (detached), for logging."""
-    values = [m.last_aux_loss for m in model.modules() if isinstance(m, MoEFeedForward)
-              and m.last_aux_loss is not None]
+    values = [m.last_aux_loss for m in model.modules() if isinstance(m, MoEFeedForward) and m.last_aux_loss is not None]
     return torch.stack(values).sum() if values else None

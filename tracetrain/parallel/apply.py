@@ -33,7 +33,7 @@ class _PartsView(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict()
         for part in parts:
-            self.layers.update(part.layers)
+            self.layers.update(part.layers)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
             for name in ("embed_tokens", "norm", "lm_head"):
                 if getattr(part, name, None) is not None:
                     setattr(self, name, getattr(part, name))
@@ -76,8 +76,9 @@ class ParallelModel:
             return batch
         rows = next(iter(batch.values())).shape[0]
         if rows % self.dp_size:
-            raise ValueError(f"a global micro-batch of {rows} rows does not split over {self.dp_size} "
-                             "data-parallel ranks")
+            raise ValueError(
+                f"a global micro-batch of {rows} rows does not split over {self.dp_size} data-parallel ranks"
+            )
         mine = {k: v.chunk(self.dp_size, dim=0)[self.dp_rank] for k, v in batch.items()}
         cp = self._size("cp")
         return shard_sequence(mine, self.mesh.local_rank("cp"), cp) if cp > 1 else mine

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 class _AllGatherDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         size = dist.get_world_size(group)
         moved = x.movedim(dim, 0).contiguous()  # collectives work on dim 0
@@ -21,7 +21,7 @@ class _AllGatherDim(torch.autograd.Function):
         return out.movedim(0, dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         size = dist.get_world_size(ctx.group)
         moved = grad.movedim(ctx.dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
@@ -36,15 +36,20 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],  # type: ignore[override]
-                group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        send_rows: list[int],
+        recv_rows: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
         ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((sum(ctx.send_rows), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), ctx.send_rows, ctx.recv_rows, group=ctx.group)
         return out, None, None, None

@@ -82,8 +82,9 @@ class CPDocuments:
 
 def cp_document_mask(document_ids: torch.Tensor, *, group: dist.ProcessGroup, cp_size: int) -> CPDocuments:
     """`Transformer.mask_fn` under CP: gather this row's document ids from every CP rank (no gradient)."""
-    gathered = torch.empty((cp_size * document_ids.shape[0], document_ids.shape[1]),
-                           dtype=document_ids.dtype, device=document_ids.device)
+    gathered = torch.empty(
+        (cp_size * document_ids.shape[0], document_ids.shape[1]), dtype=document_ids.dtype, device=document_ids.device
+    )
     dist.all_gather_into_tensor(gathered, document_ids.contiguous(), group=group)
     full = torch.cat(gathered.chunk(cp_size, dim=0), dim=1)  # (batch, seq) in rank order
     return CPDocuments(_unzigzag(full, cp_size, dim=1))
@@ -101,22 +102,24 @@ class ContextParallelCore(nn.Module):
         full = all_gather_dim(x, 2, self.group)
         return _unzigzag(full, self.cp_size, dim=2)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: CPDocuments | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPDocuments | None) -> torch.Tensor:
         k_all, v_all = self._gather(k), self._gather(v)
         chunk_len = q.shape[2] // 2
         gqa = q.shape[1] != k.shape[1]
         outs = []
         for half, chunk in enumerate(chunk_ids(self.cp_rank, self.cp_size)):
-            q_chunk = q[:, :, half * chunk_len:(half + 1) * chunk_len]
+            q_chunk = q[:, :, half * chunk_len : (half + 1) * chunk_len]
             end = (chunk + 1) * chunk_len
             k_seen, v_seen = k_all[:, :, :end], v_all[:, :, :end]
             if mask is None:
                 bias = causal_lower_right(chunk_len, end)
                 outs.append(F.scaled_dot_product_attention(q_chunk, k_seen, v_seen, attn_mask=bias, enable_gqa=gqa))
             else:
-                outs.append(F.scaled_dot_product_attention(q_chunk, k_seen, v_seen, enable_gqa=gqa,
-                                                           attn_mask=mask.chunk_mask(chunk, chunk_len)))
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q_chunk, k_seen, v_seen, enable_gqa=gqa, attn_mask=mask.chunk_mask(chunk, chunk_len)
+                    )
+                )
         return torch.cat(outs, dim=2)  # (batch, heads, local_seq, head_dim)
 
 
@@ -127,5 +130,5 @@ def apply_context_parallel(part: nn.Module, group: dist.ProcessGroup, cp_rank: i
     compile, which must see the final cores.
     """
     for block in model_blocks(part):
-        block.self_attn.attn_core = ContextParallelCore(group, cp_rank, cp_size)
-    part.mask_fn = partial(cp_document_mask, group=group, cp_size=cp_size)
+        block.self_attn.attn_core = ContextParallelCore(group, cp_rank, cp_size)  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+    part.mask_fn = partial(cp_document_mask, group=group, cp_size=cp_size)  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs

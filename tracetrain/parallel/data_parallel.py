@@ -49,9 +49,9 @@ class GradSync:
     """When this rank's FSDP units reduce gradients during gradient accumulation (see module doc)."""
 
     modules: list[FSDPModule]
-    defer_reduce_scatter: bool   # replicate / ZeRO-1: full gradients accumulate locally
-    keep_params: bool            # replicate / ZeRO-1 / ZeRO-2: do not reshard between micro-batches
-    hsdp: bool                   # an all-reduce across replicas follows the reduce-scatter
+    defer_reduce_scatter: bool  # replicate / ZeRO-1: full gradients accumulate locally
+    keep_params: bool  # replicate / ZeRO-1 / ZeRO-2: do not reshard between micro-batches
+    hsdp: bool  # an all-reduce across replicas follows the reduce-scatter
 
     def set(self, is_last: bool) -> None:
         """Call before each micro-batch's backward; `is_last` for the step's final micro-batch."""
@@ -81,11 +81,12 @@ def expert_dp_mesh(pm: ParallelMesh) -> DeviceMesh | None:
 def model_blocks(part: nn.Module) -> list[nn.Module]:
     """The transformer blocks of the model or of a pipeline stage (whose `layers` is a ModuleDict)."""
     layers = part.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
 
 
-def apply_data_parallel(part: nn.Module, pm: ParallelMesh, par: ParallelSection, *,
-                        param_dtype: torch.dtype | None, experts_sharded: bool) -> list[FSDPModule]:
+def apply_data_parallel(
+    part: nn.Module, pm: ParallelMesh, par: ParallelSection, *, param_dtype: torch.dtype | None, experts_sharded: bool
+) -> list[FSDPModule]:
     """Shard `part` (the model, or one pipeline stage) over the data-parallel mesh, in place.
 
     `param_dtype`: compute dtype of the gathered parameters (bf16 on GPUs; None = as stored, fp32);
@@ -103,15 +104,15 @@ def apply_data_parallel(part: nn.Module, pm: ParallelMesh, par: ParallelSection,
     reshard = par.reshard_after_forward if zero3 else False
     units: list[FSDPModule] = []
 
-    def shard(module: nn.Module | list[nn.Module], unit_mesh: DeviceMesh, after_forward: bool,
-              **extra: object) -> None:
-        unit = fully_shard(module, mesh=unit_mesh, reshard_after_forward=after_forward, mp_policy=mp,
-                           offload_policy=offload, **extra)
+    def shard(module: nn.Module | list[nn.Module], unit_mesh: DeviceMesh, after_forward: bool, **extra: object) -> None:
+        unit = fully_shard(  # type: ignore[call-overload]  # torch's overloads are narrower than what the call passes (checked by the tests)
+            module, mesh=unit_mesh, reshard_after_forward=after_forward, mp_policy=mp, offload_policy=offload, **extra
+        )
         units.append(unit[0] if isinstance(unit, list) else unit)  # a group's state lives on its first module
 
     tied = getattr(getattr(part, "args", None), "tie_embeddings", False)
     if getattr(part, "embed_tokens", None) is not None and not tied:
-        shard(part.embed_tokens, mesh, reshard)
+        shard(part.embed_tokens, mesh, reshard)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     for block in model_blocks(part):
         experts = getattr(block.mlp, "experts", None) if experts_sharded else None
         extra: dict[str, object] = {}
@@ -139,5 +140,6 @@ def grad_sync_for(units: list[FSDPModule], pm: ParallelMesh, par: ParallelSectio
     """The accumulation behaviour of the flavour `apply_data_parallel` chose (see module table)."""
     pure_replicate = pm.size("dp_shard_cp") == 1
     stage = 1 if pure_replicate else par.zero_stage
-    return GradSync(modules=units, defer_reduce_scatter=stage == 1, keep_params=stage <= 2,
-                    hsdp=pm.size("dp_replicate") > 1)
+    return GradSync(
+        modules=units, defer_reduce_scatter=stage == 1, keep_params=stage <= 2, hsdp=pm.size("dp_replicate") > 1
+    )

@@ -77,8 +77,11 @@ def init_distributed(timeout_s: int, device_type: str) -> DistInfo:
         return DistInfo(0, 1, 0, device)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device_type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device_type == "cuda" else None,
+        )
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -183,17 +186,24 @@ class Watchdog:
             except Exception as e:
                 if self._stop.is_set():
                     return
-                self._end(f"rank {self.rank}: stopping: lost the rendezvous store ({type(e).__name__}); the "
-                          f"launcher or rank 0 has died (this rank last made progress at {self._where})")
+                self._end(
+                    f"rank {self.rank}: stopping: lost the rendezvous store ({type(e).__name__}); the "
+                    f"launcher or rank 0 has died (this rank last made progress at {self._where})"
+                )
                 return
             stalled_s = time.monotonic() - self._last_beat
             if posted is not None and not posted.startswith(f"rank {self.rank} "):
                 # Say where this rank was: when it is the one that hung, this is the diagnosis.
-                self._end(f"rank {self.rank}: stopping because {posted} (this rank last made progress "
-                          f"{stalled_s:.1f} s ago, at {self._where})", dump_stacks=stalled_s > 2 * self.poll_s)
+                self._end(
+                    f"rank {self.rank}: stopping because {posted} (this rank last made progress "
+                    f"{stalled_s:.1f} s ago, at {self._where})",
+                    dump_stacks=stalled_s > 2 * self.poll_s,
+                )
             if self._beating and stalled_s > self.stall_s:
-                message = (f"rank {self.rank} made no progress for {stalled_s:.0f} s (> parallel.timeout_s = "
-                           f"{self.stall_s:.0f}); last seen at {self._where}")
+                message = (
+                    f"rank {self.rank} made no progress for {stalled_s:.0f} s (> parallel.timeout_s = "
+                    f"{self.stall_s:.0f}); last seen at {self._where}"
+                )
                 self.report(message)
                 self._end(message, dump_stacks=True)
 

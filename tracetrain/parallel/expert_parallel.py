@@ -33,8 +33,10 @@ class ShardedExperts(GroupedExperts):
     """`GroupedExperts` whose weights are DTensors split over ep: computes only the local experts."""
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(w.to_local() if isinstance(w, DTensor) else w  # type: ignore[return-value]
-                     for w in (self.gate_proj, self.up_proj, self.down_proj))
+        return tuple(
+            w.to_local() if isinstance(w, DTensor) else w  # type: ignore[return-value]
+            for w in (self.gate_proj, self.up_proj, self.down_proj)
+        )
 
 
 class AllToAllDispatcher:
@@ -45,14 +47,15 @@ class AllToAllDispatcher:
         self.ep = dist.get_world_size(group)
         self.num_local = num_experts // self.ep
 
-    def __call__(self, tokens: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts
+    ) -> torch.Tensor:
         top_k, ep, num_local = expert_idx.shape[1], self.ep, self.num_local
-        flat = expert_idx.flatten()                                   # (T * top_k,)
+        flat = expert_idx.flatten()  # (T * top_k,)
         order = flat.argsort(stable=True)
         token_of = order // top_k
         send_counts = torch.bincount(flat, minlength=ep * num_local)  # (E,) rows per global expert
-        recv_counts = torch.empty_like(send_counts)                   # (ep * num_local,) by source rank
+        recv_counts = torch.empty_like(send_counts)  # (ep * num_local,) by source rank
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         # One host sync for every split size this layer needs.
         counts = torch.stack([send_counts, recv_counts]).view(2, ep, num_local).tolist()
@@ -75,8 +78,9 @@ class AllToAllDispatcher:
 def _shard_param(param: nn.Parameter, ep_mesh: DeviceMesh) -> nn.Parameter:
     # Every rank built the same full weights (same seed): keep this rank's slice, no communication.
     local = param.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()].clone()
-    return nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
-                        requires_grad=param.requires_grad)
+    return nn.Parameter(
+        DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False), requires_grad=param.requires_grad
+    )
 
 
 def apply_expert_parallel(part: nn.Module, ep_mesh: DeviceMesh) -> int:
@@ -93,6 +97,6 @@ def apply_expert_parallel(part: nn.Module, ep_mesh: DeviceMesh) -> int:
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(experts, name, _shard_param(getattr(experts, name), ep_mesh))
         experts.__class__ = ShardedExperts
-        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.num_experts)
+        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.num_experts)  # type: ignore[assignment]  # both dispatchers have the same interface
         num_converted += 1
     return num_converted

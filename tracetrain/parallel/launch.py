@@ -24,19 +24,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(local_rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple,
-           env: dict[str, str]) -> None:
+def _entry(
+    local_rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, env: dict[str, str]
+) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     fn(*args)
 
 
-def launch_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None) -> None:
+def launch_local(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, env: dict[str, str] | None = None
+) -> None:
     """Run `fn(*args)` in `world_size` fresh processes (spawned, importable `fn`) and wait for all."""
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args, env or {}), nprocs=world_size,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), args, env or {}), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=0.5):
         if time.monotonic() > deadline:

@@ -45,8 +45,14 @@ def world_size_of(par: ParallelSection) -> int:
 
 def axis_sizes(par: ParallelSection) -> dict[str, int]:
     """Size of every mesh axis (size-1 axes included, so every name always exists)."""
-    return {"pp": par.pp, "dp_replicate": par.dp_replicate, "efsdp": par.dp_shard // par.ep, "ep": par.ep,
-            "cp": par.cp, "tp": par.tp}
+    return {
+        "pp": par.pp,
+        "dp_replicate": par.dp_replicate,
+        "efsdp": par.dp_shard // par.ep,
+        "ep": par.ep,
+        "cp": par.cp,
+        "tp": par.tp,
+    }
 
 
 def _need(ok: bool, keys: str, message: str) -> None:
@@ -58,9 +64,12 @@ def validate_parallel(cfg: Config, args: ModelArgs, world_size: int) -> None:
     """Raise ConfigError (naming the keys) unless the [parallel] layout fits the job and the model."""
     p, m = cfg.parallel, cfg.model
     total = world_size_of(p)
-    _need(total == world_size, "parallel.pp * dp_replicate * dp_shard * cp * tp",
-          f"{p.pp} * {p.dp_replicate} * {p.dp_shard} * {p.cp} * {p.tp} = {total}, but the job has "
-          f"{world_size} rank(s); the product must equal the world size")
+    _need(
+        total == world_size,
+        "parallel.pp * dp_replicate * dp_shard * cp * tp",
+        f"{p.pp} * {p.dp_replicate} * {p.dp_shard} * {p.cp} * {p.tp} = {total}, but the job has "
+        f"{world_size} rank(s); the product must equal the world size",
+    )
     _check_tp(cfg, args)
     _check_cp(cfg)
     _check_ep(cfg)
@@ -68,45 +77,73 @@ def validate_parallel(cfg: Config, args: ModelArgs, world_size: int) -> None:
     if p.fsdp_cpu_offload:
         _need(p.dp_shard * p.cp > 1, "parallel.fsdp_cpu_offload", "needs FSDP (parallel.dp_shard * cp > 1)")
     if m.num_experts:
-        _need(m.experts_top_k <= m.num_experts, "model.experts_top_k",
-              f"{m.experts_top_k} exceeds model.num_experts = {m.num_experts}")
+        _need(
+            m.experts_top_k <= m.num_experts,
+            "model.experts_top_k",
+            f"{m.experts_top_k} exceeds model.num_experts = {m.num_experts}",
+        )
 
 
 def _check_tp(cfg: Config, args: ModelArgs) -> None:
     p = cfg.parallel
     if p.tp == 1:
         return
-    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("ffn_dim", args.ffn_dim),
-                        ("vocab_size", args.vocab_size)):
+    for name, value in (
+        ("n_heads", args.n_heads),
+        ("n_kv_heads", args.n_kv_heads),
+        ("ffn_dim", args.ffn_dim),
+        ("vocab_size", args.vocab_size),
+    ):
         _need(value % p.tp == 0, f"parallel.tp, model.{name}", f"tp = {p.tp} must divide {name} = {value}")
     if p.sequence_parallel:
         local = cfg.data.seq_len // p.cp
-        _need(local % p.tp == 0, "parallel.tp, parallel.sequence_parallel, data.seq_len",
-              f"sequence parallelism splits each rank's {local} tokens over tp = {p.tp}: they must divide")
-    _need(cfg.train.mode == "full", "parallel.tp, train.mode",
-          "tensor parallelism of LoRA-wrapped projections is not supported; use dp_shard for LoRA")
-    _need(cfg.model.num_experts == 0, "parallel.tp, model.num_experts",
-          "tensor parallelism of MoE blocks is not supported; shard experts with parallel.ep")
+        _need(
+            local % p.tp == 0,
+            "parallel.tp, parallel.sequence_parallel, data.seq_len",
+            f"sequence parallelism splits each rank's {local} tokens over tp = {p.tp}: they must divide",
+        )
+    _need(
+        cfg.train.mode == "full",
+        "parallel.tp, train.mode",
+        "tensor parallelism of LoRA-wrapped projections is not supported; use dp_shard for LoRA",
+    )
+    _need(
+        cfg.model.num_experts == 0,
+        "parallel.tp, model.num_experts",
+        "tensor parallelism of MoE blocks is not supported; shard experts with parallel.ep",
+    )
 
 
 def _check_cp(cfg: Config) -> None:
     p = cfg.parallel
     if p.cp == 1:
         return
-    _need(cfg.data.seq_len % (2 * p.cp) == 0, "parallel.cp, data.seq_len",
-          f"seq_len = {cfg.data.seq_len} must be divisible by 2 * cp = {2 * p.cp} (load-balanced chunks)")
+    _need(
+        cfg.data.seq_len % (2 * p.cp) == 0,
+        "parallel.cp, data.seq_len",
+        f"seq_len = {cfg.data.seq_len} must be divisible by 2 * cp = {2 * p.cp} (load-balanced chunks)",
+    )
 
 
 def _check_ep(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.ep == 1:
         return
-    _need(m.num_experts > 0, "parallel.ep, model.num_experts", "expert parallelism needs an MoE model "
-          "(model.num_experts > 0)")
-    _need(m.num_experts % p.ep == 0, "parallel.ep, model.num_experts",
-          f"ep = {p.ep} must divide num_experts = {m.num_experts}")
-    _need(p.dp_shard % p.ep == 0, "parallel.ep, parallel.dp_shard",
-          f"ep = {p.ep} borrows ranks from dp_shard = {p.dp_shard}, so it must divide it")
+    _need(
+        m.num_experts > 0,
+        "parallel.ep, model.num_experts",
+        "expert parallelism needs an MoE model (model.num_experts > 0)",
+    )
+    _need(
+        m.num_experts % p.ep == 0,
+        "parallel.ep, model.num_experts",
+        f"ep = {p.ep} must divide num_experts = {m.num_experts}",
+    )
+    _need(
+        p.dp_shard % p.ep == 0,
+        "parallel.ep, parallel.dp_shard",
+        f"ep = {p.ep} borrows ranks from dp_shard = {p.dp_shard}, so it must divide it",
+    )
     _need(p.cp == 1, "parallel.ep, parallel.cp", "expert parallelism with context parallelism is not supported")
 
 
@@ -115,17 +152,30 @@ def _check_pp(cfg: Config, args: ModelArgs) -> None:
     if p.pp == 1:
         return
     num_stages = p.pp * (p.pp_stages_per_rank if p.pp_schedule == "interleaved_1f1b" else 1)
-    _need(args.n_layers >= num_stages, "parallel.pp, parallel.pp_stages_per_rank, model.n_layers",
-          f"{num_stages} pipeline stages need at least that many layers (the model has {args.n_layers})")
-    _need(not args.tie_embeddings, "parallel.pp", "pipeline parallelism needs untied embeddings (the input "
-          "embedding and the output head live on different stages)")
-    _need(cfg.train.precision != "fp16", "parallel.pp, train.precision",
-          "pipeline parallelism does not support fp16 loss scaling; use bf16")
+    _need(
+        args.n_layers >= num_stages,
+        "parallel.pp, parallel.pp_stages_per_rank, model.n_layers",
+        f"{num_stages} pipeline stages need at least that many layers (the model has {args.n_layers})",
+    )
+    _need(
+        not args.tie_embeddings,
+        "parallel.pp",
+        "pipeline parallelism needs untied embeddings (the input "
+        "embedding and the output head live on different stages)",
+    )
+    _need(
+        cfg.train.precision != "fp16",
+        "parallel.pp, train.precision",
+        "pipeline parallelism does not support fp16 loss scaling; use bf16",
+    )
     rows = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
     n_micro = num_microbatches(p)
-    _need(rows % n_micro == 0, "parallel.pp_microbatches, train.micro_batch_size, train.grad_accum_steps",
-          f"each step's {rows} rows per rank (micro_batch_size * grad_accum_steps) must split into "
-          f"{n_micro} pipeline micro-batches")
+    _need(
+        rows % n_micro == 0,
+        "parallel.pp_microbatches, train.micro_batch_size, train.grad_accum_steps",
+        f"each step's {rows} rows per rank (micro_batch_size * grad_accum_steps) must split into "
+        f"{n_micro} pipeline micro-batches",
+    )
     if p.pp_schedule == "1f1b":
         _need(n_micro >= p.pp, "parallel.pp_microbatches", f"1F1B needs at least pp = {p.pp} micro-batches")
 

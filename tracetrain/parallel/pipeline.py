@@ -59,18 +59,19 @@ class PipelineStageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
-        self.register_buffer("rope_inv_freq", model.rope_inv_freq.clone(), persistent=False)
+        self.register_buffer("rope_inv_freq", model.rope_inv_freq.clone(), persistent=False)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         self.mask_fn = model.mask_fn
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x: token ids (batch, seq) on the first stage, hidden states (batch, seq, dim) after it."""
         cos, sin = Transformer.rope(self, position_ids)  # type: ignore[arg-type]  # the model's one formula
         mask = self.mask_fn(document_ids) if document_ids is not None else None
-        h = self.embed_tokens(x) if self.is_first else x
+        h = self.embed_tokens(x) if self.is_first else x  # type: ignore[misc]  # bound before use (set when the object is built)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
-        return self.lm_head(self.norm(h)) if self.is_last else h
+        return self.lm_head(self.norm(h)) if self.is_last else h  # type: ignore[misc]  # bound before use (set when the object is built)
 
 
 def stage_ids_of_rank(pp_rank: int, par: ParallelSection) -> list[int]:
@@ -83,8 +84,10 @@ def split_model(model: Transformer, pp_rank: int, par: ParallelSection) -> list[
     """This rank's stage modules, in stage order. The blocks of other ranks are left unreferenced."""
     num_stages = par.pp * (par.pp_stages_per_rank if par.pp_schedule == "interleaved_1f1b" else 1)
     layers = split_layers(model.args.n_layers, num_stages)
-    return [PipelineStageModule(model, layers[s], is_first=s == 0, is_last=s == num_stages - 1)
-            for s in stage_ids_of_rank(pp_rank, par)]
+    return [
+        PipelineStageModule(model, layers[s], is_first=s == 0, is_last=s == num_stages - 1)
+        for s in stage_ids_of_rank(pp_rank, par)
+    ]
 
 
 @dataclass
@@ -106,8 +109,14 @@ class Pipeline:
         return any(s.is_last for s in self.stages)
 
 
-def build_pipeline(parts: list[nn.Module], stage_ids: list[int], par: ParallelSection, group: dist.ProcessGroup,
-                   device: torch.device, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+def build_pipeline(
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    par: ParallelSection,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Pipeline:
     """Wrap the (already parallelized) stage modules in `PipelineStage`s and build the schedule.
 
     `loss_sum(logits, labels)` is the summed token loss; the schedule's loss is that sum divided by
@@ -122,7 +131,7 @@ def build_pipeline(parts: list[nn.Module], stage_ids: list[int], par: ParallelSe
 
     n_micro = num_microbatches(par)
     if par.pp_schedule == "interleaved_1f1b":
-        pipe.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
+        pipe.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False)  # type: ignore[arg-type]  # torch's overloads are narrower than what the call passes (checked by the tests)
     else:
         cls = ScheduleGPipe if par.pp_schedule == "gpipe" else Schedule1F1B
         pipe.schedule = cls(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False)

@@ -23,6 +23,21 @@ from tracetrain.plan.overrides import plan_to_config_overrides
 from tracetrain.plan.report import render_json, render_terminal
 from tracetrain.plan.search import search
 
-__all__ = ["GPU_NAMES", "LINKS", "GenerationPlan", "Links", "Plan", "PlanInput", "advice", "max_micro_batch", "plan",
-           "plan_generation", "plan_input_from_config", "plan_to_config_overrides", "render_html", "render_json",
-           "render_terminal", "search"]
+__all__ = [
+    "GPU_NAMES",
+    "LINKS",
+    "GenerationPlan",
+    "Links",
+    "Plan",
+    "PlanInput",
+    "advice",
+    "max_micro_batch",
+    "plan",
+    "plan_generation",
+    "plan_input_from_config",
+    "plan_to_config_overrides",
+    "render_html",
+    "render_json",
+    "render_terminal",
+    "search",
+]

@@ -122,13 +122,13 @@ class Affine:
     def at(self, tokens: float, seq: float) -> float:
         return self.const + tokens * (self.per_token + self.per_token_seq * seq)
 
-    def __add__(self, o: "Affine") -> "Affine":
+    def __add__(self, o: Affine) -> Affine:
         return Affine(self.const + o.const, self.per_token + o.per_token, self.per_token_seq + o.per_token_seq)
 
-    def __sub__(self, o: "Affine") -> "Affine":
+    def __sub__(self, o: Affine) -> Affine:
         return self + o * -1.0
 
-    def __mul__(self, k: float) -> "Affine":
+    def __mul__(self, k: float) -> Affine:
         return Affine(self.const * k, self.per_token * k, self.per_token_seq * k)
 
 
@@ -174,15 +174,27 @@ def attention_backend(args: ModelArgs, nm: Numerics, attention: str = "sdpa") ->
 def _attention_items(args: ModelArgs, nm: Numerics, backend: Backend) -> list[Item]:
     d, kv, h = args.dim, args.n_kv_heads * args.head_dim, args.n_heads
     if backend == "math":  # q * scale, k and v repeated to n_heads, softmax output (b, h, s, s), output
-        return [Item("q, k, v (k/v repeated to all heads)", 3 * nm.c * d, "tp"),
-                Item("attention probabilities (math SDPA)", 0.0, "tp", per_token_seq=4 * h),
-                Item("attention out", nm.c * d, "tp")]
-    return [Item("q, k after RoPE", nm.c * (d + kv), "tp"), Item("v", nm.c * kv, "tp"),
-            Item("attention out + logsumexp", nm.c * d + 4 * h, "tp")]
+        return [
+            Item("q, k, v (k/v repeated to all heads)", 3 * nm.c * d, "tp"),
+            Item("attention probabilities (math SDPA)", 0.0, "tp", per_token_seq=4 * h),
+            Item("attention out", nm.c * d, "tp"),
+        ]
+    return [
+        Item("q, k after RoPE", nm.c * (d + kv), "tp"),
+        Item("v", nm.c * kv, "tp"),
+        Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
+    ]
 
 
-def block_items(args: ModelArgs, nm: Numerics, *, first_lora_block: bool = False, moe_factor: float = 1.0,
-                backend: Backend = "flash", path: Path = "eager") -> list[Item]:
+def block_items(
+    args: ModelArgs,
+    nm: Numerics,
+    *,
+    first_lora_block: bool = False,
+    moe_factor: float = 1.0,
+    backend: Backend = "flash",
+    path: Path = "eager",
+) -> list[Item]:
     """Saved tensors of one transformer block with no recomputation, bytes per token.
     `moe_factor` scales the MLP items (top_k for a MoE block: every token visits top_k experts);
     `path` is the block's speed path (module docstring)."""
@@ -201,8 +213,10 @@ def block_items(args: ModelArgs, nm: Numerics, *, first_lora_block: bool = False
     if "o_proj" in nm.targets and nm.a != nm.c:
         items.append(Item("o_proj adapter input copy", nm.a * d, "tp"))
     swiglu = 2 if path == "kernels" else 3  # the fused SwiGLU recomputes silu in backward
-    items += [Item("gate/up input", _input_copies(nm, GATE_UP, d)),
-              Item("SwiGLU gate, silu, up", swiglu * nm.c * f * moe_factor, "tp")]
+    items += [
+        Item("gate/up input", _input_copies(nm, GATE_UP, d)),
+        Item("SwiGLU gate, silu, up", swiglu * nm.c * f * moe_factor, "tp"),
+    ]
     if nm.full or "down_proj" in nm.targets:
         items.append(Item("down input", (nm.c if nm.full else nm.a) * f * moe_factor, "tp"))
     if nm.targets:
@@ -213,16 +227,20 @@ def block_items(args: ModelArgs, nm: Numerics, *, first_lora_block: bool = False
 def compiled_block_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
     """Saved tensors of one torch.compile'd block (module docstring), bytes per token."""
     d, kv, f, h = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, args.n_heads
-    trains = (lambda name: True) if nm.full else (lambda name: name in nm.targets)  # noqa: E731
+    trains = (lambda name: True) if nm.full else (lambda name: name in nm.targets)
     width = nm.c if nm.full else nm.a
-    items = [Item("block input" + ("" if nm.full else " + mid residual"), (1 if nm.full else 2) * nm.x * d, "sp"),
-             Item("norms: rstd", 8, "sp")]
+    items = [
+        Item("block input" + ("" if nm.full else " + mid residual"), (1 if nm.full else 2) * nm.x * d, "sp"),
+        Item("norms: rstd", 8, "sp"),
+    ]
     if nm.full:
         items.append(Item("norm outputs (compute dtype)", 2 * nm.c * d))
     elif any(trains(n) for n in GATE_UP):
         items.append(Item("gate/up input", width * d))
-    items += [Item("q, k, v after RoPE", nm.c * (d + 2 * kv), "tp"),
-              Item("attention out + logsumexp", nm.c * d + 4 * h, "tp")]
+    items += [
+        Item("q, k, v after RoPE", nm.c * (d + 2 * kv), "tp"),
+        Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
+    ]
     if trains("o_proj"):
         items.append(Item("o_proj input (contiguous copy)", width * d, "tp"))
     items.append(Item("SwiGLU gate, up", 2 * nm.c * f * moe_factor, "tp"))
@@ -236,11 +254,13 @@ def compiled_block_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0)
 def selective_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
     """Selective recomputation keeps the block input and every matmul / SDPA output."""
     d, kv, f, h = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, args.n_heads
-    items = [Item("block input", nm.x * d, "sp"),
-             Item("q/k/v outputs", nm.c * (d + 2 * kv), "tp"),
-             Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
-             Item("o/down outputs (partial sums)", 2 * nm.c * d),
-             Item("gate/up outputs", 2 * nm.c * f * moe_factor, "tp")]
+    items = [
+        Item("block input", nm.x * d, "sp"),
+        Item("q/k/v outputs", nm.c * (d + 2 * kv), "tp"),
+        Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
+        Item("o/down outputs (partial sums)", 2 * nm.c * d),
+        Item("gate/up outputs", 2 * nm.c * f * moe_factor, "tp"),
+    ]
     if nm.targets:
         outs = {"q_proj": d, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
         items.append(Item("LoRA A/B outputs", sum(nm.a * (nm.rank + outs[t]) for t in nm.targets)))
@@ -251,8 +271,9 @@ def full_recompute_items(args: ModelArgs, nm: Numerics) -> list[Item]:
     return [Item("block input", nm.x * args.dim, "sp")]
 
 
-def outside_items(args: ModelArgs, nm: Numerics, *, first_stage: bool, last_stage: bool,
-                  fused_ce: bool = False) -> list[Item]:
+def outside_items(
+    args: ModelArgs, nm: Numerics, *, first_stage: bool, last_stage: bool, fused_ce: bool = False
+) -> list[Item]:
     """Saved tensors outside the blocks: rotary tables, token ids, final norm, lm_head input (the fused
     cross-entropy keeps its input gradient instead: `fused_ce_items`)."""
     d = args.dim

@@ -27,7 +27,7 @@ def spans_nodes(inp: PlanInput, dims: tuple[str, ...]) -> bool:
     innermost dimension (the product of the sizes inside it) exceeds a node."""
     sizes = _sizes(inp)
     group = math.prod(sizes[d] for d in dims)
-    stride = math.prod(sizes[n] for n in MESH_ORDER[max(MESH_ORDER.index(d) for d in dims) + 1:])
+    stride = math.prod(sizes[n] for n in MESH_ORDER[max(MESH_ORDER.index(d) for d in dims) + 1 :])
     return group * stride > inp.gpus_per_node
 
 

@@ -18,7 +18,7 @@ class Plan:
     memory: MemoryPlan
     time: StepTime
     advice: list[str] = field(default_factory=list)
-    reason: str = ""                 # one line, set by `search` for ranked rows
+    reason: str = ""  # one line, set by `search` for ranked rows
     reason_batch_changed: bool = False  # search: the layout could not keep the asked global batch
 
     @property
@@ -65,15 +65,34 @@ class Plan:
         i["model"] = asdict(self.input.model)
         m = self.memory
         return {
-            "input": i, "layout": self.layout(), "fits": self.fits, "reason": self.reason, "advice": self.advice,
-            "memory": {"stage": m.stage, "peak_phase": m.peak_phase, "peak_bytes": m.peak_bytes,
-                       "breakdown_bytes": m.breakdown, "phases_bytes": m.phases,
-                       "fragmentation_bytes": m.fragmentation_bytes, "context_bytes": m.context_bytes,
-                       "required_bytes": m.required_bytes, "capacity_bytes": m.capacity_bytes,
-                       "spare_bytes": m.spare_bytes, "cpu_bytes": m.cpu_bytes, "managed_bytes": m.managed_bytes},
-            "time": {"step_s": self.step_s, "breakdown_s": self.time.breakdown,
-                     "comm_total_s": self.time.comm_total, "tokens_per_s": self.tokens_per_s,
-                     "mfu": self.mfu, "hfu": self.time.hfu, "model_flops_per_step": self.time.model_flops},
+            "input": i,
+            "layout": self.layout(),
+            "fits": self.fits,
+            "reason": self.reason,
+            "advice": self.advice,
+            "memory": {
+                "stage": m.stage,
+                "peak_phase": m.peak_phase,
+                "peak_bytes": m.peak_bytes,
+                "breakdown_bytes": m.breakdown,
+                "phases_bytes": m.phases,
+                "fragmentation_bytes": m.fragmentation_bytes,
+                "context_bytes": m.context_bytes,
+                "required_bytes": m.required_bytes,
+                "capacity_bytes": m.capacity_bytes,
+                "spare_bytes": m.spare_bytes,
+                "cpu_bytes": m.cpu_bytes,
+                "managed_bytes": m.managed_bytes,
+            },
+            "time": {
+                "step_s": self.step_s,
+                "breakdown_s": self.time.breakdown,
+                "comm_total_s": self.time.comm_total,
+                "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu,
+                "hfu": self.time.hfu,
+                "model_flops_per_step": self.time.model_flops,
+            },
         }
 
 
@@ -109,16 +128,24 @@ def advice(p: Plan) -> list[str]:
     share = {k: v / peak for k, v in m.breakdown.items()}
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     if m.host_bytes_per_node > m.host_capacity_bytes:
-        out.append(f"host memory: offloaded state needs {gib(m.host_bytes_per_node)} per node of "
-                   f"{gib(m.host_capacity_bytes)}")
+        out.append(
+            f"host memory: offloaded state needs {gib(m.host_bytes_per_node)} per node of {gib(m.host_capacity_bytes)}"
+        )
     if m.required_bytes > m.capacity_bytes:
-        out.append(f"does not fit: needs {gib(m.required_bytes)} of {gib(m.capacity_bytes)} "
-                   f"(peak at {m.peak_phase}); largest item: {max(share, key=share.get)}")
+        out.append(
+            f"does not fit: needs {gib(m.required_bytes)} of {gib(m.capacity_bytes)} "
+            f"(peak at {m.peak_phase}); largest item: {max(share, key=lambda k: share[k])}"
+        )
         if share.get("activations", 0) > 0.3 and i.recompute != "full":
-            out.append("activations dominate: try memory.recompute=" + ("selective" if i.recompute == "none" else "full")
-                       + " or a smaller micro-batch")
+            out.append(
+                "activations dominate: try memory.recompute="
+                + ("selective" if i.recompute == "none" else "full")
+                + " or a smaller micro-batch"
+            )
         if share.get("AdamW states", 0) > 0.25 and not i.optimizer_offload:
-            out.append("optimizer states are large: shard them (FSDP/ZeRO over more GPUs) or memory.optimizer_offload=true")
+            out.append(
+                "optimizer states are large: shard them (FSDP/ZeRO over more GPUs) or memory.optimizer_offload=true"
+            )
     else:
         mb = max_micro_batch(i)
         if mb > i.micro_batch:
@@ -127,16 +154,22 @@ def advice(p: Plan) -> list[str]:
             out.append(f"fits with {gib(m.spare_bytes)} spare")
     loss = m.breakdown.get("logits / loss", 0)
     if loss > 0.15 * peak:
-        out.append(f"loss buffers (12 x tokens x vocab bytes at backward start) are {gib(loss)}: a chunked or fused "
-                   "cross-entropy would remove most of them")
+        out.append(
+            f"loss buffers (12 x tokens x vocab bytes at backward start) are {gib(loss)}: a chunked or fused "
+            "cross-entropy would remove most of them"
+        )
     casts = m.breakdown.get("autocast bf16 weight copies", 0)
     if casts > 0.05 * peak:
-        out.append(f"autocast keeps {gib(casts)} of bf16 weight copies until backward; bf16 weights "
-                   "(FSDP mixed precision) would drop them")
+        out.append(
+            f"autocast keeps {gib(casts)} of bf16 weight copies until backward; bf16 weights "
+            "(FSDP mixed precision) would drop them"
+        )
     mem_bound = t.breakdown.get("memory-bound", 0) / t.step_s
     if mem_bound > 0.25:
-        out.append(f"memory-bound ops (fp32 RMSNorm and RoPE math, casts, SwiGLU, loss) take {mem_bound:.0%} of the "
-                   "step; fusing them (torch.compile, fused kernels) is the biggest time lever")
+        out.append(
+            f"memory-bound ops (fp32 RMSNorm and RoPE math, casts, SwiGLU, loss) take {mem_bound:.0%} of the "
+            "step; fusing them (torch.compile, fused kernels) is the biggest time lever"
+        )
     comm_exposed = sum(v for k, v in t.breakdown.items() if "comm" in k)
     if comm_exposed > 0.1 * t.step_s:
         out.append(f"exposed communication is {comm_exposed / t.step_s:.0%} of the step")

@@ -59,11 +59,23 @@ def slider_model(p: Plan) -> dict[str, Any]:
                 model = mem.memory_model(inp, tokens, inp.seq_len)
                 tables[f"{tp}|{rc}|{off}"] = {
                     "items": {n: [a.const, a.per_token, a.per_token_seq] for n, a in model.items.items()},
-                    "phases": model.phases}
-    return {"capacity": i.hardware().memory_bytes, "fragmentation": mem.FRAGMENTATION[i.expandable_segments],
-            "context": mem.CUDA_CONTEXT_BYTES, "display": mem.DISPLAY, "colors": COLORS, "tables": tables,
-            "start": {"mb": i.micro_batch, "seq": i.seq_len, "tp": i.tp, "recompute": i.recompute,
-                      "offload": i.activation_offload if i.activation_offload in OFFLOAD else "none"}}
+                    "phases": model.phases,
+                }
+    return {
+        "capacity": i.hardware().memory_bytes,
+        "fragmentation": mem.FRAGMENTATION[i.expandable_segments],
+        "context": mem.CUDA_CONTEXT_BYTES,
+        "display": mem.DISPLAY,
+        "colors": COLORS,
+        "tables": tables,
+        "start": {
+            "mb": i.micro_batch,
+            "seq": i.seq_len,
+            "tp": i.tp,
+            "recompute": i.recompute,
+            "offload": i.activation_offload if i.activation_offload in OFFLOAD else "none",
+        },
+    }
 
 
 # Evaluates the exported coefficients (the same arithmetic as memory.plan_memory). Pure: node tests it.
@@ -155,15 +167,20 @@ def memory_svg(p: Plan) -> str:
     x, parts = 0.0, []
     for name, value in rows:
         w = value / total * WIDTH
-        parts.append(f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="{BAR_H}" fill="{COLORS.get(name, "#999")}">'
-                     f"<title>{esc(name)}: {value / GIB:.2f} GiB</title></rect>")
+        parts.append(
+            f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="{BAR_H}" fill="{COLORS.get(name, "#999")}">'
+            f"<title>{esc(name)}: {value / GIB:.2f} GiB</title></rect>"
+        )
         x += w
     cap = p.memory.capacity_bytes / total * WIDTH
     parts.append(f'<line x1="{cap:.1f}" x2="{cap:.1f}" y1="0" y2="{BAR_H}" stroke="#000" stroke-width="2"/>')
-    legend = "".join(f'<span><i style="background:{COLORS.get(n, "#999")}"></i>{esc(n)} {v / GIB:.1f} GiB</span>'
-                     for n, v in rows)
-    return (f'<svg viewBox="0 0 {WIDTH} {BAR_H}" width="{WIDTH}" height="{BAR_H}" role="img" '
-            f'aria-label="memory per GPU">{"".join(parts)}</svg><div class="legend">{legend}</div>')
+    legend = "".join(
+        f'<span><i style="background:{COLORS.get(n, "#999")}"></i>{esc(n)} {v / GIB:.1f} GiB</span>' for n, v in rows
+    )
+    return (
+        f'<svg viewBox="0 0 {WIDTH} {BAR_H}" width="{WIDTH}" height="{BAR_H}" role="img" '
+        f'aria-label="memory per GPU">{"".join(parts)}</svg><div class="legend">{legend}</div>'
+    )
 
 
 def time_svg(p: Plan) -> str:
@@ -172,19 +189,23 @@ def time_svg(p: Plan) -> str:
     parts = []
     for n, (name, value) in enumerate(rows):
         y, w = n * 22, value / top * (WIDTH - 400)  # leave room for the longest label
-        parts.append(f'<text x="0" y="{y + 14}" font-size="12">{esc(name)}</text>'
-                     f'<rect x="240" y="{y + 3}" width="{w:.1f}" height="16" fill="#4e79a7"/>'
-                     f'<text x="{245 + w:.1f}" y="{y + 15}" font-size="12">{value * 1e3:.1f} ms '
-                     f'({value / p.step_s:.0%})</text>')
-    return (f'<svg viewBox="0 0 {WIDTH} {len(rows) * 22}" width="{WIDTH}" height="{len(rows) * 22}" role="img" '
-            f'aria-label="step time">{"".join(parts)}</svg>')
+        parts.append(
+            f'<text x="0" y="{y + 14}" font-size="12">{esc(name)}</text>'
+            f'<rect x="240" y="{y + 3}" width="{w:.1f}" height="16" fill="#4e79a7"/>'
+            f'<text x="{245 + w:.1f}" y="{y + 15}" font-size="12">{value * 1e3:.1f} ms '
+            f"({value / p.step_s:.0%})</text>"
+        )
+    return (
+        f'<svg viewBox="0 0 {WIDTH} {len(rows) * 22}" width="{WIDTH}" height="{len(rows) * 22}" role="img" '
+        f'aria-label="step time">{"".join(parts)}</svg>'
+    )
 
 
 def _sliders(p: Plan) -> str:
     model = json.dumps(slider_model(p)).replace("</", "<\\/")
     return (
-        '<h2>What if</h2><p>Memory bars recomputed from the same model for other settings '
-        '(with one GPU, each TP degree adds GPUs; otherwise the data-parallel shards give way).</p>'
+        "<h2>What if</h2><p>Memory bars recomputed from the same model for other settings "
+        "(with one GPU, each TP degree adds GPUs; otherwise the data-parallel shards give way).</p>"
         '<div id="sliders">'
         '<label>micro-batch <input id="s-mb" type="range" min="0" max="6" step="1"> <b id="v-mb"></b></label>'
         '<label>sequence length <input id="s-seq" type="range" min="0" max="8" step="1"> <b id="v-seq"></b></label>'
@@ -193,43 +214,69 @@ def _sliders(p: Plan) -> str:
         '<label><input id="s-off" type="checkbox"> stream activations to the host</label></div>'
         '<div id="live-bar"></div><p id="live-text"></p>'
         f'<script type="application/json" id="plan-model">{model}</script>'
-        f"<script>{JS_MODEL}{JS_UI}</script>")
+        f"<script>{JS_MODEL}{JS_UI}</script>"
+    )
 
 
 def _table(headers: list[str], rows: list[list[str]], numeric: set[int]) -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td{" class=n" if j in numeric else ""}>{esc(c)}</td>'
-                                    for j, c in enumerate(r)) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td{' class=n' if j in numeric else ''}>{esc(c)}</td>" for j, c in enumerate(r)) + "</tr>"
+        for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _plan_body(p: Plan) -> str:
     i, m = p.input, p.memory
     verdict = '<span class="good">fits</span>' if p.fits else '<span class="bad">does not fit</span>'
-    head = (f"<p>{i.num_gpus} x {esc(i.hardware().name)}, {esc(p.layout())}, {esc(i.mode)} {esc(i.precision)}, "
-            f"micro-batch {i.micro_batch} x {i.seq_len} tokens x {i.num_microbatches}, recompute {esc(i.recompute)}: "
-            f"{verdict} — {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}</p>")
+    head = (
+        f"<p>{i.num_gpus} x {esc(i.hardware().name)}, {esc(p.layout())}, {esc(i.mode)} {esc(i.precision)}, "
+        f"micro-batch {i.micro_batch} x {i.seq_len} tokens x {i.num_microbatches}, recompute {esc(i.recompute)}: "
+        f"{verdict} — {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}</p>"
+    )
     mem_rows = [[n, f"{v / GIB:.2f}"] for n, v in memory_rows(p)]
     mem_rows += [["required", f"{m.required_bytes / GIB:.2f}"], ["device", f"{m.capacity_bytes / GIB:.2f}"]]
     mem_rows += [[f"host: {n}", f"{v / GIB:.2f}"] for n, v in m.cpu_bytes.items()]
     time_rows = [[n, f"{v * 1e3:.1f}"] for n, v in sorted(p.time.breakdown.items(), key=lambda kv: -kv[1])]
     advice = "".join(f"<li>{esc(a)}</li>" for a in p.advice)
-    return (head + f"<h2>Memory per GPU (peak at {esc(m.peak_phase)})</h2>" + memory_svg(p)
-            + _table(["item", "GiB"], mem_rows, {1}) + "<h2>Step time per GPU</h2>" + time_svg(p)
-            + _table(["kind", "ms"], time_rows, {1}) + f"<h2>Advice</h2><ul>{advice}</ul>" + _sliders(p))
+    return (
+        head
+        + f"<h2>Memory per GPU (peak at {esc(m.peak_phase)})</h2>"
+        + memory_svg(p)
+        + _table(["item", "GiB"], mem_rows, {1})
+        + "<h2>Step time per GPU</h2>"
+        + time_svg(p)
+        + _table(["kind", "ms"], time_rows, {1})
+        + f"<h2>Advice</h2><ul>{advice}</ul>"
+        + _sliders(p)
+    )
 
 
 def render_html(result: Plan | list[Plan]) -> str:
     """A self-contained page for one plan, or for search rows (ranked table + the best row's detail)."""
     if isinstance(result, list):
-        rows = [[str(n), p.layout(), p.input.recompute, f"{p.input.micro_batch} x {p.input.num_microbatches}",
-                 f"{p.peak_gib:.1f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", p.reason]
-                for n, p in enumerate(result, 1)]
+        rows = [
+            [
+                str(n),
+                p.layout(),
+                p.input.recompute,
+                f"{p.input.micro_batch} x {p.input.num_microbatches}",
+                f"{p.peak_gib:.1f}",
+                f"{p.tokens_per_s:,.0f}",
+                f"{p.mfu:.1%}",
+                p.reason,
+            ]
+            for n, p in enumerate(result, 1)
+        ]
         body = "<h1>tracetrain plan: layouts that fit</h1>" + _table(
-            ["#", "layout", "recompute", "mb x accum", "peak GiB", "tokens/s", "MFU", "why"], rows, {0, 4, 5, 6})
+            ["#", "layout", "recompute", "mb x accum", "peak GiB", "tokens/s", "MFU", "why"], rows, {0, 4, 5, 6}
+        )
         if result:
             body += "<h1>Best row</h1>" + _plan_body(result[0])
     else:
         body = "<h1>tracetrain plan</h1>" + _plan_body(result)
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>tracetrain plan</title>'
-            f"<style>{_CSS}</style></head><body>{body}</body></html>")
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>tracetrain plan</title>'
+        f"<style>{_CSS}</style></head><body>{body}</body></html>"
+    )

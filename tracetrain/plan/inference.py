@@ -29,21 +29,28 @@ from tracetrain.plan.inputs import device_spec
 class GenerationPlan:
     """Bytes where generation keeps them, and the decode-step estimate."""
 
-    weight_bytes: int            # on the GPU
-    gpu_cache_bytes: int         # the whole cache, or (offload) the window plus two staging layers
-    cpu_cache_bytes: int         # pinned host memory (offload only)
-    gpu_bytes: int               # weights + GPU cache
-    gpu_memory_bytes: int        # the GPU's memory
-    fits: bool                   # gpu_bytes <= gpu_memory_bytes (activations not counted)
-    hbm_bytes_per_step: int      # device memory traffic of one decode step
-    pcie_bytes_per_step: int     # host-to-device bytes of one decode step
+    weight_bytes: int  # on the GPU
+    gpu_cache_bytes: int  # the whole cache, or (offload) the window plus two staging layers
+    cpu_cache_bytes: int  # pinned host memory (offload only)
+    gpu_bytes: int  # weights + GPU cache
+    gpu_memory_bytes: int  # the GPU's memory
+    fits: bool  # gpu_bytes <= gpu_memory_bytes (activations not counted)
+    hbm_bytes_per_step: int  # device memory traffic of one decode step
+    pcie_bytes_per_step: int  # host-to-device bytes of one decode step
     decode_step_s: float
-    decode_tokens_per_s: float   # batch / decode_step_s
+    decode_tokens_per_s: float  # batch / decode_step_s
     bound: Literal["hbm", "pcie"]
 
 
-def plan_generation(args: ModelArgs, batch: int, context: int, dtype_bytes: int, gpu: str = "h100-sxm",
-                    offload: bool = False, gpu_window: int = 0) -> GenerationPlan:
+def plan_generation(
+    args: ModelArgs,
+    batch: int,
+    context: int,
+    dtype_bytes: int,
+    gpu: str = "h100-sxm",
+    offload: bool = False,
+    gpu_window: int = 0,
+) -> GenerationPlan:
     """Memory and decode speed for `batch` sequences whose cache holds `context` positions.
 
     `dtype_bytes`: bytes per weight and per cached value (2 for bf16). `gpu`: a short name such as
@@ -60,8 +67,16 @@ def plan_generation(args: ModelArgs, batch: int, context: int, dtype_bytes: int,
     step_s = max(hbm_s, pcie_s)
     gpu_cache = window + staging
     memory = int(spec.memory_gib * 2**30)
-    return GenerationPlan(weight_bytes=weight_bytes, gpu_cache_bytes=gpu_cache,
-                          cpu_cache_bytes=cache if offload else 0, gpu_bytes=weight_bytes + gpu_cache,
-                          gpu_memory_bytes=memory, fits=weight_bytes + gpu_cache <= memory,
-                          hbm_bytes_per_step=hbm, pcie_bytes_per_step=fetched, decode_step_s=step_s,
-                          decode_tokens_per_s=batch / step_s, bound="pcie" if pcie_s > hbm_s else "hbm")
+    return GenerationPlan(
+        weight_bytes=weight_bytes,
+        gpu_cache_bytes=gpu_cache,
+        cpu_cache_bytes=cache if offload else 0,
+        gpu_bytes=weight_bytes + gpu_cache,
+        gpu_memory_bytes=memory,
+        fits=weight_bytes + gpu_cache <= memory,
+        hbm_bytes_per_step=hbm,
+        pcie_bytes_per_step=fetched,
+        decode_step_s=step_s,
+        decode_tokens_per_s=batch / step_s,
+        bound="pcie" if pcie_s > hbm_s else "hbm",
+    )

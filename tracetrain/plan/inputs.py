@@ -25,8 +25,14 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
 # Short names -> the `devices.DEVICES` key that names the same GPU.
 GPU_NAMES: dict[str, str] = {
-    "h100-sxm": "H100", "h100": "H100", "h100-pcie": "H100 PCIe", "h100-nvl": "H100 NVL",
-    "h200": "H200", "gh200": "GH200", "a100": "A100", "l40s": "L40S",
+    "h100-sxm": "H100",
+    "h100": "H100",
+    "h100-pcie": "H100 PCIe",
+    "h100-nvl": "H100 NVL",
+    "h200": "H200",
+    "gh200": "GH200",
+    "a100": "A100",
+    "l40s": "L40S",
 }
 
 
@@ -48,10 +54,10 @@ LINKS: dict[str, Links] = {
     "H100": Links(450.0, 50.0, 55.0),
     "H200": Links(450.0, 50.0, 55.0),
     "GH200": Links(450.0, 50.0, 450.0),
-    "H100 NVL": Links(300.0, 50.0, 55.0),    # NVLink bridge pairs; PCIe between pairs
-    "H100 PCIe": Links(55.0, 50.0, 55.0),    # no NVLink: peers talk over PCIe Gen5
-    "A100": Links(300.0, 25.0, 25.0),        # NVLink 3, HDR 200 Gb/s, PCIe Gen4
-    "L40S": Links(25.0, 25.0, 25.0),         # PCIe Gen4 only
+    "H100 NVL": Links(300.0, 50.0, 55.0),  # NVLink bridge pairs; PCIe between pairs
+    "H100 PCIe": Links(55.0, 50.0, 55.0),  # no NVLink: peers talk over PCIe Gen5
+    "A100": Links(300.0, 25.0, 25.0),  # NVLink 3, HDR 200 Gb/s, PCIe Gen4
+    "L40S": Links(25.0, 25.0, 25.0),  # PCIe Gen4 only
 }
 
 
@@ -80,58 +86,58 @@ class PlanInput:
     grad_accum: int = 1
     num_gpus: int = 1
     gpu: str = "h100-sxm"
-    gpu_memory_gib: float | None = None     # override the device table's memory
-    peak_tflops: float | None = None        # override the dense peak for `precision`
-    hbm_tb_s: float | None = None           # override HBM bandwidth
-    intra_node_gb_s: float | None = None    # override `Links`
+    gpu_memory_gib: float | None = None  # override the device table's memory
+    peak_tflops: float | None = None  # override the dense peak for `precision`
+    hbm_tb_s: float | None = None  # override HBM bandwidth
+    intra_node_gb_s: float | None = None  # override `Links`
     inter_node_gb_s: float | None = None
     host_gb_s: float | None = None
     gpus_per_node: int = 8
-    host_memory_gib: float = 1024.0         # CPU memory per node (offloaded states must fit there)
-    cpu_adam_gb_s: float = 150.0            # CPU memory bandwidth an offloaded AdamW gets, per node
+    host_memory_gib: float = 1024.0  # CPU memory per node (offloaded states must fit there)
+    cpu_adam_gb_s: float = 150.0  # CPU memory bandwidth an offloaded AdamW gets, per node
     # numerics
-    precision: Precision = "bf16"           # autocast dtype of the compute; fp32 = no autocast
-    param_dtype: Literal["fp32", "bf16"] = "fp32"   # storage of trainable weights (tracetrain full FT: fp32)
+    precision: Precision = "bf16"  # autocast dtype of the compute; fp32 = no autocast
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # storage of trainable weights (tracetrain full FT: fp32)
     mode: Literal["full", "lora"] = "full"
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     lora_base_dtype: Literal["fp32", "bf16"] = "bf16"
-    fused_adamw: bool = True                # fused kernel (no full-size temporaries) vs foreach
+    fused_adamw: bool = True  # fused kernel (no full-size temporaries) vs foreach
     # speed path (TrainSection; the defaults here are the eager path, plan_input_from_config resolves
     # the trainer's CUDA defaults)
-    compile: bool = False                   # train.compile: each block a torch.compile'd graph
-    fused_kernels: bool = False             # train.fused_kernels: Triton RMSNorm / RoPE / SwiGLU ops
-    attention: Literal["sdpa", "flex"] = "sdpa"   # train.attention (flex: FlexAttention)
-    fused_ce_chunk: int = 0                 # train.fused_ce: tokens per chunk of the fused lm_head +
-                                            # cross-entropy, 0 = full logits; like the trainer, only with tp = pp = 1
+    compile: bool = False  # train.compile: each block a torch.compile'd graph
+    fused_kernels: bool = False  # train.fused_kernels: Triton RMSNorm / RoPE / SwiGLU ops
+    attention: Literal["sdpa", "flex"] = "sdpa"  # train.attention (flex: FlexAttention)
+    fused_ce_chunk: int = 0  # train.fused_ce: tokens per chunk of the fused lm_head +
+    # cross-entropy, 0 = full logits; like the trainer, only with tp = pp = 1
     # memory options (MemorySection)
     recompute: Recompute = "none"
     recompute_every: int = 1
     activation_offload: ActOffload = "none"
-    activation_offload_fraction: float = 1.0   # streamed: share of blocks offloaded, the first ones
+    activation_offload_fraction: float = 1.0  # streamed: share of blocks offloaded, the first ones
     optimizer_offload: bool = False
     unified_memory: Literal["none", "optimizer", "model"] = "none"
     expandable_segments: bool = True
     # parallel layout
     dp_replicate: int = 1
     dp_shard: int = 1
-    zero_stage: Literal[1, 2, 3] = 3        # what dp_shard shards: 1 optimizer, 2 + grads, 3 + params
-    reshard_after_forward: bool = True      # ZeRO-3: gather weights again in backward
-    fsdp_cpu_offload: bool = False          # ZeRO-3 shards (weights, grads, AdamW) live in host memory
+    zero_stage: Literal[1, 2, 3] = 3  # what dp_shard shards: 1 optimizer, 2 + grads, 3 + params
+    reshard_after_forward: bool = True  # ZeRO-3: gather weights again in backward
+    fsdp_cpu_offload: bool = False  # ZeRO-3 shards (weights, grads, AdamW) live in host memory
     tp: int = 1
     sequence_parallel: bool = True
-    loss_parallel: bool = True              # vocabulary-sharded logits and loss with tp > 1
+    loss_parallel: bool = True  # vocabulary-sharded logits and loss with tp > 1
     pp: int = 1
     pp_schedule: Schedule = "1f1b"
-    pp_microbatches: int = 0                # 0 = grad_accum
-    pp_virtual_stages: int = 1              # model chunks per rank (interleaved_1f1b)
+    pp_microbatches: int = 0  # 0 = grad_accum
+    pp_virtual_stages: int = 1  # model chunks per rank (interleaved_1f1b)
     cp: int = 1
     ep: int = 1
-    num_experts: int = 0                    # 0 = dense MLP
+    num_experts: int = 0  # 0 = dense MLP
     top_k: int = 1
 
-    def replace(self, **changes: object) -> "PlanInput":
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: object) -> PlanInput:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # field names and values checked by PlanInput's own validation
 
     @property
     def dp(self) -> int:
@@ -166,8 +172,9 @@ class PlanInput:
         if m.n_heads % self.tp or m.n_kv_heads % self.tp:
             raise ValueError(f"tp = {self.tp} must divide n_heads {m.n_heads} and n_kv_heads {m.n_kv_heads}")
         if self.pp > m.n_layers or m.n_layers % (self.pp * self.pp_virtual_stages):
-            raise ValueError(f"pp = {self.pp} x virtual stages {self.pp_virtual_stages} must divide "
-                             f"n_layers {m.n_layers}")
+            raise ValueError(
+                f"pp = {self.pp} x virtual stages {self.pp_virtual_stages} must divide n_layers {m.n_layers}"
+            )
         if self.seq_len % (2 * self.cp) and self.cp > 1:
             raise ValueError(f"seq_len {self.seq_len} must be divisible by 2*cp = {2 * self.cp} (load-balanced ring)")
         if self.num_experts and (self.num_experts % self.ep or self.top_k > self.num_experts):
@@ -186,26 +193,35 @@ class PlanInput:
         if self.pp_schedule == "interleaved_1f1b" and self.pp_virtual_stages < 2 and self.pp > 1:
             raise ValueError("pp_schedule 'interleaved_1f1b' needs pp_virtual_stages >= 2")
         if self.pp > 1 and self.num_microbatches < self.pp and self.pp_schedule != "gpipe":
-            raise ValueError(f"pipeline micro-batches {self.num_microbatches} < pp {self.pp}: the schedule "
-                             "cannot fill the pipeline (raise grad_accum or pp_microbatches)")
+            raise ValueError(
+                f"pipeline micro-batches {self.num_microbatches} < pp {self.pp}: the schedule "
+                "cannot fill the pipeline (raise grad_accum or pp_microbatches)"
+            )
 
-    def hardware(self) -> "Hardware":
+    def hardware(self) -> Hardware:
         spec, links = device_spec(self.gpu)
-        peak = self.peak_tflops if self.peak_tflops else {
-            "fp32": spec.fp32_tflops, "bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops,
-            "fp8": spec.fp8_tflops}[self.precision]
+        peak = (
+            self.peak_tflops
+            if self.peak_tflops
+            else {"fp32": spec.fp32_tflops, "bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops, "fp8": spec.fp8_tflops}[
+                self.precision
+            ]
+        )
         return Hardware(
             name=spec.name,
             memory_bytes=(self.gpu_memory_gib or spec.memory_gib) * 2**30,
             peak_flops=peak * 1e12,
-            bf16_flops=(self.peak_tflops if self.peak_tflops and self.precision in ("bf16", "fp16")
-                        else spec.bf16_tflops) * 1e12,
+            bf16_flops=(
+                self.peak_tflops if self.peak_tflops and self.precision in ("bf16", "fp16") else spec.bf16_tflops
+            )
+            * 1e12,
             hbm_bytes_s=(self.hbm_tb_s or spec.hbm_tb_s) * 1e12,
             intra_node_bytes_s=(self.intra_node_gb_s or links.intra_node_gb_s) * 1e9,
             inter_node_bytes_s=(self.inter_node_gb_s or links.inter_node_gb_s) * 1e9,
             host_bytes_s=(self.host_gb_s or links.host_gb_s) * 1e9,
             cpu_bytes_s=self.cpu_adam_gb_s * 1e9 / self.gpus_on_node,
-            host_memory_bytes=self.host_memory_gib * 2**30)
+            host_memory_bytes=self.host_memory_gib * 2**30,
+        )
 
 
 @dataclass(frozen=True)
@@ -214,13 +230,13 @@ class Hardware:
 
     name: str
     memory_bytes: float
-    peak_flops: float        # dense peak for the GEMMs' precision
-    bf16_flops: float        # attention runs in bf16 even under fp8 GEMMs
+    peak_flops: float  # dense peak for the GEMMs' precision
+    bf16_flops: float  # attention runs in bf16 even under fp8 GEMMs
     hbm_bytes_s: float
     intra_node_bytes_s: float
     inter_node_bytes_s: float
     host_bytes_s: float
-    cpu_bytes_s: float       # CPU memory bandwidth per GPU (the node's, shared)
+    cpu_bytes_s: float  # CPU memory bandwidth per GPU (the node's, shared)
     host_memory_bytes: float  # per node
 
 
@@ -239,8 +255,11 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
     t, mem, par = cfg.train, cfg.memory, cfg.parallel
     spec = resolve(cfg, torch.device("cuda"), probe=False)  # the GPU planned for, not this process's
     precision = "fp8" if t.fp8 != "none" else spec.precision  # FP8 GEMMs (kernels/fp8.py); the rest bf16
-    base_dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[spec.lora_base_dtype] \
-        if spec.lora_base_dtype is not None else ("bf16" if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype)
+    base_dtype = (
+        {torch.bfloat16: "bf16", torch.float32: "fp32"}[spec.lora_base_dtype]
+        if spec.lora_base_dtype is not None
+        else ("bf16" if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype)
+    )
     if gpu is None:
         gpu = _visible_gpu() or "h100-sxm"
     layout = {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp, "cp": par.cp}
@@ -256,31 +275,52 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
         pp_micro = par.pp_microbatches or par.pp
         rows = micro_batch * grad_accum
         if rows % pp_micro:
-            raise ValueError(f"each step's {rows} rows per rank (train.micro_batch_size * train.grad_accum_steps) "
-                             f"must split into parallel.pp_microbatches = {pp_micro} pipeline micro-batches")
+            raise ValueError(
+                f"each step's {rows} rows per rank (train.micro_batch_size * train.grad_accum_steps) "
+                f"must split into parallel.pp_microbatches = {pp_micro} pipeline micro-batches"
+            )
         micro_batch, grad_accum = rows // pp_micro, pp_micro
     return PlanInput(
-        model=spec.model_args, seq_len=cfg.data.seq_len, micro_batch=micro_batch,
-        grad_accum=grad_accum, num_gpus=math.prod(layout.values()), gpu=gpu,
-        precision=precision,  # type: ignore[arg-type]
-        mode=t.mode,  # type: ignore[arg-type]
-        lora_rank=cfg.lora.rank, lora_targets=tuple(resolve_targets(cfg.lora.targets)),
+        model=spec.model_args,
+        seq_len=cfg.data.seq_len,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        num_gpus=math.prod(layout.values()),
+        gpu=gpu,
+        precision=precision,
+        mode=t.mode,
+        lora_rank=cfg.lora.rank,
+        lora_targets=tuple(resolve_targets(cfg.lora.targets)),
         lora_base_dtype=base_dtype,  # type: ignore[arg-type]
-        fused_adamw=spec.optimizer_fused, compile=spec.compile, fused_kernels=bool(spec.fused_kernels),
-        attention=spec.attention, fused_ce_chunk=spec.fused_ce_chunk,
+        fused_adamw=spec.optimizer_fused,
+        compile=spec.compile,
+        fused_kernels=bool(spec.fused_kernels),
+        attention=spec.attention,
+        fused_ce_chunk=spec.fused_ce_chunk,
         peak_tflops=cfg.logging.peak_tflops or None,
-        recompute=mem.recompute, recompute_every=mem.recompute_every,  # type: ignore[arg-type]
-        activation_offload=mem.activation_offload, optimizer_offload=mem.optimizer_offload,  # type: ignore[arg-type]
+        recompute=mem.recompute,
+        recompute_every=mem.recompute_every,
+        activation_offload=mem.activation_offload,
+        optimizer_offload=mem.optimizer_offload,
         activation_offload_fraction=mem.activation_offload_fraction,
-        unified_memory=mem.unified_memory, expandable_segments=mem.expandable_segments,  # type: ignore[arg-type]
-        num_experts=cfg.model.num_experts, top_k=cfg.model.experts_top_k if cfg.model.num_experts else 1,
-        ep=par.ep, zero_stage=par.zero_stage, reshard_after_forward=par.reshard_after_forward,  # type: ignore[arg-type]
-        fsdp_cpu_offload=par.fsdp_cpu_offload, sequence_parallel=par.sequence_parallel,
-        loss_parallel=par.loss_parallel, pp_schedule=par.pp_schedule,  # type: ignore[arg-type]
+        unified_memory=mem.unified_memory,
+        expandable_segments=mem.expandable_segments,
+        num_experts=cfg.model.num_experts,
+        top_k=cfg.model.experts_top_k if cfg.model.num_experts else 1,
+        ep=par.ep,
+        zero_stage=par.zero_stage,  # type: ignore[arg-type]  # config range-checks parallel.zero_stage to 1..3
+        reshard_after_forward=par.reshard_after_forward,
+        fsdp_cpu_offload=par.fsdp_cpu_offload,
+        sequence_parallel=par.sequence_parallel,
+        loss_parallel=par.loss_parallel,
+        pp_schedule=par.pp_schedule,
         pp_microbatches=pp_micro,
-        pp_virtual_stages=par.pp_stages_per_rank if interleaved else 1, **layout)
+        pp_virtual_stages=par.pp_stages_per_rank if interleaved else 1,
+        **layout,  # type: ignore[arg-type]  # layout holds the five integer axes
+    )
 
 
 def _visible_gpu() -> str | None:
     import torch
+
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

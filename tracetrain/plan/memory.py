@@ -129,23 +129,32 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
         # tracetrain.memory.optimizer_offload: bf16 weights on the GPU, each gradient copied out and
         # freed as soon as it is accumulated (one weight's worth alive), 18 bytes/param on the host.
         largest = max(inp.model.vocab_size * inp.model.dim / inp.tp, inp.model.dim * inp.model.ffn_dim / inp.tp)
-        items = {"weights": Affine(frozen_bytes + train * nm.c / sh_p),
-                 "gradients": Affine(min(train, largest) * nm.c),
-                 "AdamW states": Affine(), "AdamW temporaries": Affine()}
+        items = {
+            "weights": Affine(frozen_bytes + train * nm.c / sh_p),
+            "gradients": Affine(min(train, largest) * nm.c),
+            "AdamW states": Affine(),
+            "AdamW temporaries": Affine(),
+        }
         cpu["optimizer (bf16 staging, fp32 grads, master, moments)"] = Affine(train * 18 / sh_o)
         return items, cpu
     if inp.fsdp_cpu_offload:
         # FSDP2 CPUOffloadPolicy: sharded fp32 weights, grads and AdamW states stay in host memory; the
         # GPU only ever holds gathered blocks (the "FSDP buffers" items).
         cpu["FSDP shards (weights, grads, AdamW)"] = Affine((frozen * nm.w + train * 16) / fsdp)
-        return {"weights": Affine(), "gradients": Affine(), "AdamW states": Affine(),
-                "AdamW temporaries": Affine()}, cpu
+        return {
+            "weights": Affine(),
+            "gradients": Affine(),
+            "AdamW states": Affine(),
+            "AdamW temporaries": Affine(),
+        }, cpu
     train_w = 2 if inp.param_dtype == "bf16" else 4
     master = 4 if inp.param_dtype == "bf16" else 0
-    items = {"weights": Affine(frozen_bytes + train * train_w / sh_p),
-             "gradients": Affine(train * train_w / sh_g),
-             "AdamW states": Affine(train * (8 + master) / sh_o),
-             "AdamW temporaries": Affine(0.0 if inp.fused_adamw else train * 4 / sh_o)}
+    items = {
+        "weights": Affine(frozen_bytes + train * train_w / sh_p),
+        "gradients": Affine(train * train_w / sh_g),
+        "AdamW states": Affine(train * (8 + master) / sh_o),
+        "AdamW temporaries": Affine(0.0 if inp.fused_adamw else train * 4 / sh_o),
+    }
     return items, cpu
 
 
@@ -157,17 +166,24 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
     moe = float(inp.top_k) if inp.num_experts else 1.0
     backend, path = act.attention_backend(args, nm, inp.attention), act.block_path(inp)
     blk_none = act.shard(act.block_items(args, nm, moe_factor=moe, backend=backend, path=path), tp, sp_on)
-    blk_first = act.shard(act.block_items(args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe,
-                                          backend=backend, path=path), tp, sp_on)
-    kept = {"none": blk_none, "selective": act.shard(act.selective_items(args, nm, moe), tp, sp_on),
-            "full": act.shard(act.full_recompute_items(args, nm), tp, sp_on)}[inp.recompute]
+    blk_first = act.shard(
+        act.block_items(args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe, backend=backend, path=path),
+        tp,
+        sp_on,
+    )
+    kept = {
+        "none": blk_none,
+        "selective": act.shard(act.selective_items(args, nm, moe), tp, sp_on),
+        "full": act.shard(act.full_recompute_items(args, nm), tp, sp_on),
+    }[inp.recompute]
     n = inp.model.n_layers // inp.pp
     n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)
     per_mb = kept * n_ckpt + blk_none * (n - n_ckpt)
     if first and n_ckpt == 0 and inp.mode == "lora":
         per_mb += blk_first - blk_none  # block 0 (checkpointed whenever anything is) gets no input grad
-    outside = act.shard(act.outside_items(args, nm, first_stage=first, last_stage=last, fused_ce=inp.fused_ce),
-                        tp, sp_on)
+    outside = act.shard(
+        act.outside_items(args, nm, first_stage=first, last_stage=last, fused_ce=inp.fused_ce), tp, sp_on
+    )
     k = in_flight(inp, stage)
     blocks = per_mb * k
     if inp.activation_offload != "none" and n * k > 2:
@@ -175,8 +191,7 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
         on_gpu = biggest * resident_blocks(inp, n)
         cpu["offloaded activations"] = (blocks - on_gpu) * (1 / inp.cp)
         blocks = on_gpu
-    return {"activations": (blocks + outside * k) * (1 / inp.cp),
-            "recompute working set": blk_none * (1 / inp.cp)}
+    return {"activations": (blocks + outside * k) * (1 / inp.cp), "recompute working set": blk_none * (1 / inp.cp)}
 
 
 def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
@@ -278,9 +293,12 @@ def _phases(inp: PlanInput, last: bool, zero3: bool) -> dict[str, list[str]]:
         phases["loss forward"] = early + fs_bwd + kept + ["logits + fp32 copy"]
         phases["backward start"] = early + fs_bwd + kept + ["loss gradients"]
     if pipelined_fsdp:  # a micro-batch's backward done: every block gathered, its grads accumulated
-        phases["pipeline backward end"] = static + ["FSDP unsharded weights + grads (pipeline)",
-                                                    "autocast copies (kept)", "activations, one micro-batch done",
-                                                    "log-probs in flight"]
+        phases["pipeline backward end"] = static + [
+            "FSDP unsharded weights + grads (pipeline)",
+            "autocast copies (kept)",
+            "activations, one micro-batch done",
+            "log-probs in flight",
+        ]
     if inp.recompute != "none":
         phases["recompute"] = early + fs_bwd + kept + ["autocast copies (1 block)", "recompute working set"]
     phases["backward end"] = static + fs_bwd + ["gradients", "embedding grad (dense)"]
@@ -300,16 +318,16 @@ class MemoryPlan:
 
     stage: int
     peak_phase: str
-    peak_bytes: float                    # comparable to torch.cuda.max_memory_allocated
-    breakdown: dict[str, float]          # items of the peak phase
+    peak_bytes: float  # comparable to torch.cuda.max_memory_allocated
+    breakdown: dict[str, float]  # items of the peak phase
     phases: dict[str, float]
     fragmentation_bytes: float
     context_bytes: float
-    required_bytes: float                # peak + fragmentation + context
+    required_bytes: float  # peak + fragmentation + context
     capacity_bytes: float
-    cpu_bytes: dict[str, float]          # per GPU
+    cpu_bytes: dict[str, float]  # per GPU
     managed_bytes: dict[str, float]
-    host_bytes_per_node: float           # cpu + managed bytes of every GPU on one node
+    host_bytes_per_node: float  # cpu + managed bytes of every GPU on one node
     host_capacity_bytes: float
 
     @property
@@ -334,25 +352,38 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
     host = sum(v.at(tokens, seq) for v in [*mm.cpu.values(), *mm.managed.values()]) * inp.gpus_on_node
     hw = inp.hardware()
     return MemoryPlan(
-        stage=mm.stage, peak_phase=phase, peak_bytes=peak,
+        stage=mm.stage,
+        peak_phase=phase,
+        peak_bytes=peak,
         breakdown=_merge({n: mm.items[n].at(tokens, seq) for n in mm.phases[phase]}),
         phases={p: mm.phase_bytes(p, tokens, seq) for p in mm.phases},
-        fragmentation_bytes=frag, context_bytes=CUDA_CONTEXT_BYTES, required_bytes=peak + frag + CUDA_CONTEXT_BYTES,
+        fragmentation_bytes=frag,
+        context_bytes=CUDA_CONTEXT_BYTES,
+        required_bytes=peak + frag + CUDA_CONTEXT_BYTES,
         capacity_bytes=hw.memory_bytes,
         cpu_bytes={k: v.at(tokens, seq) for k, v in mm.cpu.items()},
         managed_bytes={k: v.at(tokens, seq) for k, v in mm.managed.items()},
-        host_bytes_per_node=host, host_capacity_bytes=hw.host_memory_bytes)
+        host_bytes_per_node=host,
+        host_capacity_bytes=hw.host_memory_bytes,
+    )
 
 
-DISPLAY = {"autocast copies (all)": "autocast bf16 weight copies", "autocast copies (kept)": "autocast bf16 weight copies",
-           "autocast copies (1 block)": "autocast bf16 weight copies", "log-probs in flight": "logits / loss",
-           "logits + fp32 copy": "logits / loss", "loss gradients": "logits / loss",
-           "recompute working set": "activations", "FSDP gathered weights": "FSDP buffers",
-           "fused CE (forward)": "logits / loss", "fused CE (backward)": "logits / loss",
-           "activations, one micro-batch done": "activations",
-           "FSDP unsharded grads (pipeline)": "FSDP buffers",
-           "FSDP unsharded weights + grads (pipeline)": "FSDP buffers",
-           "FSDP gathered weights + grads": "FSDP buffers"}
+DISPLAY = {
+    "autocast copies (all)": "autocast bf16 weight copies",
+    "autocast copies (kept)": "autocast bf16 weight copies",
+    "autocast copies (1 block)": "autocast bf16 weight copies",
+    "log-probs in flight": "logits / loss",
+    "logits + fp32 copy": "logits / loss",
+    "loss gradients": "logits / loss",
+    "recompute working set": "activations",
+    "FSDP gathered weights": "FSDP buffers",
+    "fused CE (forward)": "logits / loss",
+    "fused CE (backward)": "logits / loss",
+    "activations, one micro-batch done": "activations",
+    "FSDP unsharded grads (pipeline)": "FSDP buffers",
+    "FSDP unsharded weights + grads (pipeline)": "FSDP buffers",
+    "FSDP gathered weights + grads": "FSDP buffers",
+}
 
 
 def _merge(items: dict[str, float]) -> dict[str, float]:

@@ -17,7 +17,7 @@ from tracetrain.plan.core import Plan
 def _config_keys() -> set[str]:
     keys = set()
     for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+        for f in dataclasses.fields(section.default_factory()):  # type: ignore[operator]  # config sections always have a default or a factory
             keys.add(f"{section.name}.{f.name}")
     return keys
 
@@ -34,23 +34,38 @@ def plan_to_config_overrides(p: Plan) -> list[str]:
     """Overrides for the row's settings; settings with no config key yet are returned as '# ...' lines."""
     i = p.input
     wanted: list[tuple[str, object]] = [
-        ("train.mode", i.mode), ("train.precision", i.precision),
-        ("train.micro_batch_size", i.micro_batch), ("train.grad_accum_steps", i.num_microbatches),
+        ("train.mode", i.mode),
+        ("train.precision", i.precision),
+        ("train.micro_batch_size", i.micro_batch),
+        ("train.grad_accum_steps", i.num_microbatches),
         ("data.seq_len", i.seq_len),
-        ("memory.recompute", i.recompute), ("memory.recompute_every", i.recompute_every),
-        ("memory.activation_offload", i.activation_offload), ("memory.optimizer_offload", i.optimizer_offload),
-        ("memory.unified_memory", i.unified_memory), ("optim.fused", "on" if i.fused_adamw else "off"),
-        ("train.compile", "on" if i.compile else "off"), ("train.fused_kernels", "on" if i.fused_kernels else "off"),
-        ("train.attention", i.attention), ("train.fused_ce", i.fused_ce_chunk > 0)]
+        ("memory.recompute", i.recompute),
+        ("memory.recompute_every", i.recompute_every),
+        ("memory.activation_offload", i.activation_offload),
+        ("memory.optimizer_offload", i.optimizer_offload),
+        ("memory.unified_memory", i.unified_memory),
+        ("optim.fused", "on" if i.fused_adamw else "off"),
+        ("train.compile", "on" if i.compile else "off"),
+        ("train.fused_kernels", "on" if i.fused_kernels else "off"),
+        ("train.attention", i.attention),
+        ("train.fused_ce", i.fused_ce_chunk > 0),
+    ]
     if i.fused_ce_chunk:
         wanted.append(("train.fused_ce_chunk", i.fused_ce_chunk))
     if i.mode == "lora":
         wanted += [("lora.rank", i.lora_rank), ("lora.targets", i.lora_targets), ("lora.base_dtype", i.lora_base_dtype)]
-    wanted += [("parallel.dp_replicate", i.dp_replicate), ("parallel.dp_shard", i.dp_shard),
-               ("parallel.zero_stage", i.zero_stage), ("parallel.reshard_after_forward", i.reshard_after_forward),
-               ("parallel.fsdp_cpu_offload", i.fsdp_cpu_offload), ("parallel.tp", i.tp),
-               ("parallel.sequence_parallel", i.sequence_parallel), ("parallel.loss_parallel", i.loss_parallel),
-               ("parallel.pp", i.pp), ("parallel.cp", i.cp)]
+    wanted += [
+        ("parallel.dp_replicate", i.dp_replicate),
+        ("parallel.dp_shard", i.dp_shard),
+        ("parallel.zero_stage", i.zero_stage),
+        ("parallel.reshard_after_forward", i.reshard_after_forward),
+        ("parallel.fsdp_cpu_offload", i.fsdp_cpu_offload),
+        ("parallel.tp", i.tp),
+        ("parallel.sequence_parallel", i.sequence_parallel),
+        ("parallel.loss_parallel", i.loss_parallel),
+        ("parallel.pp", i.pp),
+        ("parallel.cp", i.cp),
+    ]
     if i.pp > 1:
         wanted += [("parallel.pp_schedule", i.pp_schedule), ("parallel.pp_microbatches", i.num_microbatches)]
         if i.pp_schedule == "interleaved_1f1b":
@@ -75,7 +90,7 @@ def _choices(key: str) -> tuple | None:
     section, name = key.split(".", 1)
     for sf in dataclasses.fields(Config):
         if sf.name == section:
-            for f in dataclasses.fields(sf.default_factory()):  # type: ignore[misc]
+            for f in dataclasses.fields(sf.default_factory()):  # type: ignore[operator]  # config sections always have a default or a factory
                 if f.name == name:
                     return field_choices(sf.default_factory, name) or None  # type: ignore[arg-type]  # a section class
     return None

@@ -27,13 +27,13 @@ class StageParams:
 
     stage: int
     num_blocks: int
-    block: float            # one block, after tp/ep
-    embedding: float        # 0 unless first stage
-    head: float             # lm_head (+ final norm) on the last stage; 0 elsewhere
-    adapters: float         # LoRA adapters on this stage (replicated across tp)
-    block_linear: float     # matmul weights of one block (what autocast casts), after tp/ep
+    block: float  # one block, after tp/ep
+    embedding: float  # 0 unless first stage
+    head: float  # lm_head (+ final norm) on the last stage; 0 elsewhere
+    adapters: float  # LoRA adapters on this stage (replicated across tp)
+    block_linear: float  # matmul weights of one block (what autocast casts), after tp/ep
     first_block_qkv: float  # q/k/v weights of block 0 (a LoRA base there casts but keeps nothing)
-    experts: float = 0.0    # MoE expert weights of one block on this GPU (after ep/tp), inside `block`
+    experts: float = 0.0  # MoE expert weights of one block on this GPU (after ep/tp), inside `block`
 
     @property
     def total(self) -> float:
@@ -62,7 +62,7 @@ def trainable_params(inp: PlanInput) -> int:
 def stage_params(inp: PlanInput, stage: int) -> StageParams:
     a, tp = inp.model, inp.tp
     d, kv = a.dim, a.n_kv_heads * a.head_dim
-    attn = block_params(a) - 3 * d * a.ffn_dim - 2 * d          # projections (+ q/k/v bias)
+    attn = block_params(a) - 3 * d * a.ffn_dim - 2 * d  # projections (+ q/k/v bias)
     mlp = mlp_params(inp)
     experts = 0.0
     if inp.num_experts:
@@ -84,8 +84,17 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
     adapters = 0.0
     if inp.mode == "lora":
         adapters = lora_params(a, inp.lora_rank, list(inp.lora_targets)) * num_blocks / a.n_layers
-    return StageParams(stage, num_blocks, block, embedding, head, adapters, block_linear,
-                       (d * d + 2 * d * kv) / tp if first else 0.0, experts)
+    return StageParams(
+        stage,
+        num_blocks,
+        block,
+        embedding,
+        head,
+        adapters,
+        block_linear,
+        (d * d + 2 * d * kv) / tp if first else 0.0,
+        experts,
+    )
 
 
 def expert_shards(inp: PlanInput) -> int:
@@ -111,8 +120,7 @@ def cast_params(inp: PlanInput, sp: StageParams, *, autocast: bool, weight_bytes
     adapters_per_block = sp.adapters / max(1, sp.num_blocks)
     first_qkv_adapters = 0.0
     if sp.stage == 0:
-        first_qkv_adapters = sum(inp.lora_rank * a.dim for t in ("q_proj", "k_proj", "v_proj")
-                                 if t in inp.lora_targets)
+        first_qkv_adapters = sum(inp.lora_rank * a.dim for t in ("q_proj", "k_proj", "v_proj") if t in inp.lora_targets)
     # A 2-byte LoRA base is bf16 (there is no fp16 base option): fp16 autocast casts and caches it.
     if weight_bytes == 4 or inp.precision == "fp16":
         return sp.block_linear + adapters_per_block, head_linear - sp.first_block_qkv - first_qkv_adapters

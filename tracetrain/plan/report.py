@@ -17,10 +17,20 @@ from tracetrain.plan.memory import GIB
 JSON_VERSION = 1
 BAR_WIDTH = 64
 # One colour per memory row, shared with the HTML page.
-COLORS = {"weights": "#4e79a7", "gradients": "#f28e2b", "AdamW states": "#e15759", "AdamW temporaries": "#ff9da7",
-          "autocast bf16 weight copies": "#76b7b2", "activations": "#59a14f", "logits / loss": "#edc948",
-          "FSDP buffers": "#b07aa1", "embedding grad (dense)": "#9c755f", "NCCL buffers": "#86bcb6",
-          "fragmentation": "#bab0ac", "CUDA context": "#d37295"}
+COLORS = {
+    "weights": "#4e79a7",
+    "gradients": "#f28e2b",
+    "AdamW states": "#e15759",
+    "AdamW temporaries": "#ff9da7",
+    "autocast bf16 weight copies": "#76b7b2",
+    "activations": "#59a14f",
+    "logits / loss": "#edc948",
+    "FSDP buffers": "#b07aa1",
+    "embedding grad (dense)": "#9c755f",
+    "NCCL buffers": "#86bcb6",
+    "fragmentation": "#bab0ac",
+    "CUDA context": "#d37295",
+}
 
 
 def memory_rows(p: Plan) -> list[tuple[str, float]]:
@@ -48,8 +58,11 @@ def _memory_table(p: Plan) -> Table:
     for col in ("item", "GiB", "share"):
         t.add_column(col, justify="left" if col == "item" else "right")
     for name, value in memory_rows(p):
-        t.add_row(Text("■ ", style=COLORS.get(name, "white")) + Text(name), f"{value / GIB:.2f}",
-                  f"{value / m.required_bytes:.0%}")
+        t.add_row(
+            Text("■ ", style=COLORS.get(name, "white")) + Text(name),
+            f"{value / GIB:.2f}",
+            f"{value / m.required_bytes:.0%}",
+        )
     t.add_row(Text("required", style="bold"), f"{m.required_bytes / GIB:.2f}", "")
     t.add_row(Text("device"), f"{m.capacity_bytes / GIB:.2f}", "")
     for name, value in m.cpu_bytes.items():
@@ -72,9 +85,14 @@ def _time_table(p: Plan) -> Table:
 def _summary(p: Plan) -> Text:
     i = p.input
     verdict = Text("fits" if p.fits else "does NOT fit", style="green" if p.fits else "bold red")
-    return (Text(f"{i.num_gpus} x {i.hardware().name}, {p.layout()}, {i.mode} {i.precision}, micro-batch "
-                 f"{i.micro_batch} x {i.seq_len} tokens x {i.num_microbatches} accum, recompute {i.recompute}: ")
-            + verdict + Text(f" — {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, step {p.step_s * 1e3:.0f} ms"))
+    return (
+        Text(
+            f"{i.num_gpus} x {i.hardware().name}, {p.layout()}, {i.mode} {i.precision}, micro-batch "
+            f"{i.micro_batch} x {i.seq_len} tokens x {i.num_microbatches} accum, recompute {i.recompute}: "
+        )
+        + verdict
+        + Text(f" — {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, step {p.step_s * 1e3:.0f} ms")
+    )
 
 
 def render_terminal(result: Plan | list[Plan], console: Console | None = None) -> None:
@@ -99,10 +117,22 @@ def search_table(rows: list[Plan]) -> Table:
         t.add_column(col, justify="right" if col in ("#", "peak GiB", "tokens/s", "MFU") else "left")
     for n, p in enumerate(rows, 1):
         i = p.input
-        off = ",".join(x for x in ("opt" if i.optimizer_offload else "",
-                                   "act" if i.activation_offload != "none" else "") if x) or "-"
-        t.add_row(str(n), p.layout(), i.recompute, f"{i.micro_batch} x {i.num_microbatches}", off,
-                  f"{p.peak_gib:.1f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}")
+        off = (
+            ",".join(
+                x for x in ("opt" if i.optimizer_offload else "", "act" if i.activation_offload != "none" else "") if x
+            )
+            or "-"
+        )
+        t.add_row(
+            str(n),
+            p.layout(),
+            i.recompute,
+            f"{i.micro_batch} x {i.num_microbatches}",
+            off,
+            f"{p.peak_gib:.1f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.mfu:.1%}",
+        )
     if not rows:
         t.add_row("-", "nothing fits", "", "", "", "", "", "")
     return t
@@ -123,6 +153,9 @@ def _finite(value: Any) -> Any:
 def render_json(result: Plan | list[Plan]) -> dict[str, Any]:
     """JSON-serialisable data: one plan, or the ranked rows of a search."""
     if isinstance(result, list):
-        return {"kind": "tracetrain.plan_search", "version": JSON_VERSION,
-                "rows": [_finite(p.to_dict()) for p in result]}
+        return {
+            "kind": "tracetrain.plan_search",
+            "version": JSON_VERSION,
+            "rows": [_finite(p.to_dict()) for p in result],
+        }
     return {"kind": "tracetrain.plan", "version": JSON_VERSION, **_finite(result.to_dict())}

@@ -51,15 +51,25 @@ def candidates(base: PlanInput, gpus: int) -> list[PlanInput]:
     for lay in layouts(base, gpus):
         dp = lay["dp_replicate"] * lay["dp_shard"]
         for recompute, mb, opt_off, act_off in itertools.product(
-                ("none", "selective", "full"), MICRO_BATCHES, (False, True), ("none", "streamed")):
+            ("none", "selective", "full"), MICRO_BATCHES, (False, True), ("none", "streamed")
+        ):
             if mb * dp > max(target, dp) and mb > 1:
                 continue  # one micro-batch per rank already exceeds the global batch
             accum = max(1, target // (mb * dp))
             if lay["pp"] > 1:
                 accum = max(accum, lay["pp"])
-            inp = base.replace(num_gpus=gpus, micro_batch=mb, grad_accum=accum, pp_microbatches=0,
-                               recompute=recompute, recompute_every=1, optimizer_offload=opt_off,
-                               activation_offload=act_off, zero_stage=3, **lay)
+            inp = base.replace(
+                num_gpus=gpus,
+                micro_batch=mb,
+                grad_accum=accum,
+                pp_microbatches=0,
+                recompute=recompute,
+                recompute_every=1,
+                optimizer_offload=opt_off,
+                activation_offload=act_off,
+                zero_stage=3,
+                **lay,
+            )
             out.append(inp)
     return out
 
@@ -106,8 +116,10 @@ def reason(p: Plan, base: PlanInput) -> str:
     parts = [f"fits with {m.spare_bytes / GIB:.0f} GiB spare"]
     comm = {k: v / t.step_s for k, v in t.breakdown.items() if "comm" in k or "bubble" in k or "offload" in k}
     if i.tp > 1:
-        parts.append(f"TP={i.tp} divides weights and most activations by {i.tp} but adds "
-                     f"{comm.get('TP comm (exposed)', 0):.0%} exposed all-reduce")
+        parts.append(
+            f"TP={i.tp} divides weights and most activations by {i.tp} but adds "
+            f"{comm.get('TP comm (exposed)', 0):.0%} exposed all-reduce"
+        )
     if i.pp > 1:
         parts.append(f"PP={i.pp} bubble {comm.get('pipeline bubble', 0):.0%}")
     if i.cp > 1:
@@ -122,8 +134,10 @@ def reason(p: Plan, base: PlanInput) -> str:
         cpu = t.breakdown.get("offload: CPU AdamW", 0) / t.step_s
         parts.append(f"AdamW on the CPU ({cpu:.0%} of the step)" + _needed(i, optimizer_offload=False))
     if i.activation_offload != "none":
-        parts.append(f"activations streamed to the host ({comm.get('activation offload (exposed)', 0):.0%} exposed)"
-                     + _needed(i, activation_offload="none"))
+        parts.append(
+            f"activations streamed to the host ({comm.get('activation offload (exposed)', 0):.0%} exposed)"
+            + _needed(i, activation_offload="none")
+        )
     if i.global_batch != base.global_batch:
         parts.append(f"global batch {i.global_batch} (asked {base.global_batch})")
     return "; ".join(parts)

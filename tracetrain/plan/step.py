@@ -12,20 +12,27 @@ from tracetrain.plan.activations import Numerics, numerics
 from tracetrain.plan.inputs import Hardware, PlanInput
 from tracetrain.plan.memory import in_flight, memory_model, tokens_per_microbatch
 from tracetrain.plan.params import stage_params
-from tracetrain.plan.time import (CPU_ACCUMULATE_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, DP_OVERLAP,
-                                  HBM_EFFICIENCY, MicroBatchTime, microbatch_time, step_flops)
+from tracetrain.plan.time import (
+    CPU_ACCUMULATE_BYTES_PER_PARAM,
+    CPU_ADAM_BYTES_PER_PARAM,
+    DP_OVERLAP,
+    HBM_EFFICIENCY,
+    MicroBatchTime,
+    microbatch_time,
+    step_flops,
+)
 
 
 @dataclass
 class StepTime:
     """Seconds per optimizer step on one GPU by kind, and the throughput that follows."""
 
-    breakdown: dict[str, float]        # exposed seconds per kind; they sum to step_s
-    comm_total: dict[str, float]       # communication seconds before overlap, per kind
+    breakdown: dict[str, float]  # exposed seconds per kind; they sum to step_s
+    comm_total: dict[str, float]  # communication seconds before overlap, per kind
     step_s: float
-    tokens_per_s: float                # all GPUs
-    model_flops: float                 # per step, all GPUs (MFU)
-    hardware_flops: float              # with recomputation (HFU)
+    tokens_per_s: float  # all GPUs
+    model_flops: float  # per step, all GPUs (MFU)
+    hardware_flops: float  # with recomputation (HFU)
     mfu: float
     hfu: float
 
@@ -34,8 +41,9 @@ def _add(d: dict[str, float], k: str, v: float) -> None:
     d[k] = d.get(k, 0.0) + v
 
 
-def _comm_per_microbatch(inp: PlanInput, hw: Hardware, nm: Numerics, mb: MicroBatchTime,
-                         stage: int) -> tuple[dict[str, float], dict[str, float]]:
+def _comm_per_microbatch(
+    inp: PlanInput, hw: Hardware, nm: Numerics, mb: MicroBatchTime, stage: int
+) -> tuple[dict[str, float], dict[str, float]]:
     """(exposed, total) communication seconds of one micro-batch: TP, CP, EP, FSDP, PP."""
     a = inp.model
     tokens = inp.micro_batch * inp.seq_len / inp.cp
@@ -45,7 +53,7 @@ def _comm_per_microbatch(inp: PlanInput, hw: Hardware, nm: Numerics, mb: MicroBa
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
     if inp.tp > 1:
-        passes = 2 + (1 if inp.recompute == "full" else 0)   # forward, backward (+ recomputed forward)
+        passes = 2 + (1 if inp.recompute == "full" else 0)  # forward, backward (+ recomputed forward)
         t = passes * n * 2 * comm.all_reduce_s(act_bytes, inp.tp, comm.bandwidth(inp, hw, ("tp",)))
         total["TP"] = exposed["TP"] = t
     if inp.cp > 1:
@@ -53,11 +61,16 @@ def _comm_per_microbatch(inp: PlanInput, hw: Hardware, nm: Numerics, mb: MicroBa
         bw = comm.bandwidth(inp, hw, ("cp",))
         fwd, bwd = n * (inp.cp - 1) * kv / bw, n * (inp.cp - 1) * 2 * kv / bw
         total["CP"] = fwd + bwd
-        exposed["CP"] = (max(0.0, fwd - mb.forward.get("attention", 0.0))
-                         + max(0.0, bwd - mb.backward.get("attention", 0.0)))
+        exposed["CP"] = max(0.0, fwd - mb.forward.get("attention", 0.0)) + max(
+            0.0, bwd - mb.backward.get("attention", 0.0)
+        )
     if inp.ep > 1:
-        t = 2 * 2 * n * comm.all_to_all_s(tokens * inp.top_k * a.dim * nm.c, inp.ep,
-                                         comm.bandwidth(inp, hw, ("dp_shard", "cp")))
+        t = (
+            2
+            * 2
+            * n
+            * comm.all_to_all_s(tokens * inp.top_k * a.dim * nm.c, inp.ep, comm.bandwidth(inp, hw, ("dp_shard", "cp")))
+        )
         total["EP"] = exposed["EP"] = t
     fsdp = inp.dp_shard * inp.cp
     if inp.zero_stage == 3 and (fsdp > 1 or inp.fsdp_cpu_offload):
@@ -74,8 +87,9 @@ def _comm_per_microbatch(inp: PlanInput, hw: Hardware, nm: Numerics, mb: MicroBa
         total["FSDP"] = ag + ag_bwd + rs
         exposed["FSDP"] = max(0.0, ag - mb.forward_s) + max(0.0, ag_bwd + rs - mb.backward_s)
     if inp.pp > 1:
-        t = 2 * comm.all_to_all_s(2 * act_bytes / (inp.tp if inp.sequence_parallel else 1), 2,
-                                  comm.bandwidth(inp, hw, ("pp",)))
+        t = 2 * comm.all_to_all_s(
+            2 * act_bytes / (inp.tp if inp.sequence_parallel else 1), 2, comm.bandwidth(inp, hw, ("pp",))
+        )
         total["PP send/recv"] = exposed["PP send/recv"] = t
     return exposed, total
 
@@ -104,12 +118,26 @@ def plan_time(inp: PlanInput) -> StepTime:
     model, hardware = step_flops(inp)
     peak_all = hw.peak_flops * inp.num_gpus
     tokens = inp.global_batch * inp.seq_len
-    return StepTime({k: v for k, v in breakdown.items() if v > 0}, comm_total, step_s, tokens / step_s,
-                    model, hardware, model / step_s / peak_all, hardware / step_s / peak_all)
+    return StepTime(
+        {k: v for k, v in breakdown.items() if v > 0},
+        comm_total,
+        step_s,
+        tokens / step_s,
+        model,
+        hardware,
+        model / step_s / peak_all,
+        hardware / step_s / peak_all,
+    )
 
 
-def _per_step(inp: PlanInput, hw: Hardware, mb: MicroBatchTime, stage: int,
-              breakdown: dict[str, float], comm_total: dict[str, float]) -> None:
+def _per_step(
+    inp: PlanInput,
+    hw: Hardware,
+    mb: MicroBatchTime,
+    stage: int,
+    breakdown: dict[str, float],
+    comm_total: dict[str, float],
+) -> None:
     """Once-per-step work: grad accumulation, optimizer, DP sync, offload transfers."""
     a, m = inp.model, inp.num_microbatches
     bw = hw.hbm_bytes_s * HBM_EFFICIENCY
@@ -119,8 +147,8 @@ def _per_step(inp: PlanInput, hw: Hardware, mb: MicroBatchTime, stage: int,
     train = sp.total if inp.mode == "full" else sp.adapters
     grads_local = train / (fsdp if z >= 2 else 1)
     opt_local = train / (fsdp if z >= 1 else 1)
-    accum = (m - 1) * 12 * grads_local                      # .grad += new, from the second micro-batch
-    if inp.mode == "full" and stage == 0:                   # dense embedding grad (+ adding it to lm_head's)
+    accum = (m - 1) * 12 * grads_local  # .grad += new, from the second micro-batch
+    if inp.mode == "full" and stage == 0:  # dense embedding grad (+ adding it to lm_head's)
         accum += m * (8 + (12 if a.tie_embeddings and inp.pp == 1 else 0)) * a.vocab_size * a.dim / inp.tp
     if inp.optimizer_offload:
         # tracetrain.memory.optimizer_offload: each bf16 grad goes to the host during backward (side
@@ -155,11 +183,11 @@ def _per_step(inp: PlanInput, hw: Hardware, mb: MicroBatchTime, stage: int,
         model = memory_model(inp, tokens, seq)
         if inp.activation_offload != "none":
             off = sum(v.at(tokens, seq) for k, v in model.cpu.items() if "offloaded" in k or "saved" in k)
-            one_way = off / in_flight(inp, 0) / hw.host_bytes_s      # per micro-batch, each direction
+            one_way = off / in_flight(inp, 0) / hw.host_bytes_s  # per micro-batch, each direction
             comm_total["activation offload"] = 2 * one_way * m
             if inp.activation_offload == "streamed":  # side stream, behind the next block's compute
                 exp = max(0.0, one_way - mb.forward_s) + max(0.0, one_way - mb.backward_s)
-            else:                                      # save_on_cpu copies on the compute stream
+            else:  # save_on_cpu copies on the compute stream
                 exp = 2 * one_way
             breakdown["activation offload (exposed)"] = exp * m
         if inp.unified_memory != "none":

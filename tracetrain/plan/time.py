@@ -44,8 +44,8 @@ import math
 from dataclasses import dataclass, field
 
 from tracetrain.models.accounting import attention_forward_flops, training_flops_per_token
-from tracetrain.plan import traffic as tr
 from tracetrain.plan import activations as act
+from tracetrain.plan import traffic as tr
 from tracetrain.plan.activations import Numerics
 from tracetrain.plan.inputs import Hardware, PlanInput
 from tracetrain.plan.params import cast_params, stage_params, trainable_params
@@ -118,8 +118,15 @@ def block_gemms(inp: PlanInput, tokens: float) -> list[Gemm]:
     a, tp = inp.model, inp.tp
     d, kv, f = a.dim, a.n_kv_heads * a.head_dim, a.ffn_dim
     full = inp.mode == "full"
-    shapes = {"q_proj": (d / tp, d), "k_proj": (kv / tp, d), "v_proj": (kv / tp, d), "o_proj": (d, d / tp),
-              "gate_proj": (f / tp, d), "up_proj": (f / tp, d), "down_proj": (d, f / tp)}
+    shapes = {
+        "q_proj": (d / tp, d),
+        "k_proj": (kv / tp, d),
+        "v_proj": (kv / tp, d),
+        "o_proj": (d, d / tp),
+        "gate_proj": (f / tp, d),
+        "up_proj": (f / tp, d),
+        "down_proj": (d, f / tp),
+    }
     out = []
     for name, (n, k) in shapes.items():
         m = tokens
@@ -134,10 +141,12 @@ def block_gemms(inp: PlanInput, tokens: float) -> list[Gemm]:
 
 def gemm_time(g: Gemm, hw: Hardware, width: int) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, FLOPs of both) of one GEMM."""
+
     def one(m: float, n: float, k: float) -> float:
         compute = 2 * m * n * k / (hw.peak_flops * gemm_efficiency(m, n, k))
         memory = (m * k + k * n + m * n) * width / (hw.hbm_bytes_s * HBM_EFFICIENCY)
         return max(compute, memory)
+
     fwd = one(g.m, g.n, g.k)
     bwd = (one(g.m, g.k, g.n) if g.input_needs_grad else 0.0) + (one(g.n, g.k, g.m) if g.weight_trains else 0.0)
     flops = 2 * g.m * g.n * g.k * (1 + g.input_needs_grad + g.weight_trains)
@@ -230,8 +239,10 @@ def attention_time(inp: PlanInput, hw: Hardware, nm: Numerics, tokens: float, nu
     peak = hw.bf16_flops if nm.c == 2 else hw.peak_flops
     if act.attention_backend(a, nm, inp.attention) != "math":
         fwd_rel, bwd_rel = (FLEX_FWD_RELATIVE, FLEX_BWD_RELATIVE) if inp.attention == "flex" else (1.0, 1.0)
-        return (flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, False) * fwd_rel),
-                2 * flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, True) * bwd_rel))
+        return (
+            flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, False) * fwd_rel),
+            2 * flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, True) * bwd_rel),
+        )
     scores = num_blocks * tokens * inp.seq_len * a.n_heads / inp.tp
     square = 2 * flops / (peak * GEMM_MAX_EFFICIENCY)
     bw = hw.hbm_bytes_s * HBM_EFFICIENCY
@@ -245,8 +256,9 @@ def step_flops(inp: PlanInput) -> tuple[float, float]:
     repeats no matmul (accounting's "selective" counts the attention forward, Megatron's variant)."""
     a = inp.model
     lora = trainable_params(inp) if inp.mode == "lora" else 0
-    f = training_flops_per_token(a, inp.seq_len, mode=inp.mode, num_lora_params=lora,
-                                 recompute="full" if inp.recompute == "full" else "none")
+    f = training_flops_per_token(
+        a, inp.seq_len, mode=inp.mode, num_lora_params=lora, recompute="full" if inp.recompute == "full" else "none"
+    )
     model, hardware = f.model, f.hardware
     if inp.num_experts:
         extra = a.n_layers * ((inp.top_k - 1) * 3 * a.dim * a.ffn_dim + a.dim * inp.num_experts)

@@ -44,10 +44,10 @@ class Traffic:
     bytes_per_token: float
     kernels: float
 
-    def __add__(self, o: "Traffic") -> "Traffic":
+    def __add__(self, o: Traffic) -> Traffic:
         return Traffic(self.bytes_per_token + o.bytes_per_token, self.kernels + o.kernels)
 
-    def __mul__(self, k: float) -> "Traffic":
+    def __mul__(self, k: float) -> Traffic:
         return Traffic(self.bytes_per_token * k, self.kernels * k)
 
 
@@ -69,8 +69,7 @@ def norm_forward(d: int, nm: Numerics) -> Traffic:
 def norm_backward(d: int, nm: Numerics) -> Traffic:
     casts = 2 * (nm.x + 4) * d if nm.x != 4 else 0
     weight_grad = 4 * nm.x * d if nm.full else 0
-    return Traffic(68 * d + 2 * nm.x * d + weight_grad + casts,
-                   11 + (2 if nm.full else 0) + (2 if nm.x != 4 else 0))
+    return Traffic(68 * d + 2 * nm.x * d + weight_grad + casts, 11 + (2 if nm.full else 0) + (2 if nm.x != 4 else 0))
 
 
 def rope(width: int, nm: Numerics, backward: bool) -> Traffic:
@@ -86,7 +85,7 @@ def _consumers(nm: Numerics, linears: tuple[str, ...]) -> list[int]:
     for name in linears:
         out.append(nm.c if (nm.autocast and nm.x != nm.c) else 0)  # the linear itself (base when LoRA)
         if name in nm.targets:
-            out.append(nm.a if nm.x != nm.a else 0)                 # its adapter's lora_A
+            out.append(nm.a if nm.x != nm.a else 0)  # its adapter's lora_A
     return out
 
 
@@ -171,8 +170,9 @@ def kernels_block(args: ModelArgs, nm: Numerics, backward: bool, *, first_lora_b
     else:
         old = norm_forward(d, nm) * 2 + rope(d, nm, False) + rope(kv, nm, False) + Traffic(5 * nm.c * f, 2)
         new = Traffic(2 * 2 * nm.x * d + 2 * nm.c * (d + kv) + 3 * nm.c * f, 4)
-    return Traffic(eager.bytes_per_token - old.bytes_per_token + new.bytes_per_token,
-                   eager.kernels - old.kernels + new.kernels)
+    return Traffic(
+        eager.bytes_per_token - old.bytes_per_token + new.bytes_per_token, eager.kernels - old.kernels + new.kernels
+    )
 
 
 def outside_forward(args: ModelArgs, nm: Numerics, *, first: bool, last: bool, fused_ce: bool = False) -> Traffic:

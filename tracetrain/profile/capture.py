@@ -62,11 +62,15 @@ class ProfileCapture:
         # The schedule counts profiler.step() calls: wait until the step before the window, warm up on
         # it (the profiler's own start-up cost lands there, not in the window), then record the window.
         warmup = 1 if self.first >= 1 else 0
-        schedule = torch.profiler.schedule(wait=self.first - warmup, warmup=warmup, active=self.cfg.num_steps,
-                                           repeat=1)
-        return torch.profiler.profile(activities=acts, schedule=schedule, on_trace_ready=self._write_trace,
-                                      record_shapes=self.cfg.record_shapes, with_stack=self.cfg.with_stack,
-                                      profile_memory=self.cfg.profile_memory)
+        schedule = torch.profiler.schedule(wait=self.first - warmup, warmup=warmup, active=self.cfg.num_steps, repeat=1)
+        return torch.profiler.profile(
+            activities=acts,
+            schedule=schedule,
+            on_trace_ready=self._write_trace,
+            record_shapes=self.cfg.record_shapes,
+            with_stack=self.cfg.with_stack,
+            profile_memory=self.cfg.profile_memory,
+        )
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         path = self.dir / f"rank{self.rank}.json.gz"
@@ -128,12 +132,16 @@ class ProfileCapture:
         self._finished = True
         out: dict[str, str] = {"profile_dir": str(self.dir)}
         if self.cfg.cuda_profiler_api:
-            note("profile: cudaProfilerStart/Stop placed around steps "
-                 f"{self.first + 1}-{self.last + 1} for nsys --capture-range=cudaProfilerApi")
+            note(
+                "profile: cudaProfilerStart/Stop placed around steps "
+                f"{self.first + 1}-{self.last + 1} for nsys --capture-range=cudaProfilerApi"
+            )
             return out
         if not self.trace_paths:
-            note(f"profile: the run ended before step {self.last + 1}; no trace was written "
-                 "(raise train.steps or lower profile.start_step)")
+            note(
+                f"profile: the run ended before step {self.last + 1}; no trace was written "
+                "(raise train.steps or lower profile.start_step)"
+            )
             return out
         out["trace"] = str(self.trace_paths[-1])
         if self.cfg.analyze:
@@ -152,6 +160,7 @@ def analyze_to_dir(paths: list[Path], out_dir: Path, device: torch.device) -> di
     (out_dir / "report.html").write_text(render_html(report))
     (out_dir / "report.json").write_text(json.dumps(render_json(report), indent=2))
     from rich.console import Console
+
     console = Console()
     if not console.is_terminal:  # logs and CI: do not squeeze the tables into 80 columns
         console = Console(width=160)

@@ -16,6 +16,7 @@ from typing import Any
 class _CallableModule(types.ModuleType):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from tracetrain.train.api import train
+
         return train(*args, **kwargs)
 
 

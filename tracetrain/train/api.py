@@ -30,9 +30,15 @@ from tracetrain.errors import ConfigError
 from tracetrain.train.loop import TrainResult
 
 
-def train(config: Config | str | Path | Mapping[str, Any] | None = None, *,
-          data: Iterable[Mapping[str, Any]] | None = None, eval_data: Iterable[Mapping[str, Any]] | None = None,
-          callbacks: Sequence[Any] = (), overrides: Sequence[str] = (), run_name: str | None = None) -> TrainResult:
+def train(
+    config: Config | str | Path | Mapping[str, Any] | None = None,
+    *,
+    data: Iterable[Mapping[str, Any]] | None = None,
+    eval_data: Iterable[Mapping[str, Any]] | None = None,
+    callbacks: Sequence[Any] = (),
+    overrides: Sequence[str] = (),
+    run_name: str | None = None,
+) -> TrainResult:
     """Train as `tracetrain train` would and return the result with the trained model.
 
     `callbacks`: objects with any of `on_step(step, metrics)`, `on_eval(step, metrics)`,
@@ -49,16 +55,19 @@ def train(config: Config | str | Path | Mapping[str, Any] | None = None, *,
         if rows is None:
             continue
         if kind == "synthetic":
-            raise ConfigError(f"{key.split('.')[1]} rows were given but config key 'data.kind' is 'synthetic'; "
-                              "set it to 'chat', 'instruction' or 'text'")
+            raise ConfigError(
+                f"{key.split('.')[1]} rows were given but config key 'data.kind' is 'synthetic'; "
+                "set it to 'chat', 'instruction' or 'text'"
+            )
         folder = Path(raw.get("train", {}).get("output_dir", defaults.train.output_dir)) / "datasets"
         raw.setdefault("data", {})[key.split(".")[1]] = str(write_rows(rows, folder, kind, key))
     # Validated whatever its origin: a Config built or changed in Python gets the command line's checks.
     return run_training(from_dict(raw, where), callbacks=callbacks)
 
 
-def _raw(config: Config | str | Path | Mapping[str, Any] | None,
-         overrides: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
+def _raw(
+    config: Config | str | Path | Mapping[str, Any] | None, overrides: list[str]
+) -> tuple[dict[str, dict[str, Any]], str]:
     """The config as nested dicts (TOML layout) with the overrides applied, not yet validated."""
     where = ""
     if config is None:

@@ -35,14 +35,14 @@ class Assembly:
     """
 
     spec: RunSpec
-    mesh: Any = None                       # tracetrain.parallel.mesh.ParallelMesh with several ranks
-    model: nn.Module | None = None         # the plain model (weights .. fp8 act on it)
+    mesh: Any = None  # tracetrain.parallel.mesh.ParallelMesh with several ranks
+    model: nn.Module | None = None  # the plain model (weights .. fp8 act on it)
     parts: list[nn.Module] = field(default_factory=list)
     fsdp_units: list[Any] = field(default_factory=list)
-    pipeline: Any = None                   # tracetrain.parallel.pipeline.Pipeline (pp > 1)
+    pipeline: Any = None  # tracetrain.parallel.pipeline.Pipeline (pp > 1)
     optimizer: torch.optim.Optimizer | None = None
-    activation_offload: Any = None         # tracetrain.memory.ActivationOffload
-    par: Any = None                        # tracetrain.parallel.apply.ParallelModel (several ranks)
+    activation_offload: Any = None  # tracetrain.memory.ActivationOffload
+    par: Any = None  # tracetrain.parallel.apply.ParallelModel (several ranks)
     applied: list[str] = field(default_factory=list)  # names of the rows that ran, in order
 
     def plain(self) -> Transformer:
@@ -70,24 +70,29 @@ class Transform:
 def _blocks(part: nn.Module) -> types.SimpleNamespace:
     # apply_recompute / apply_compile iterate `model.layers`; a pipeline stage keeps its blocks in a ModuleDict.
     from tracetrain.parallel.data_parallel import model_blocks
+
     return types.SimpleNamespace(layers=model_blocks(part))
 
 
 # ---------------------------------------------------------------------------------------------------
 # The rows' apply functions, in table order
 
+
 def _weights(a: Assembly) -> None:
     from tracetrain.models.build import materialize
+
     s = a.spec
     a.model = materialize(s.model_args, s.device, s.cfg.train.seed, s.weights_dtype)
     if s.cfg.model.init_from:
         from tracetrain.models.hf import load_hf_weights
+
         load_hf_weights(a.plain(), s.cfg.model.init_from)
     a.parts = [a.plain()]
 
 
 def _moe(a: Assembly) -> None:
     from tracetrain.models.moe import apply_moe, set_aux_loss_weight
+
     cfg = a.spec.cfg
     apply_moe(a.plain(), cfg.model.num_experts, cfg.model.experts_top_k)
     # The load-balancing term is the mean over every forward pass of a step: its micro-batches on
@@ -100,56 +105,75 @@ def _moe(a: Assembly) -> None:
 def _lora(a: Assembly) -> None:
     from tracetrain.errors import ConfigError
     from tracetrain.models.lora import apply_lora
+
     lc = a.spec.cfg.lora
     try:
-        apply_lora(a.plain(), rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
-                   base_dtype=a.spec.lora_base_dtype,
-                   adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32)
+        apply_lora(
+            a.plain(),
+            rank=lc.rank,
+            alpha=lc.alpha,
+            dropout=lc.dropout,
+            targets=lc.targets,
+            base_dtype=a.spec.lora_base_dtype,
+            adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32,
+        )
     except ValueError as e:
         raise ConfigError(f"config key 'lora.targets': {e}") from None
 
 
 def _attention(a: Assembly) -> None:
     from tracetrain.models.attention import apply_attention
+
     apply_attention(a.plain(), a.spec.attention)
 
 
 def _fused_kernels(a: Assembly) -> None:
     from tracetrain.kernels.apply import apply_fused_kernels
+
     apply_fused_kernels(a.plain(), a.spec.fused_kernels)
 
 
 def _fused_ce(a: Assembly) -> None:
     from tracetrain.kernels.fused_ce import apply_fused_ce
+
     apply_fused_ce(a.plain(), a.spec.fused_ce_chunk)
 
 
 def _fp8(a: Assembly) -> None:
     from tracetrain.kernels.fp8 import apply_fp8
+
     apply_fp8(a.plain(), a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none' here
 
 
 def _pipeline_split(a: Assembly) -> None:
     from tracetrain.parallel.pipeline import split_model
+
     a.parts = list(split_model(a.plain(), a.mesh.local_rank("pp"), a.spec.cfg.parallel))
 
 
 def _expert_parallel(a: Assembly) -> None:
     from tracetrain.parallel.expert_parallel import apply_expert_parallel
+
     for part in a.parts:
         apply_expert_parallel(part, a.mesh["ep"])
 
 
 def _tensor_parallel(a: Assembly) -> None:
     from tracetrain.parallel.tensor_parallel import apply_tensor_parallel
+
     par = a.spec.cfg.parallel
     for part in a.parts:
-        apply_tensor_parallel(part, a.mesh["tp"], sequence_parallel=par.sequence_parallel,
-                              loss_parallel=par.loss_parallel and getattr(part, "lm_head", None) is not None)
+        apply_tensor_parallel(
+            part,
+            a.mesh["tp"],
+            sequence_parallel=par.sequence_parallel,
+            loss_parallel=par.loss_parallel and getattr(part, "lm_head", None) is not None,
+        )
 
 
 def _context_parallel(a: Assembly) -> None:
     from tracetrain.parallel.context_parallel import apply_context_parallel
+
     cp = a.spec.cfg.parallel.cp
     for part in a.parts:
         apply_context_parallel(part, a.mesh.group("cp"), a.mesh.local_rank("cp"), cp)
@@ -157,6 +181,7 @@ def _context_parallel(a: Assembly) -> None:
 
 def _recompute(a: Assembly) -> None:
     from tracetrain.memory.recompute import apply_recompute
+
     mem = a.spec.cfg.memory
     for part in a.parts:
         apply_recompute(_blocks(part), mem.recompute, mem.recompute_every)  # type: ignore[arg-type]
@@ -164,43 +189,60 @@ def _recompute(a: Assembly) -> None:
 
 def _compile(a: Assembly) -> None:
     from tracetrain.kernels.apply import apply_compile
+
     for part in a.parts:
         apply_compile(_blocks(part))  # type: ignore[arg-type]  # only `.layers` is read
 
 
 def _data_parallel(a: Assembly) -> None:
     from tracetrain.parallel.data_parallel import apply_data_parallel
+
     par = a.spec.cfg.parallel
     for part in a.parts:
-        a.fsdp_units += apply_data_parallel(part, a.mesh, par, param_dtype=a.spec.fsdp_param_dtype,
-                                            experts_sharded=par.ep > 1)
+        a.fsdp_units += apply_data_parallel(
+            part, a.mesh, par, param_dtype=a.spec.fsdp_param_dtype, experts_sharded=par.ep > 1
+        )
 
 
 def _pipeline_schedule(a: Assembly) -> None:
     from tracetrain.parallel.pipeline import build_pipeline, stage_ids_of_rank
     from tracetrain.parallel.tensor_parallel import cross_entropy_sum
+
     par = a.spec.cfg.parallel
-    a.pipeline = build_pipeline(a.parts, stage_ids_of_rank(a.mesh.local_rank("pp"), par), par, a.mesh.group("pp"),
-                                a.spec.device, cross_entropy_sum)
+    a.pipeline = build_pipeline(
+        a.parts,
+        stage_ids_of_rank(a.mesh.local_rank("pp"), par),
+        par,
+        a.mesh.group("pp"),
+        a.spec.device,
+        cross_entropy_sum,
+    )
 
 
 def _layout(a: Assembly) -> None:
     from tracetrain.parallel.apply import ParallelModel
     from tracetrain.parallel.data_parallel import grad_sync_for
+
     par = a.spec.cfg.parallel
     a.par = ParallelModel(
-        parts=a.parts, mesh=a.mesh, grad_sync=grad_sync_for(a.fsdp_units, a.mesh, par) if a.fsdp_units else None,
-        pipeline=a.pipeline, loss_parallel=par.tp > 1 and par.loss_parallel)
+        parts=a.parts,
+        mesh=a.mesh,
+        grad_sync=grad_sync_for(a.fsdp_units, a.mesh, par) if a.fsdp_units else None,
+        pipeline=a.pipeline,
+        loss_parallel=par.tp > 1 and par.loss_parallel,
+    )
 
 
 def _optimizer(a: Assembly) -> None:
     from tracetrain.train.optim import build_optimizer
+
     cfg = a.spec.cfg
     a.optimizer = build_optimizer(a.module, cfg.optim, a.spec.device, cfg.memory)
 
 
 def _unified_memory(a: Assembly) -> None:
     from tracetrain.memory.unified import apply_unified_memory
+
     mem = a.spec.cfg.memory
     target = a.module if mem.unified_memory == "model" else a.optimizer
     assert target is not None
@@ -209,9 +251,13 @@ def _unified_memory(a: Assembly) -> None:
 
 def _activation_offload(a: Assembly) -> None:
     from tracetrain.memory import apply_activation_offload
+
     mem = a.spec.cfg.memory
-    a.activation_offload = apply_activation_offload(a.module, mem.activation_offload,  # type: ignore[arg-type]
-                                                    fraction=mem.activation_offload_fraction)
+    a.activation_offload = apply_activation_offload(
+        a.module,
+        mem.activation_offload,
+        fraction=mem.activation_offload_fraction,
+    )
 
 
 def _always(spec: RunSpec) -> bool:
@@ -223,50 +269,123 @@ def _parallel(axis: str) -> Callable[[RunSpec], bool]:
 
 
 TRANSFORMS: tuple[Transform, ...] = (
-    Transform("weights", _always, _weights,
-              "first: materialised on the device in the final dtype (LoRA base, bf16 under optimizer offload), "
-              "then the checkpoint's weights; every row after sees the final tensors"),
-    Transform("moe", lambda s: s.cfg.model.num_experts > 0, _moe,
-              "replaces the dense MLPs before LoRA, so the adapters and every later row see the experts"),
-    Transform("lora", lambda s: s.cfg.train.mode == "lora", _lora,
-              "before any wrapping row (recompute, compile, sharding must see the final modules); freezes the base"),
-    Transform("attention", _always, _attention,
-              "after LoRA, before context parallelism (which replaces the core), recompute and compile"),
-    Transform("fused_kernels", lambda s: bool(s.fused_kernels), _fused_kernels,
-              "after LoRA (the lora kernel swaps existing adapters), before recompute and compile"),
-    Transform("fused_ce", lambda s: s.fused_ce_chunk > 0, _fused_ce,
-              "the head's loss path (no full logits), on the root module: independent of the block rows"),
-    Transform("fp8", lambda s: s.fp8 != "none", _fp8,
-              "after LoRA (frozen bases are quantised once, adapters stay); before TP, recompute and compile, "
-              "which must see the FP8 matmuls"),
-    Transform("pipeline_split", _parallel("pp"), _pipeline_split,
-              "first of the layout: every later row works per stage and touches only this rank's layers"),
-    Transform("expert_parallel", _parallel("ep"), _expert_parallel,
-              "re-shards the expert weights into DTensors; before FSDP, which shards whatever it finds"),
-    Transform("tensor_parallel", _parallel("tp"), _tensor_parallel,
-              "Linear weights become DTensors with layout hooks; before recompute and compile (they must "
-              "recompute / trace the collectives) and FSDP (which then shards the TP shards: 2-D)"),
-    Transform("context_parallel", _parallel("cp"), _context_parallel,
-              "changes what a block computes (ring attention core, sequence chunks): before recompute and compile"),
-    Transform("recompute", lambda s: s.cfg.memory.recompute != "none", _recompute,
-              "wraps whole blocks with their final contents (LoRA, kernels, FP8, TP, CP); before compile"),
-    Transform("compile", lambda s: s.compile, _compile,
-              "regional, per block: traces the final block, recomputation included; before FSDP, which "
-              "gathers parameters around the compiled blocks"),
-    Transform("data_parallel", lambda s: s.distributed, _data_parallel,
-              "outermost wrapper: FSDP2 / HSDP / replicate gathers parameters around the compiled, recomputed "
-              "blocks and reduces their gradients"),
-    Transform("pipeline_schedule", _parallel("pp"), _pipeline_schedule,
-              "wraps the finished stage modules in the schedule"),
-    Transform("layout", lambda s: s.distributed, _layout,
-              "the step's hooks of the finished layout (batch sharding, grad sync, loss and norm reductions)"),
-    Transform("optimizer", _always, _optimizer,
-              "after every row that swaps Parameter objects (LoRA adapters, DTensors): the optimizer, and the "
-              "offloaded optimizer's gradient hooks, hold the final ones"),
-    Transform("unified_memory", lambda s: s.cfg.memory.unified_memory != "none", _unified_memory,
-              "after the optimizer exists: its states (or the model's weights) move into managed memory"),
-    Transform("activation_offload", lambda s: s.cfg.memory.activation_offload != "none", _activation_offload,
-              "last: hooks the saved-tensor packing of the finished model; the step enters its context"),
+    Transform(
+        "weights",
+        _always,
+        _weights,
+        "first: materialised on the device in the final dtype (LoRA base, bf16 under optimizer offload), "
+        "then the checkpoint's weights; every row after sees the final tensors",
+    ),
+    Transform(
+        "moe",
+        lambda s: s.cfg.model.num_experts > 0,
+        _moe,
+        "replaces the dense MLPs before LoRA, so the adapters and every later row see the experts",
+    ),
+    Transform(
+        "lora",
+        lambda s: s.cfg.train.mode == "lora",
+        _lora,
+        "before any wrapping row (recompute, compile, sharding must see the final modules); freezes the base",
+    ),
+    Transform(
+        "attention",
+        _always,
+        _attention,
+        "after LoRA, before context parallelism (which replaces the core), recompute and compile",
+    ),
+    Transform(
+        "fused_kernels",
+        lambda s: bool(s.fused_kernels),
+        _fused_kernels,
+        "after LoRA (the lora kernel swaps existing adapters), before recompute and compile",
+    ),
+    Transform(
+        "fused_ce",
+        lambda s: s.fused_ce_chunk > 0,
+        _fused_ce,
+        "the head's loss path (no full logits), on the root module: independent of the block rows",
+    ),
+    Transform(
+        "fp8",
+        lambda s: s.fp8 != "none",
+        _fp8,
+        "after LoRA (frozen bases are quantised once, adapters stay); before TP, recompute and compile, "
+        "which must see the FP8 matmuls",
+    ),
+    Transform(
+        "pipeline_split",
+        _parallel("pp"),
+        _pipeline_split,
+        "first of the layout: every later row works per stage and touches only this rank's layers",
+    ),
+    Transform(
+        "expert_parallel",
+        _parallel("ep"),
+        _expert_parallel,
+        "re-shards the expert weights into DTensors; before FSDP, which shards whatever it finds",
+    ),
+    Transform(
+        "tensor_parallel",
+        _parallel("tp"),
+        _tensor_parallel,
+        "Linear weights become DTensors with layout hooks; before recompute and compile (they must "
+        "recompute / trace the collectives) and FSDP (which then shards the TP shards: 2-D)",
+    ),
+    Transform(
+        "context_parallel",
+        _parallel("cp"),
+        _context_parallel,
+        "changes what a block computes (ring attention core, sequence chunks): before recompute and compile",
+    ),
+    Transform(
+        "recompute",
+        lambda s: s.cfg.memory.recompute != "none",
+        _recompute,
+        "wraps whole blocks with their final contents (LoRA, kernels, FP8, TP, CP); before compile",
+    ),
+    Transform(
+        "compile",
+        lambda s: s.compile,
+        _compile,
+        "regional, per block: traces the final block, recomputation included; before FSDP, which "
+        "gathers parameters around the compiled blocks",
+    ),
+    Transform(
+        "data_parallel",
+        lambda s: s.distributed,
+        _data_parallel,
+        "outermost wrapper: FSDP2 / HSDP / replicate gathers parameters around the compiled, recomputed "
+        "blocks and reduces their gradients",
+    ),
+    Transform(
+        "pipeline_schedule", _parallel("pp"), _pipeline_schedule, "wraps the finished stage modules in the schedule"
+    ),
+    Transform(
+        "layout",
+        lambda s: s.distributed,
+        _layout,
+        "the step's hooks of the finished layout (batch sharding, grad sync, loss and norm reductions)",
+    ),
+    Transform(
+        "optimizer",
+        _always,
+        _optimizer,
+        "after every row that swaps Parameter objects (LoRA adapters, DTensors): the optimizer, and the "
+        "offloaded optimizer's gradient hooks, hold the final ones",
+    ),
+    Transform(
+        "unified_memory",
+        lambda s: s.cfg.memory.unified_memory != "none",
+        _unified_memory,
+        "after the optimizer exists: its states (or the model's weights) move into managed memory",
+    ),
+    Transform(
+        "activation_offload",
+        lambda s: s.cfg.memory.activation_offload != "none",
+        _activation_offload,
+        "last: hooks the saved-tensor packing of the finished model; the step enters its context",
+    ),
 )
 
 
@@ -297,34 +416,50 @@ def parallelize(model: Transformer, spec: RunSpec, mesh: Any) -> Any:
     (`assemble` builds it too: use that when the weights row fits)."""
     names = [t.name for t in TRANSFORMS]
     a = Assembly(spec=spec, mesh=mesh, model=model, parts=[model])
-    for t in TRANSFORMS[names.index("pipeline_split"):names.index("layout") + 1]:
+    for t in TRANSFORMS[names.index("pipeline_split") : names.index("layout") + 1]:
         if t.applies(spec):
             t.apply(a)
             a.applied.append(t.name)
     return a.par
 
 
-def step_context(spec: RunSpec, *, optimizer: torch.optim.Optimizer | None = None, par: Any = None,
-                 activation_offload: Any = None, scaler: torch.amp.GradScaler | None = None,
-                 phase: Callable[[str], Any] | None = None) -> StepContext:
+def step_context(
+    spec: RunSpec,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    par: Any = None,
+    activation_offload: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
+    phase: Callable[[str], Any] | None = None,
+) -> StepContext:
     """The training step's fixed inputs, from the spec and what `assemble` built (for evaluation
     alone: no optimizer). The one place a StepContext is made."""
     extra = {"phase": phase} if phase is not None else {}
-    return StepContext(device=spec.device, autocast_dtype=spec.autocast_dtype, grad_clip=spec.cfg.train.grad_clip,
-                       use_document_mask=spec.cfg.data.pack,
-                       fused_skip=bool(optimizer is not None and optimizer.defaults.get("fused")),
-                       scaler=scaler, activation_offload=activation_offload, fused_ce_chunk=spec.fused_ce_chunk,
-                       par=par, **extra)
+    return StepContext(
+        device=spec.device,
+        autocast_dtype=spec.autocast_dtype,
+        grad_clip=spec.cfg.train.grad_clip,
+        use_document_mask=spec.cfg.data.pack,
+        fused_skip=bool(optimizer is not None and optimizer.defaults.get("fused")),
+        scaler=scaler,
+        activation_offload=activation_offload,
+        fused_ce_chunk=spec.fused_ce_chunk,
+        par=par,
+        **extra,
+    )
 
 
-def run_step_context(a: Assembly, *, scaler: torch.amp.GradScaler | None = None,
-                     phase: Callable[[str], Any] | None = None) -> StepContext:
+def run_step_context(
+    a: Assembly, *, scaler: torch.amp.GradScaler | None = None, phase: Callable[[str], Any] | None = None
+) -> StepContext:
     """`step_context` of an assembled run: its optimizer, layout and activation offload."""
-    return step_context(a.spec, optimizer=a.optimizer, par=a.par, activation_offload=a.activation_offload,
-                        scaler=scaler, phase=phase)
+    return step_context(
+        a.spec, optimizer=a.optimizer, par=a.par, activation_offload=a.activation_offload, scaler=scaler, phase=phase
+    )
 
 
 def build_model(cfg: Any, device: torch.device) -> nn.Module:
     """The single-process model of `cfg` on `device`: every model row up to `compile` (no optimizer)."""
     from tracetrain.spec import resolve
+
     return assemble(resolve(cfg, device), until="compile").module

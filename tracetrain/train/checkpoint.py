@@ -58,14 +58,25 @@ class TrainState:
 
 def trainer_state_dict(state: TrainState) -> dict[str, Any]:
     """What trainer_state.pt (and each rank's trainer_state_rank<R>.pt) holds, RNG states included."""
-    return {"step": state.step, "scheduler": state.scheduler, "loader": state.loader, "counters": state.counters,
-            "data_fingerprint": state.data_fingerprint, "rng": rng_state()}
+    return {
+        "step": state.step,
+        "scheduler": state.scheduler,
+        "loader": state.loader,
+        "counters": state.counters,
+        "data_fingerprint": state.data_fingerprint,
+        "rng": rng_state(),
+    }
 
 
 def train_state_from_dict(raw: dict[str, Any]) -> TrainState:
     """The TrainState of a loaded trainer-state dict; checkpoints older than the fingerprint lack it."""
-    return TrainState(step=raw["step"], scheduler=raw["scheduler"], loader=raw["loader"], counters=raw["counters"],
-                      data_fingerprint=raw.get("data_fingerprint", ""))
+    return TrainState(
+        step=raw["step"],
+        scheduler=raw["scheduler"],
+        loader=raw["loader"],
+        counters=raw["counters"],
+        data_fingerprint=raw.get("data_fingerprint", ""),
+    )
 
 
 def trainable_state_dict(model: nn.Module, lora: bool) -> dict[str, torch.Tensor]:
@@ -112,8 +123,16 @@ def tensor_bytes(tree: Any) -> int:
 SAVE_MARGIN_BYTES = 16 << 20
 
 
-def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
-                    config_toml: str, *, lora: bool, keep_last: int) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    config_toml: str,
+    *,
+    lora: bool,
+    keep_last: int,
+) -> Path:
     """Write a checkpoint atomically and prune older ones; returns the checkpoint folder."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -149,7 +168,7 @@ def _rotate(root: Path, newest: Path, keep_last: int) -> None:
     step folder with a broken manifest: it can never be loaded)."""
     others = [p for p in _step_dirs(root) if p != newest]
     usable = [p for p in others if is_legacy(p) or looks_complete(p)]
-    keep = set(usable[max(0, len(usable) - (keep_last - 1)):]) if keep_last > 1 else set()
+    keep = set(usable[max(0, len(usable) - (keep_last - 1)) :]) if keep_last > 1 else set()
     for old in others:
         if old not in keep:
             discard(old)
@@ -159,7 +178,8 @@ def _step_dirs(root: Path) -> list[Path]:
     """Visible step folders, oldest step first."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+    steps = {p: step_of(p) for p in root.iterdir() if p.is_dir()}
+    return sorted((p for p, s in steps.items() if s is not None), key=lambda p: steps[p] or 0)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -207,8 +227,10 @@ def check_checkpoint(path: Path) -> None:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not verify_checkpoint(path):
-        note(f"{path} has no manifest.json (saved by an older tracetrain): it is loaded unverified, "
-             "after checking its tensor set and file headers only")
+        note(
+            f"{path} has no manifest.json (saved by an older tracetrain): it is loaded unverified, "
+            "after checking its tensor set and file headers only"
+        )
 
 
 def load_weights(file: Path, model: nn.Module, *, lora: bool, config: Path | None = None) -> None:
@@ -220,21 +242,25 @@ def load_weights(file: Path, model: nn.Module, *, lora: bool, config: Path | Non
     missing = sorted(set(expected) - set(weights))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{file}: missing tensor(s) {', '.join(missing[:5])}{more} (expected by the model{built})")
+        raise CheckpointError(
+            f"{file}: missing tensor(s) {', '.join(missing[:5])}{more} (expected by the model{built})"
+        )
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{file}: tensor {unexpected[0]} does not fit the model{built} "
-                              f"({len(unexpected)} unexpected tensor(s))")
+        raise CheckpointError(
+            f"{file}: tensor {unexpected[0]} does not fit the model{built} ({len(unexpected)} unexpected tensor(s))"
+        )
     with torch.no_grad():
         for name, target in expected.items():
             if target.shape != weights[name].shape:
-                raise CheckpointError(f"{file}: tensor {name} has shape {tuple(weights[name].shape)}, "
-                                      f"the model{built} expects {tuple(target.shape)}")
+                raise CheckpointError(
+                    f"{file}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                    f"the model{built} expects {tuple(target.shape)}"
+                )
             target.copy_(weights[name])
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                    lora: bool) -> TrainState:
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, lora: bool) -> TrainState:
     """Verify, then load weights and optimizer state in place, restore RNG states; return the rest."""
     for name in ("model.safetensors", "optimizer.pt", "trainer_state.pt"):
         if not (path / name).is_file():

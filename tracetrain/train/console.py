@@ -54,8 +54,14 @@ class Reporter:
         if not self.show_bar:
             yield _Bar(None, None, self.console, total)
             return
-        columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                   TimeElapsedColumn(), TimeRemainingColumn())
+        columns = (
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
         with Progress(*columns, console=self.console, transient=False) as prog:
             task = prog.add_task("train", total=total, completed=start, stats="")
             yield _Bar(prog, task, self.console, total)
@@ -71,19 +77,23 @@ class Reporter:
             if d.get(key):
                 self.note(f"{d[key]:,} {key.replace('_', ' ')}")
 
-    def model_summary(self, args: Any, model: Any, cfg: Any, device_name: str, precision: str,
-                      flops_per_token: float) -> None:
+    def model_summary(
+        self, args: Any, model: Any, cfg: Any, device_name: str, precision: str, flops_per_token: float
+    ) -> None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = num_params(args)
         self.console.print(
             f"model: {cfg.model.init_from or cfg.model.preset} | {total / 1e6:,.1f}M params | "
             f"{trainable / 1e6:,.2f}M trainable ({cfg.train.mode}) | {device_name} | {precision} | "
-            f"{flops_per_token / 1e9:,.2f} GFLOP/token", highlight=False)
+            f"{flops_per_token / 1e9:,.2f} GFLOP/token",
+            highlight=False,
+        )
 
     def eval_line(self, step: int, values: dict[str, Any] | None) -> None:
         if values:
-            self.console.print(f"eval @ step {step}: loss {values['eval_loss']:.4f} | ppl {values['eval_ppl']:.2f}",
-                               highlight=False)
+            self.console.print(
+                f"eval @ step {step}: loss {values['eval_loss']:.4f} | ppl {values['eval_ppl']:.2f}", highlight=False
+            )
 
     def summary(self, summary: dict[str, Any], run_dir: Path) -> None:
         if summary.get("interrupted"):

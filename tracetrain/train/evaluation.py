@@ -23,9 +23,16 @@ def run_eval(model: nn.Module, eval_ds: Any, cfg: Config, ctx: StepContext) -> d
     return evaluate(model, batches, ctx)
 
 
-def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str, str]], cfg: Config,
-                     ctx: StepContext, run_dir: Path | None, batch_size: int = 32,
-                     samples_path: Path | None = None) -> dict[str, float]:
+def exact_match_eval(
+    model: nn.Module,
+    tokenizer: Any,
+    examples: list[tuple[str, str]],
+    cfg: Config,
+    ctx: StepContext,
+    run_dir: Path | None,
+    batch_size: int = 32,
+    samples_path: Path | None = None,
+) -> dict[str, float]:
     """Greedy answers to held-out prompts, scored by exact match (GSM8K-style `#### N` references: the final
     number); answers written to `samples_path`, else to run_dir/samples.jsonl when a run_dir is given."""
     examples = examples[: cfg.train.eval_generate]
@@ -35,11 +42,17 @@ def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str,
     samples = []
     max_new = max(8, min(512, cfg.data.seq_len // 2))
     for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
+        chunk = examples[i : i + batch_size]
         prompts = [encode_prompt(tokenizer, p) for p, _ in chunk]  # BOS only when the tokenizer has one
         # Any stop id ends an answer: EOS and end-of-turn tokens (<|eot_id|>, <|im_end|>, ...).
-        outs = generate(model, prompts, max_new, tokenizer.stop_ids, tokenizer.pad_id,
-                        dtype=ctx.autocast_dtype)  # None: the model's own dtype
+        outs = generate(
+            model,  # type: ignore[arg-type]  # a Transformer with transforms applied (typed nn.Module here)
+            prompts,
+            max_new,
+            tokenizer.stop_ids,
+            tokenizer.pad_id,
+            dtype=ctx.autocast_dtype,
+        )  # None: the model's own dtype
         for (prompt, reference), ids in zip(chunk, outs):
             prediction = tokenizer.decode(ids)
             ok = exact_match(prediction, reference, cfg.data.kind)
@@ -52,8 +65,9 @@ def exact_match_eval(model: nn.Module, tokenizer: Any, examples: list[tuple[str,
     return {"exact_match": correct / len(examples), "exact_match_n": len(examples)}
 
 
-def final_evaluation(model: nn.Module, tokenizer: Any, eval_ds: Any, cfg: Config, ctx: StepContext,
-                     run_dir: Path | None, reporter: Any) -> dict[str, Any]:
+def final_evaluation(
+    model: nn.Module, tokenizer: Any, eval_ds: Any, cfg: Config, ctx: StepContext, run_dir: Path | None, reporter: Any
+) -> dict[str, Any]:
     with reporter.status("final evaluation"):
         result: dict[str, Any] = dict(run_eval(model, eval_ds, cfg, ctx))
         result.update(exact_match_eval(model, tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, run_dir))

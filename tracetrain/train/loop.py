@@ -55,7 +55,7 @@ from tracetrain.train.resume import (
     data_fingerprint,
 )
 from tracetrain.train.rundir import RunLock, atomic_write_text, discard_unstarted, lock_run_dir
-from tracetrain.train.runtime import refuse_with_parallel, resolve_device
+from tracetrain.train.runtime import resolve_device
 from tracetrain.train.step import train_step
 
 
@@ -65,7 +65,7 @@ class TrainResult:
     summary: dict[str, Any]
     signum: int | None = None  # the SIGINT/SIGTERM that stopped the run early (checkpoint saved); None: finished
     model: torch.nn.Module | None = None  # the trained model (this rank's part under several ranks)
-    tokenizer: Any = None                 # the tokenizer the run trained with
+    tokenizer: Any = None  # the tokenizer the run trained with
 
 
 class Callbacks:
@@ -110,16 +110,26 @@ class _StopFlag:
             return
         if not self.warned:
             self.warned = True
-            os.write(2, (f"{name} ignored: saving a checkpoint first; to stop now "
-                         f"without it: kill -9 {os.getpid()}\n").encode())
+            os.write(
+                2,
+                (
+                    f"{name} ignored: saving a checkpoint first; to stop now without it: kill -9 {os.getpid()}\n"
+                ).encode(),
+            )
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
 
-def train(cfg: Config, run_dir: Path | None = None, *, resume: ResumePoint | None = None,
-          reporter: Reporter | None = None, callbacks: Any = ()) -> TrainResult:
+def train(
+    cfg: Config,
+    run_dir: Path | None = None,
+    *,
+    resume: ResumePoint | None = None,
+    reporter: Reporter | None = None,
+    callbacks: Any = (),
+) -> TrainResult:
     """Train as `cfg` says and leave a complete run directory.
 
     The directory is `resume.run_dir` when resuming, else `run_dir` if given (made by `prepare_run_dir`),
@@ -157,6 +167,7 @@ def _lock_before_setup(cfg: Config, run_dir: Path | None, resume: ResumePoint | 
     """The run directory that exists before setup (resume, given, or torchrun's), locked; None: a fresh
     single-process run, whose directory is claimed after setup."""
     from tracetrain.parallel.dist import env_world_size
+
     if resume is None and run_dir is None:
         return claim_run_dir(cfg) if env_world_size() > 1 else None  # the ranks log into it from the start
     path = resume.run_dir if resume is not None else run_dir
@@ -178,6 +189,7 @@ def _train(run: _Run) -> TrainResult:
     """The loop, then the final evaluation and checkpoint (or the interruption record)."""
     stop = _StopFlag()
     from tracetrain.parallel import dist as tdist
+
     try:
         # Several ranks: an error on one is reported to the others, which then stop too.
         with tdist.failure_guard(run.watchdog, run.dist.rank):
@@ -188,9 +200,13 @@ def _train(run: _Run) -> TrainResult:
                 raise explain_oom(e, run.cfg, run.device, run.run_dir, run.step) from None
             summary = run.finish(interrupted_at, stop.name)
         tdist.shutdown(run.watchdog)
-        return TrainResult(run_dir=run.run_dir, summary=summary,
-                           signum=stop.signum if interrupted_at is not None else None,
-                           model=run.model, tokenizer=run.tokenizer)
+        return TrainResult(
+            run_dir=run.run_dir,
+            summary=summary,
+            signum=stop.signum if interrupted_at is not None else None,
+            model=run.model,
+            tokenizer=run.tokenizer,
+        )
     finally:
         stop.restore()
 
@@ -219,18 +235,18 @@ class _Run:
         """One process, or one rank of a torchrun job: device, process group, layout, logs, watchdog."""
         from tracetrain.models.build import model_args_from_config
         from tracetrain.parallel import dist as tdist
-        from tracetrain.parallel.mesh import validate_parallel
-        from tracetrain.validate import validate_run
+        from tracetrain.validate import validate
+
         cfg = self.cfg
         self.device = resolve_device(cfg.train.device)
         args = self.model_args = model_args_from_config(cfg)
-        validate_parallel(cfg, args, tdist.env_world_size())  # before any rank waits
-        validate_run(cfg, args)  # static checks of config vs model shape: before the run directory exists
+        # Layout, multi-rank switches, config vs model shape: before any rank waits on another and before
+        # the run directory exists.
+        validate(cfg, args, tdist.env_world_size())
         self.dist = tdist.init_distributed(cfg.parallel.timeout_s, self.device.type)
         self.rank0 = self.dist.rank == 0
         self.watchdog = None
         if self.dist.is_distributed:
-            refuse_with_parallel(cfg)
             self.device = self.dist.device
             tdist.setup_rank_logging(log_dir, self.dist.rank)
             self.watchdog = tdist.Watchdog(self.dist.rank, cfg.parallel.timeout_s).start()
@@ -249,22 +265,28 @@ class _Run:
         self.data_fingerprint = data_fingerprint(self.train_ds)  # stored in checkpoints, compared on resume
         self.reporter.data_stats(stats)
         # Every rank reads the same global micro-batch (same seed) and keeps its own rows of it.
-        self.loader = build_loader(self.train_ds, cfg.train.micro_batch_size * self.dp, cfg.data, shuffle=True,
-                                   seed=cfg.data.seed)
+        self.loader = build_loader(
+            self.train_ds, cfg.train.micro_batch_size * self.dp, cfg.data, shuffle=True, seed=cfg.data.seed
+        )
         self.sizing: dict[str, Any] = {}  # train.epochs: the step count is known only now that the rows exist
         if cfg.train.epochs:
             self.cfg, self.sizing = size_by_epochs(cfg, self.loader.batches_per_epoch)
             self.config_toml = note_resolved_steps(  # written by open_run_dir
-                self.config_toml, steps=int(self.sizing["steps"]), epochs=float(self.sizing["epochs"]),
-                batches_per_epoch=int(self.sizing["batches_per_epoch"]))
-            self.reporter.note("train.epochs = {epochs}: {batches_per_epoch} batches per epoch -> {steps} steps"
-                               .format(**self.sizing))
+                self.config_toml,
+                steps=int(self.sizing["steps"]),
+                epochs=float(self.sizing["epochs"]),
+                batches_per_epoch=int(self.sizing["batches_per_epoch"]),
+            )
+            self.reporter.note(
+                "train.epochs = {epochs}: {batches_per_epoch} batches per epoch -> {steps} steps".format(**self.sizing)
+            )
 
     def _build_model_and_optimizer(self) -> None:
         """Every `auto` decided once (the spec), then the model, its transforms and the optimizer from the
         one ordered table (train/assemble.py)."""
         from tracetrain.spec import resolve
         from tracetrain.train.assemble import assemble
+
         cfg, device = self.cfg, self.device
         self.spec = resolve(cfg, device, self.dist.world_size, model_args=self.model_args)
         self.precision = self.spec.precision
@@ -276,6 +298,7 @@ class _Run:
         mesh = None
         if self.dist.is_distributed:
             from tracetrain.parallel.mesh import build_mesh
+
             mesh = build_mesh(cfg.parallel, device.type)
         with self.reporter.status(f"building model on {device}"):
             self.assembly = assemble(self.spec, mesh)
@@ -291,14 +314,21 @@ class _Run:
     def _build_instruments(self) -> None:
         cfg, device = self.cfg, self.device
         num_lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if cfg.train.mode == "lora" else 0
-        self.flops = training_flops_per_token(self.args, cfg.data.seq_len, mode=cfg.train.mode,
-                                              num_lora_params=num_lora, num_experts=cfg.model.num_experts,
-                                              top_k=cfg.model.experts_top_k if cfg.model.num_experts else 0)
+        self.flops = training_flops_per_token(
+            self.args,
+            cfg.data.seq_len,
+            mode=cfg.train.mode,
+            num_lora_params=num_lora,
+            num_experts=cfg.model.num_experts,
+            top_k=cfg.model.experts_top_k if cfg.model.num_experts else 0,
+        )
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = peak_flops(self.device_name, self.precision, cfg.logging.peak_tflops) if device.type == "cuda" else None
         if device.type == "cuda" and peak is None:
-            self.reporter.note(f"MFU not reported: {self.device_name!r} is not in the device table; "
-                               "set logging.peak_tflops to its dense peak")
+            self.reporter.note(
+                f"MFU not reported: {self.device_name!r} is not in the device table; "
+                "set logging.peak_tflops to its dense peak"
+            )
         self.peak = peak
 
     def open_run_dir(self, run_dir: Path, resume: ResumePoint | None) -> None:
@@ -310,12 +340,20 @@ class _Run:
             atomic_write_text(run_dir / "data_stats.json", json.dumps(_as_dict(self.data_stats), indent=2))
             # Before the metrics file is opened for appending (truncation replaces the file).
             if resume is not None and resume.truncate_metrics(run_dir, self.start_step):
-                self.reporter.note(f"{run_dir / 'metrics.jsonl'}: dropped a torn last line "
-                                   "(the partial write of a stopped process)")
+                self.reporter.note(
+                    f"{run_dir / 'metrics.jsonl'}: dropped a torn last line (the partial write of a stopped process)"
+                )
         name = "metrics.jsonl" if self.rank0 else f"logs/metrics_rank{self.dist.rank}.jsonl"
-        self.metrics = MetricsLogger(run_dir, device, self.flops.model, self.peak, cfg.train.max_bad_steps,
-                                     cfg.logging.tensorboard and self.rank0, filename=name,
-                                     skipped_steps=self.skipped_at_start)
+        self.metrics = MetricsLogger(
+            run_dir,
+            device,
+            self.flops.model,
+            self.peak,
+            cfg.train.max_bad_steps,
+            cfg.logging.tensorboard and self.rank0,
+            filename=name,
+            skipped_steps=self.skipped_at_start,
+        )
         self.prof = ProfileCapture(cfg.profile, run_dir, device)
         self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
 
@@ -325,6 +363,7 @@ class _Run:
         check_steps_cover(self.cfg, resume.checkpoint)  # after train.epochs has set the step count
         if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
             from tracetrain.train.sharded_checkpoint import load_sharded
+
             raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
             set_rng_state(raw["rng"])
             state = train_state_from_dict(raw)
@@ -334,8 +373,9 @@ class _Run:
         if self.scaler is not None and state.counters.get("scaler"):
             self.scaler.load_state_dict(state.counters["scaler"])
         self.loader.load_state_dict(state.loader)  # a changed row count is refused here, with its own message
-        note = check_data_unchanged(state.data_fingerprint, self.data_fingerprint, self.cfg, resume.checkpoint,
-                                    len(self.train_ds))
+        note = check_data_unchanged(
+            state.data_fingerprint, self.data_fingerprint, self.cfg, resume.checkpoint, len(self.train_ds)
+        )
         if note:
             self.reporter.note(note)
         self.start_step = self.step = self.done = state.step
@@ -349,8 +389,7 @@ class _Run:
             self.prof.finish(lambda _: None)  # stops a profiler left running by an exception
 
     def announce(self) -> None:
-        self.reporter.model_summary(self.args, self.model, self.cfg, self.device_name, self.precision,
-                                    self.flops.model)
+        self.reporter.model_summary(self.args, self.model, self.cfg, self.device_name, self.precision, self.flops.model)
         preflight(self.cfg, self.device, self.reporter.note)
 
     def checkpoint(self, step: int) -> Path:
@@ -360,18 +399,40 @@ class _Run:
 
     def _save(self, step: int) -> Path:
         self._refuse_non_finite_weights(step)
-        counters = {"skipped_steps": self.metrics.skipped_steps,
-                    "scaler": self.scaler.state_dict() if self.scaler else {}}
-        state = TrainState(step=step, scheduler=self.scheduler.state_dict(), loader=self.loader.state_dict(),
-                           counters=counters, data_fingerprint=self.data_fingerprint)
+        counters = {
+            "skipped_steps": self.metrics.skipped_steps,
+            "scaler": self.scaler.state_dict() if self.scaler else {},
+        }
+        state = TrainState(
+            step=step,
+            scheduler=self.scheduler.state_dict(),
+            loader=self.loader.state_dict(),
+            counters=counters,
+            data_fingerprint=self.data_fingerprint,
+        )
         with self.reporter.status(f"saving checkpoint at step {step}"), self.prof.phase("checkpoint"):
             if self.dist.is_distributed:  # every rank writes its shards (DCP), atomically as one folder
                 from tracetrain.train.sharded_checkpoint import save_sharded
+
                 trainer_state = trainer_state_dict(state)
-                return save_sharded(self.run_dir, step, self.model, self.optimizer, trainer_state,
-                                    self.config_toml, self.cfg.checkpoint.keep_last)
-            return save_checkpoint(self.run_dir, self.model, self.optimizer, state, self.config_toml,
-                                   lora=self.adapters_only, keep_last=self.cfg.checkpoint.keep_last)
+                return save_sharded(
+                    self.run_dir,
+                    step,
+                    self.model,
+                    self.optimizer,
+                    trainer_state,
+                    self.config_toml,
+                    self.cfg.checkpoint.keep_last,
+                )
+            return save_checkpoint(
+                self.run_dir,
+                self.model,
+                self.optimizer,
+                state,
+                self.config_toml,
+                lora=self.adapters_only,
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
 
     def _refuse_non_finite_weights(self, step: int) -> None:
         """A checkpoint never holds NaN/inf weights: an update from finite gradients can still overflow them,
@@ -385,8 +446,10 @@ class _Run:
             return
         good = list_checkpoints(self.run_dir)
         kept = f"the last good checkpoint {good[-1]} is kept" if good else "no earlier checkpoint exists"
-        raise TracetrainError(f"weights are NaN/inf after step {step}: checkpoint not saved ({kept}). "
-                              "Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16")
+        raise TracetrainError(
+            f"weights are NaN/inf after step {step}: checkpoint not saved ({kept}). "
+            "Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16"
+        )
 
     def one_step(self, step: int) -> None:
         """Fetch the micro-batches, train, and hand the (still on-device) results to the metrics."""
@@ -451,8 +514,10 @@ class _Run:
         extra = self.prof.finish(self.reporter.note)
         done = self.done
         if interrupted_at is not None:
-            self.reporter.note(f"{signal_name} received: saved checkpoint {interrupted_at} at step {done}; "
-                               f"continue with: tracetrain train --resume {self.run_dir}")
+            self.reporter.note(
+                f"{signal_name} received: saved checkpoint {interrupted_at} at step {done}; "
+                f"continue with: tracetrain train --resume {self.run_dir}"
+            )
             summary = {"interrupted": True, "signal": signal_name, "step": done, "checkpoint": str(interrupted_at)}
         else:
             summary = self._final_evaluation()
@@ -479,22 +544,27 @@ class _Run:
         overflow skips (finite loss, loss scale lowered) do not count."""
         skipped, done = summary["final_steps_skipped"], self.done
         saved = f"; checkpoint {summary['checkpoint']} holds them" if "checkpoint" in summary else ""
-        return TracetrainError(f"the last {skipped} step(s) of the run (to step {done}) had a NaN/inf loss or "
-                               f"gradient and were not applied: the weights are those after step {done - skipped}"
-                               f"{saved}. Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16")
+        return TracetrainError(
+            f"the last {skipped} step(s) of the run (to step {done}) had a NaN/inf loss or "
+            f"gradient and were not applied: the weights are those after step {done - skipped}"
+            f"{saved}. Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16"
+        )
 
     def _final_evaluation(self) -> dict[str, Any]:
         if not self.can_evaluate():
-            self.reporter.note("held-out evaluation skipped: it needs the whole model on every rank "
-                               "(not available with pipeline parallelism yet); run `tracetrain eval` after")
+            self.reporter.note(
+                "held-out evaluation skipped: it needs the whole model on every rank "
+                "(not available with pipeline parallelism yet); run `tracetrain eval` after"
+            )
             return {}
         cfg = self.cfg
         if self.dist.is_distributed and cfg.train.eval_generate:
             # Greedy generation under sharded layouts is not supported yet: loss and perplexity only.
             self.reporter.note("exact-match generation skipped with several ranks; run `tracetrain eval` after")
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_generate=0))
-        return final_evaluation(self.model, self.tokenizer, self.eval_ds, cfg, self.ctx,
-                                self.run_dir if self.rank0 else None, self.reporter)
+        return final_evaluation(
+            self.model, self.tokenizer, self.eval_ds, cfg, self.ctx, self.run_dir if self.rank0 else None, self.reporter
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -504,13 +574,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _throughput_summary(metrics: MetricsLogger, cfg: Config, steps: int) -> dict[str, Any]:
     last = metrics.last
-    return {"steps": steps, "train_loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"),
-            "mfu": last.get("mfu"), "skipped_steps": metrics.skipped_steps,
-            **{k: v for k, v in last.items() if k.startswith("mem_")}}
+    return {
+        "steps": steps,
+        "train_loss": last.get("loss"),
+        "tokens_per_s": last.get("tokens_per_s"),
+        "mfu": last.get("mfu"),
+        "skipped_steps": metrics.skipped_steps,
+        **{k: v for k, v in last.items() if k.startswith("mem_")},
+    }
 
 
 def _as_dict(stats: Any) -> dict[str, Any]:
     if isinstance(stats, dict):
         return stats
     import dataclasses
+
     return dataclasses.asdict(stats)

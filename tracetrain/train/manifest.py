@@ -73,8 +73,9 @@ def fsync_path(path: Path) -> None:
 def write_manifest(folder: Path, step: int) -> None:
     """List every file of `folder` (already written and fsynced) in its manifest; fsync it and the folder."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = [{"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-               for p in files]
+    entries = [
+        {"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files
+    ]
     path = folder / MANIFEST
     path.write_text(json.dumps({"format": 1, "step": step, "files": entries}, indent=1) + "\n")
     fsync_path(path)
@@ -86,8 +87,9 @@ def _read_manifest(folder: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
-        ok = isinstance(manifest["step"], int) and all(isinstance(f["path"], str) and isinstance(f["bytes"], int)
-                                                       and isinstance(f["sha256"], str) for f in files)
+        ok = isinstance(manifest["step"], int) and all(
+            isinstance(f["path"], str) and isinstance(f["bytes"], int) and isinstance(f["sha256"], str) for f in files
+        )
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: not a valid checkpoint manifest ({type(e).__name__})") from None
     if not ok:
@@ -103,8 +105,9 @@ def _check_sizes(folder: Path, manifest: dict) -> None:
         if not file.is_file():
             raise CheckpointError(f"checkpoint {folder} is incomplete: {entry['path']} is missing")
         if file.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest records {entry['bytes']} "
-                                  "(truncated or overwritten)")
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size} bytes, the manifest records {entry['bytes']} (truncated or overwritten)"
+            )
 
 
 def is_legacy(folder: Path) -> bool:
@@ -135,14 +138,17 @@ def verify_checkpoint(folder: Path) -> bool:
     _check_sizes(folder, manifest)
     for entry in manifest["files"]:
         if sha256_file(folder / entry["path"]) != entry["sha256"]:
-            raise CheckpointError(f"{folder / entry['path']}: sha256 differs from the manifest "
-                                  "(the file is corrupt or was modified after the save)")
+            raise CheckpointError(
+                f"{folder / entry['path']}: sha256 differs from the manifest "
+                "(the file is corrupt or was modified after the save)"
+            )
     _verified[key] = identity
     return True
 
 
 # ----------------------------------------------------------------------------------------------------
 # Temporary and trash folders
+
 
 def _owner() -> str:
     return f"{socket.gethostname()}@{os.getpid()}"
@@ -190,12 +196,15 @@ def remove_stale(root: Path) -> list[Path]:
 # ----------------------------------------------------------------------------------------------------
 # Disk space
 
+
 def check_free_space(root: Path, name: str, needed_bytes: int) -> None:
     """Refuse to start a save that cannot fit: a full disk would also break every later save and resume."""
     free_bytes = shutil.disk_usage(root).free
     if needed_bytes > free_bytes:
-        raise CheckpointError(f"not enough disk space in {root} for checkpoint {name}: needs about "
-                              f"{needed_bytes} bytes, {free_bytes} free")
+        raise CheckpointError(
+            f"not enough disk space in {root} for checkpoint {name}: needs about "
+            f"{needed_bytes} bytes, {free_bytes} free"
+        )
 
 
 def _is_disk_full(error: BaseException) -> bool:
@@ -227,6 +236,8 @@ def staging(tmp: Path, name: str, *, owner: bool = True) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, (KeyboardInterrupt, SystemExit)) and _is_disk_full(e):
             free_bytes = shutil.disk_usage(tmp.parent).free
-            raise CheckpointError(f"disk full while saving checkpoint {name} into {tmp.parent} ({free_bytes} "
-                                  "bytes free); the partial save was removed, earlier checkpoints are intact") from None
+            raise CheckpointError(
+                f"disk full while saving checkpoint {name} into {tmp.parent} ({free_bytes} "
+                "bytes free); the partial save was removed, earlier checkpoints are intact"
+            ) from None
         raise

@@ -37,11 +37,11 @@ class _Pending:
 class MetricsLogger:
     run_dir: Path
     device: torch.device
-    flops_per_token: float            # model FLOPs (MFU convention, see models/accounting.py)
-    peak_flops: float | None          # None: unknown device, MFU is not reported
+    flops_per_token: float  # model FLOPs (MFU convention, see models/accounting.py)
+    peak_flops: float | None  # None: unknown device, MFU is not reported
     max_bad_steps: int
     tensorboard: bool = False
-    filename: str = "metrics.jsonl"      # other ranks of a job write under logs/
+    filename: str = "metrics.jsonl"  # other ranks of a job write under logs/
     pending: list[_Pending] = field(default_factory=list)
     bad_streak: int = 0
     skipped_steps: int = 0
@@ -50,19 +50,29 @@ class MetricsLogger:
     def __post_init__(self) -> None:
         path = self.run_dir / self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", buffering=1)
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115  # open for the run's life; close() closes it
         self.window_start = time.perf_counter()
         self.tb = None
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise TracetrainError("logging.tensorboard = true needs the tensorboard package: "
-                                      "pip install 'tracetrain[tensorboard]'") from None
+                raise TracetrainError(
+                    "logging.tensorboard = true needs the tensorboard package: pip install 'tracetrain[tensorboard]'"
+                ) from None
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
-               diverged: torch.Tensor, lr: float, tokens: int, data_wait_s: float) -> None:
+    def record(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        finite: torch.Tensor,
+        diverged: torch.Tensor,
+        lr: float,
+        tokens: int,
+        data_wait_s: float,
+    ) -> None:
         """Remember one step's values without reading them from the device."""
         self.pending.append(_Pending(step, loss, grad_norm, finite, diverged, lr, tokens, data_wait_s))
 
@@ -75,8 +85,12 @@ class MetricsLogger:
         if not self.pending:
             return None
         # The one host sync of the interval: the stacked values can only be read once the GPU is done.
-        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float(), p.finite.float(),
-                                           p.diverged.float()]) for p in self.pending]).tolist()
+        values = torch.stack(
+            [
+                torch.stack([p.loss.float(), p.grad_norm.float(), p.finite.float(), p.diverged.float()])
+                for p in self.pending
+            ]
+        ).tolist()
         elapsed = time.perf_counter() - self.window_start
         tokens = sum(p.tokens for p in self.pending)
         data_wait = sum(p.data_wait_s for p in self.pending)
@@ -86,13 +100,26 @@ class MetricsLogger:
         step_s = elapsed / len(self.pending)
         for p, (loss, gnorm, finite, diverged) in zip(self.pending, values):
             self._count_bad(finite > 0, diverged > 0, p.step)
-            rec = {"step": p.step + 1, "loss": loss, "grad_norm": gnorm, "lr": p.lr, "skipped": finite == 0,
-                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_s": step_s,
-                   "data_wait_s": p.data_wait_s, "compute_s": max(0.0, step_s - p.data_wait_s), **memory}
+            rec = {
+                "step": p.step + 1,
+                "loss": loss,
+                "grad_norm": gnorm,
+                "lr": p.lr,
+                "skipped": finite == 0,
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "step_s": step_s,
+                "data_wait_s": p.data_wait_s,
+                "compute_s": max(0.0, step_s - p.data_wait_s),
+                **memory,
+            }
             self.file.write(json.dumps(rec) + "\n")
             self._tensorboard(rec)
-        self.last = {**rec, "data_wait_share": data_wait / elapsed if elapsed > 0 else 0.0,
-                     "skipped_total": self.skipped_steps}
+        self.last = {
+            **rec,
+            "data_wait_share": data_wait / elapsed if elapsed > 0 else 0.0,
+            "skipped_total": self.skipped_steps,
+        }
         self.pending.clear()
         self.window_start = time.perf_counter()
         return self.last
@@ -103,12 +130,15 @@ class MetricsLogger:
         if self.bad_streak >= self.max_bad_steps:
             raise TracetrainError(
                 f"loss or gradient was NaN/inf for {self.bad_streak} steps in a row (last at step {step + 1}); "
-                "stopping. Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16")
+                "stopping. Try a lower optim.lr, train.grad_clip > 0, or bf16 instead of fp16"
+            )
 
     def memory(self) -> dict[str, float]:
         if self.device.type == "cuda":
-            return {"mem_peak_alloc_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
-                    "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30}
+            return {
+                "mem_peak_alloc_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
+            }
         # CPU: peak resident set size of the process (ru_maxrss is KiB on Linux, bytes on macOS).
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"mem_peak_rss_gib": rss / (2**30 if sys.platform == "darwin" else 2**20)}
@@ -133,8 +163,13 @@ class MetricsLogger:
 
 def format_line(rec: dict[str, Any], total_steps: int) -> str:
     """One console line for an interval summary."""
-    parts = [f"step {rec['step']:>6}/{total_steps}", f"loss {rec['loss']:.4f}", f"gnorm {rec['grad_norm']:.3f}",
-             f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+    parts = [
+        f"step {rec['step']:>6}/{total_steps}",
+        f"loss {rec['loss']:.4f}",
+        f"gnorm {rec['grad_norm']:.3f}",
+        f"lr {rec['lr']:.2e}",
+        f"{rec['tokens_per_s']:,.0f} tok/s",
+    ]
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
     parts.append(f"data {100 * rec.get('data_wait_share', 0):.0f}%")

@@ -41,7 +41,9 @@ def _plan_peak(cfg: Config, gpu: str, **memory_changes: object) -> tuple[float, 
     import dataclasses
 
     from tracetrain.plan import plan, plan_input_from_config
-    changed = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **memory_changes))
+
+    # Unvalidated on purpose: the alternatives are what-ifs for the planner, never run.
+    changed = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **memory_changes))  # type: ignore[arg-type]  # values from _REMEDIES
     p = plan(plan_input_from_config(changed, 1, gpu))
     return p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30
 
@@ -57,8 +59,10 @@ def preflight(cfg: Config, device: torch.device, note: Callable[[str], None]) ->
         note(f"memory pre-flight skipped: the planner could not model this run ({e})")
         return
     if need > have:
-        note(f"the planner predicts {need:.1f} GiB per GPU but the device has {have:.1f} GiB; "
-             f"this run will likely run out of memory. {suggestions(cfg, gpu)}")
+        note(
+            f"the planner predicts {need:.1f} GiB per GPU but the device has {have:.1f} GiB; "
+            f"this run will likely run out of memory. {suggestions(cfg, gpu)}"
+        )
 
 
 def suggestions(cfg: Config, gpu: str) -> str:
@@ -75,11 +79,14 @@ def suggestions(cfg: Config, gpu: str) -> str:
             found.append(f"{flag} (planned peak {need:.1f} GiB)")
     if not found:
         return f"Lower train.micro_batch_size (now {cfg.train.micro_batch_size}) or data.seq_len, or use more GPUs."
-    return "Would fit: " + "; ".join(found[:3]) + f"; or lower train.micro_batch_size (now {cfg.train.micro_batch_size})."
+    return (
+        "Would fit: " + "; ".join(found[:3]) + f"; or lower train.micro_batch_size (now {cfg.train.micro_batch_size})."
+    )
 
 
-def explain_oom(error: torch.OutOfMemoryError, cfg: Config, device: torch.device, run_dir: Path,
-                step: int) -> TracetrainError:
+def explain_oom(
+    error: torch.OutOfMemoryError, cfg: Config, device: torch.device, run_dir: Path, step: int
+) -> TracetrainError:
     """Snapshot the allocator and turn the OOM into one actionable message."""
     asked = re.search(r"Tried to allocate ([\d.]+ [KMG]iB)", str(error))
     peak = torch.cuda.max_memory_allocated(device) / 2**30
@@ -95,4 +102,5 @@ def explain_oom(error: torch.OutOfMemoryError, cfg: Config, device: torch.device
     return TracetrainError(
         f"CUDA out of memory at step {step + 1} while allocating {asked.group(1) if asked else 'memory'}; "
         f"peak allocated {peak:.1f} of {total:.1f} GiB.{where} "
-        f"{suggestions(cfg, torch.cuda.get_device_name(device))}")
+        f"{suggestions(cfg, torch.cuda.get_device_name(device))}"
+    )

@@ -11,8 +11,9 @@ from torch import nn
 from tracetrain.config import Config, MemorySection, OptimSection, check_warmup
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device,
-                    memory: MemorySection | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimSection, device: torch.device, memory: MemorySection | None = None
+) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; norms, biases and other 1-D tensors get no weight decay.
 
     The fused kernel (one launch for all parameters, and it honours `found_inf` so a non-finite step
@@ -21,17 +22,29 @@ def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device,
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if memory is not None and memory.optimizer_offload:
         # fp32 master weights and moments live in host memory; gradients stream there during
         # backward (hooks on the Parameter objects: build this after every transform that swaps them).
         from tracetrain.memory.optimizer_offload import CPUOffloadAdamW
-        return CPUOffloadAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                               eps=cfg.eps, weight_decay=cfg.weight_decay, threads=memory.offload_threads)
+
+        return CPUOffloadAdamW(
+            [g for g in groups if g["params"]],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            threads=memory.offload_threads,
+        )
     fused = cfg.fused == "on" or (cfg.fused == "auto" and device.type == "cuda")
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
 
 
 def lr_factor(step: int, cfg: OptimSection, total_steps: int) -> float:
@@ -48,8 +61,9 @@ def lr_factor(step: int, cfg: OptimSection, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimSection,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimSection, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
@@ -88,6 +102,8 @@ def note_resolved_steps(config_toml: str, steps: int, epochs: float, batches_per
         if line.startswith("["):
             section = line
         elif section == "[train]" and line.startswith("steps = "):
-            lines[i] = (f"# steps = {steps}  (resolved from epochs = {epochs}: {batches_per_epoch} micro-batches "
-                        "per epoch / grad_accum_steps)")
+            lines[i] = (
+                f"# steps = {steps}  (resolved from epochs = {epochs}: {batches_per_epoch} micro-batches "
+                "per epoch / grad_accum_steps)"
+            )
     return "\n".join(lines) + ("\n" if config_toml.endswith("\n") else "")

@@ -8,13 +8,12 @@ workers, device) are allowed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import hashlib
 
 import numpy as np
 
@@ -24,9 +23,22 @@ from tracetrain.train.checkpoint import latest_checkpoint, newest_checkpoint
 from tracetrain.train.manifest import step_of
 from tracetrain.train.rundir import RunLock, atomic_write_text, claim_new_run_dir
 
-ALLOWED_CHANGES = ("train.steps", "train.epochs", "train.eval_interval", "train.eval_batches", "train.eval_generate",
-                   "train.max_bad_steps", "train.output_dir", "train.run_name", "train.device",
-                   "data.num_workers", "data.pin_memory", "data.prefetch_factor", "checkpoint.", "logging.")
+ALLOWED_CHANGES = (
+    "train.steps",
+    "train.epochs",
+    "train.eval_interval",
+    "train.eval_batches",
+    "train.eval_generate",
+    "train.max_bad_steps",
+    "train.output_dir",
+    "train.run_name",
+    "train.device",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.prefetch_factor",
+    "checkpoint.",
+    "logging.",
+)
 
 
 @dataclass
@@ -50,8 +62,9 @@ class ResumePoint:
                 if number == len(lines):
                     torn = True
                     break
-                raise CheckpointError(f"{path}:{number}: not a JSON line; repair or remove that line "
-                                      "before resuming") from None
+                raise CheckpointError(
+                    f"{path}:{number}: not a JSON line; repair or remove that line before resuming"
+                ) from None
             if record["step"] <= step:
                 kept.append(line)
         atomic_write_text(path, "".join(line + "\n" for line in kept))
@@ -67,8 +80,10 @@ def check_compatible(saved: Config, new: Config, where: Path) -> None:
     changed = [k for k in cur if cur[k] != old.get(k) and not k.startswith(ALLOWED_CHANGES)]
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {cur[k]!r}" for k in changed[:4])
-        raise ConfigError(f"cannot resume {where}: the config changed in ways that would alter the run ({detail}). "
-                          "Start a new run instead, or keep these values")
+        raise ConfigError(
+            f"cannot resume {where}: the config changed in ways that would alter the run ({detail}). "
+            "Start a new run instead, or keep these values"
+        )
 
 
 def find_auto(cfg: Config) -> Path | None:
@@ -78,7 +93,7 @@ def find_auto(cfg: Config) -> Path | None:
         named = out / cfg.train.run_name
         return named if newest_checkpoint(named) else None
     runs = [p for p in out.iterdir() if p.is_dir() and newest_checkpoint(p)] if out.is_dir() else []
-    return max(runs, key=lambda p: newest_checkpoint(p).stat().st_mtime) if runs else None
+    return max(runs, key=lambda p: _mtime(newest_checkpoint(p))) if runs else None
 
 
 def resolve_resume(spec: str, config_path: str | None, overrides: list[str]) -> tuple[Config, ResumePoint | None]:
@@ -104,8 +119,10 @@ def check_steps_cover(cfg: Config, ckpt: Path) -> None:
     """A resumed run must not end before its checkpoint: it would save a step it never reached."""
     step = step_of(ckpt)
     if step is not None and cfg.train.steps < step:
-        raise ConfigError(f"config key 'train.steps': {cfg.train.steps} is below the step of the checkpoint to "
-                          f"resume ({ckpt.name}, step {step}); use train.steps >= {step}")
+        raise ConfigError(
+            f"config key 'train.steps': {cfg.train.steps} is below the step of the checkpoint to "
+            f"resume ({ckpt.name}, step {step}); use train.steps >= {step}"
+        )
 
 
 def data_fingerprint(dataset: object) -> str:
@@ -118,7 +135,7 @@ def data_fingerprint(dataset: object) -> str:
         for key in ("input_ids", "labels"):
             array = np.ascontiguousarray(rows[key].numpy())
             h.update(f"{key}{array.shape}{array.dtype}".encode())
-            h.update(array)
+            h.update(array.tobytes())
     else:  # OnTheFlyDataset: (prompt, response) pairs
         for prompt, response in dataset.examples:  # type: ignore[attr-defined]
             h.update(json.dumps([prompt, response]).encode())
@@ -129,13 +146,17 @@ def check_data_unchanged(saved: str, current: str, cfg: Config, ckpt: Path, num_
     """Refuse to resume on different training data; a note (returned) for checkpoints older than the
     fingerprint. `num_rows`: the rows the checkpoint's loader position counts, for the message."""
     if not saved:
-        return (f"{ckpt} has no data fingerprint (saved by an older tracetrain): cannot check that the "
-                "training data is unchanged")
+        return (
+            f"{ckpt} has no data fingerprint (saved by an older tracetrain): cannot check that the "
+            "training data is unchanged"
+        )
     if saved != current:
         source = f"data.path {cfg.data.path!r}" if cfg.data.path else f"data.kind {cfg.data.kind!r}"
-        raise DataError(f"cannot resume from {ckpt}: the training data changed since it was saved ({source}: "
-                        f"{num_rows} rows with other token ids or labels; fingerprint {saved} -> {current}). "
-                        "Restore the original data or start a new run")
+        raise DataError(
+            f"cannot resume from {ckpt}: the training data changed since it was saved ({source}: "
+            f"{num_rows} rows with other token ids or labels; fingerprint {saved} -> {current}). "
+            "Restore the original data or start a new run"
+        )
     return None
 
 
@@ -146,16 +167,20 @@ def claim_run_dir(cfg: Config) -> RunLock:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Every rank must write into the same folder, decided before the ranks can talk.
         if not cfg.train.run_name:
-            raise ConfigError("config key 'train.run_name' is required with several ranks (torchrun): all "
-                              "ranks must agree on the run directory")
+            raise ConfigError(
+                "config key 'train.run_name' is required with several ranks (torchrun): all "
+                "ranks must agree on the run directory"
+            )
         if int(os.environ.get("RANK", "0")) != 0:  # rank 0 claims and locks it for the job
             (out / cfg.train.run_name).mkdir(parents=True, exist_ok=True)
             return RunLock(out / cfg.train.run_name, None, created=False)
     name = cfg.train.run_name or time.strftime("%Y%m%d-%H%M%S")
     lock = claim_new_run_dir(out / name)
     if lock is None and cfg.train.run_name:
-        raise ConfigError(f"run directory {out / name} already exists; choose another train.run_name "
-                          f"or continue it with --resume {out / name}")
+        raise ConfigError(
+            f"run directory {out / name} already exists; choose another train.run_name "
+            f"or continue it with --resume {out / name}"
+        )
     suffix = 0
     while lock is None:  # a timestamped name taken (by another run started in the same second)
         suffix += 1
@@ -169,3 +194,7 @@ def prepare_run_dir(cfg: Config) -> Path:
     lock = claim_run_dir(cfg)
     lock.release()
     return lock.path
+
+
+def _mtime(path: Path | None) -> float:
+    return path.stat().st_mtime if path is not None else 0.0

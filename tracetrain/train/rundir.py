@@ -32,7 +32,7 @@ class RunLock:
 
     path: Path
     fd: int | None
-    created: bool   # this process made the directory, so it may remove it again if setup fails
+    created: bool  # this process made the directory, so it may remove it again if setup fails
 
     def release(self) -> None:
         if self.fd is not None:
@@ -67,8 +67,10 @@ def _lock(run_dir: Path, fd: int, created: bool) -> RunLock:
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise TracetrainError(f"run directory {run_dir} is in use by {holder} (lock file {run_dir / LOCK_NAME}); "
-                              "wait for that run to end or stop it, then try again") from None
+        raise TracetrainError(
+            f"run directory {run_dir} is in use by {holder} (lock file {run_dir / LOCK_NAME}); "
+            "wait for that run to end or stop it, then try again"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
     return RunLock(run_dir, fd, created)

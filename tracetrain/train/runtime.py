@@ -1,4 +1,6 @@
-"""Device and precision resolution, with clear errors for impossible requests."""
+"""Device resolution, with clear errors for impossible requests.
+
+(Precision and every other `auto` are resolved in tracetrain/spec.py.)"""
 
 from __future__ import annotations
 
@@ -20,31 +22,11 @@ def resolve_device(spec: str, key: str = "config key 'train.device'") -> torch.d
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"{key}: {spec!r} but no CUDA GPU is visible to PyTorch "
-                              f"(torch {torch.__version__}); use 'cpu' or 'auto'")
+            raise ConfigError(
+                f"{key}: {spec!r} but no CUDA GPU is visible to PyTorch "
+                f"(torch {torch.__version__}); use 'cpu' or 'auto'"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"{key}: {spec!r} but only {torch.cuda.device_count()} GPU(s)")
         torch.cuda.set_device(device)
     return device
-
-
-def resolve_precision(spec: str, device: torch.device) -> str:
-    """'auto' -> bf16 on GPUs that support it, fp32 otherwise."""
-    if spec == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if spec == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("config key 'train.precision': 'bf16' is not supported by this GPU; use 'fp32'")
-    return spec
-
-
-def refuse_with_parallel(cfg: object) -> None:
-    """Switches not yet combined with a multi-rank layout (no test covers them there)."""
-    checks = {"memory.optimizer_offload": cfg.memory.optimizer_offload,  # type: ignore[attr-defined]
-              "memory.activation_offload": cfg.memory.activation_offload != "none",  # type: ignore[attr-defined]
-              "memory.unified_memory": cfg.memory.unified_memory != "none",  # type: ignore[attr-defined]
-              "train.precision": cfg.train.precision == "fp16",  # type: ignore[attr-defined]
-              "train.fp8": cfg.train.fp8 != "none"}  # type: ignore[attr-defined]
-    for key, bad in checks.items():
-        if bad:
-            raise ConfigError(f"config key '{key}' is not supported together with several ranks yet; "
-                              "turn it off or run on one process")

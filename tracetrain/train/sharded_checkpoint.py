@@ -82,8 +82,15 @@ def _shared_temp_dir(final: Path) -> Path:
     return final.with_name(name[0])
 
 
-def save_sharded(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 trainer_state: dict[str, Any], config_toml: str, keep_last: int) -> Path:
+def save_sharded(
+    run_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    config_toml: str,
+    keep_last: int,
+) -> Path:
     """Save a checkpoint collectively (every rank calls this); returns the checkpoint folder.
 
     `model` is `ParallelModel.module` (plain-model names), `trainer_state` this rank's small state.
@@ -120,9 +127,15 @@ def save_sharded(run_dir: Path, step: int, model: nn.Module, optimizer: torch.op
 
 # What DCP's `.metadata` pickle is made of: the dataclasses and enum of dcp's metadata module, the
 # filesystem's storage index, torch.Size and dtypes, a layout helper, paths and plain containers.
-_METADATA_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
 _PATH_MODULES = ("pathlib", "pathlib._local")
 _PATH_CLASSES = ("PosixPath", "PurePosixPath", "PureWindowsPath")
 
@@ -143,8 +156,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         elif (module, name) in _METADATA_CLASSES or (module in _PATH_MODULES and name in _PATH_CLASSES):
             return super().find_class(module, name)
-        raise CheckpointError(f"{self.path}: refusing to load {module}.{name} (a DCP metadata file holds only "
-                              "torch.distributed.checkpoint metadata classes, sizes, dtypes and containers)")
+        raise CheckpointError(
+            f"{self.path}: refusing to load {module}.{name} (a DCP metadata file holds only "
+            "torch.distributed.checkpoint metadata classes, sizes, dtypes and containers)"
+        )
 
 
 def read_metadata_file(path: Path) -> dcp_metadata.Metadata:
@@ -159,8 +174,10 @@ def _unpickle_metadata(f: IO[bytes], path: str) -> dcp_metadata.Metadata:
     except CheckpointError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
-        raise CheckpointError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else 'truncated'})") from None
+        raise CheckpointError(
+            f"{path}: not a readable DCP metadata file ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else 'truncated'})"
+        ) from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"{path}: not a DCP metadata file (holds a {type(metadata).__name__})")
     return metadata
@@ -171,16 +188,17 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
+        path: Any
         if hasattr(self, "_get_metadata_path"):  # newer torch: also rank-local `__<rank>.metadata` files
             path = self._get_metadata_path(rank)
         else:
             path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _unpickle_metadata(f, str(path))
+            metadata = _unpickle_metadata(f, str(path))  # type: ignore[arg-type]  # a binary stream (IOBase in the stubs)
         # As FileSystemReader does: tag the metadata with this load's id.
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -193,8 +211,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         try:
             torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"DCP item {read_item.dest_index.fqn}: holds something other than tensors and "
-                                  f"plain values ({type(e).__name__})") from None
+            raise CheckpointError(
+                f"DCP item {read_item.dest_index.fqn}: holds something other than tensors and "
+                f"plain values ({type(e).__name__})"
+            ) from None
         super().load_bytes(read_item, io.BytesIO(data))
 
 

@@ -22,10 +22,22 @@ from tracetrain.parallel import dist as tdist
 
 # A 4-layer, dim-64 model in fp32 with AdamW eps = 1 (an update is ~lr * gradient): ranks that disagree
 # show it in the losses and parameters, not in round-off blurred by Adam's normalisation.
-TINY = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
-        "--model.ffn_dim=128", "--model.vocab_size=128", "--data.seq_len=32", "--train.precision=fp32",
-        "--optim.warmup_steps=0", "--optim.schedule=constant", "--optim.lr=5e-2", "--optim.fused=off",
-        "--optim.eps=1.0", "--train.fused_ce=false"]
+TINY = [
+    "--model.dim=64",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.ffn_dim=128",
+    "--model.vocab_size=128",
+    "--data.seq_len=32",
+    "--train.precision=fp32",
+    "--optim.warmup_steps=0",
+    "--optim.schedule=constant",
+    "--optim.lr=5e-2",
+    "--optim.fused=off",
+    "--optim.eps=1.0",
+    "--train.fused_ce=false",
+]
 
 
 def smoke_batches(cfg: Config, rows: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -46,6 +58,7 @@ def smoke_batches(cfg: Config, rows: int, seed: int) -> list[dict[str, torch.Ten
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a DTensor parameter (collective), or the tensor itself."""
     from torch.distributed.tensor import DTensor
+
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
@@ -79,18 +92,24 @@ def main(argv: list[str] | None = None) -> int:
             result = train_step(built.module, built.optimizer, smoke_batches(cfg, 2 * info.world_size, seed=s), ctx)
             losses.append(float(result.loss))
             norms.append(float(result.grad_norm))
-        rec = {"losses": losses, "norms": norms,
-               "params": {n: _full(p) for n, p in built.module.named_parameters()}}
-        checksum = float(sum(p.double().sum() for p in rec["params"].values()))
-        result = {"rank": info.rank, "world_size": info.world_size, "losses": rec["losses"],
-                  "norms": rec["norms"], "param_checksum": checksum}
-        (out / f"rank{info.rank}.json").write_text(json.dumps(result))
+        params = {n: _full(p) for n, p in built.module.named_parameters()}
+        rec = {"losses": losses, "norms": norms}
+        checksum = float(sum(p.double().sum() for p in params.values()))
+        record = {
+            "rank": info.rank,
+            "world_size": info.world_size,
+            "losses": rec["losses"],
+            "norms": rec["norms"],
+            "param_checksum": checksum,
+        }
+        (out / f"rank{info.rank}.json").write_text(json.dumps(record))
         log.info(f"losses {rec['losses']}, parameter checksum {checksum:.6f}")
     tdist.shutdown(watchdog)
     if info.rank == 0:
         results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(info.world_size)]
-        agree = all(r["losses"] == results[0]["losses"] and r["param_checksum"] == results[0]["param_checksum"]
-                    for r in results)
+        agree = all(
+            r["losses"] == results[0]["losses"] and r["param_checksum"] == results[0]["param_checksum"] for r in results
+        )
         print(f"smoke: {info.world_size} ranks {'agree' if agree else 'DISAGREE'}; losses {results[0]['losses']}")
         return 0 if agree else 1
     return 0

@@ -24,25 +24,24 @@ class StepContext:
     """What the step needs besides the batch; fixed for the whole run."""
 
     device: torch.device
-    autocast_dtype: torch.dtype | None   # None = no autocast (fp32)
-    grad_clip: float                     # 0 = no clipping (the norm is still measured)
-    use_document_mask: bool              # packed rows: attention must not cross documents
-    fused_skip: bool                     # optimizer honours `found_inf` on the device (fused AdamW)
-    scaler: torch.amp.GradScaler | None = None   # fp16 only: dynamic loss scaling
-    activation_offload: Any = None       # tracetrain.memory.ActivationOffload: saved activations -> host
-    fused_ce_chunk: int = 0              # > 0: the model's fused lm_head + cross-entropy (apply_fused_ce)
-    par: Any = None                      # tracetrain.parallel.ParallelModel when the job has several ranks
+    autocast_dtype: torch.dtype | None  # None = no autocast (fp32)
+    grad_clip: float  # 0 = no clipping (the norm is still measured)
+    use_document_mask: bool  # packed rows: attention must not cross documents
+    fused_skip: bool  # optimizer honours `found_inf` on the device (fused AdamW)
+    scaler: torch.amp.GradScaler | None = None  # fp16 only: dynamic loss scaling
+    activation_offload: Any = None  # tracetrain.memory.ActivationOffload: saved activations -> host
+    fused_ce_chunk: int = 0  # > 0: the model's fused lm_head + cross-entropy (apply_fused_ce)
+    par: Any = None  # tracetrain.parallel.ParallelModel when the job has several ranks
     # Named ranges for the profiler / NVTX (tracetrain/forward, ...); a no-op unless profiling.
-    phase: Callable[[str], contextlib.AbstractContextManager] = field(
-        default=lambda name: contextlib.nullcontext())
+    phase: Callable[[str], contextlib.AbstractContextManager] = field(default=lambda name: contextlib.nullcontext())
 
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor        # () float32 on device: mean loss per target token over the whole step
-    grad_norm: torch.Tensor   # () float32 on device, before clipping (unscaled under fp16)
-    finite: torch.Tensor      # () bool on device: the update was applied
-    diverged: torch.Tensor    # () bool on device: counts toward the "NaN/inf N steps in a row" stop
+    loss: torch.Tensor  # () float32 on device: mean loss per target token over the whole step
+    grad_norm: torch.Tensor  # () float32 on device, before clipping (unscaled under fp16)
+    finite: torch.Tensor  # () bool on device: the update was applied
+    diverged: torch.Tensor  # () bool on device: counts toward the "NaN/inf N steps in a row" stop
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -72,8 +71,9 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
     if ctx.par is not None:  # vocabulary-sharded logits under tensor parallelism
         return ctx.par.cross_entropy_sum(logits, batch["labels"])
     # Loss in float32 whatever the compute precision: bf16 log-softmax over a large vocab is lossy.
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 @runtime_checkable
@@ -88,8 +88,9 @@ class OffloadedOptimizer(Protocol):
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
-               ctx: StepContext) -> StepOutput:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]], ctx: StepContext
+) -> StepOutput:
     """Forward/backward over every micro-batch, clip, and one optimizer update (skipped if non-finite).
 
     The one training step of every run and layout: `forward_backward` (plain, or the pipeline schedule)
@@ -148,10 +149,16 @@ def pipeline_forward_backward(par: Any, micro_batches: list[dict[str, torch.Tens
     args = (batch["input_ids"],) if pipe.has_first else ()
     losses: list[torch.Tensor] = []
     with ctx.phase("pipeline"), par.micro_batch(is_last=True), autocast(ctx):
-        pipe.schedule.step(*args, target=batch["labels"] if pipe.has_last else None,
-                           losses=losses if pipe.has_last else None, return_outputs=False, **kwargs)
-    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else \
-        torch.zeros((), device=ctx.device)
+        pipe.schedule.step(
+            *args,
+            target=batch["labels"] if pipe.has_last else None,
+            losses=losses if pipe.has_last else None,
+            return_outputs=False,
+            **kwargs,
+        )
+    total = (
+        torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=ctx.device)
+    )
     return par.reduce_loss(all_reduce_pp(total, pipe.group))
 
 

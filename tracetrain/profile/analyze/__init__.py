@@ -29,5 +29,16 @@ from tracetrain.profile.analyze.report import RankReport, Report, analyze
 from tracetrain.profile.analyze.report_html import render_html
 from tracetrain.profile.analyze.trace import Trace, parse_trace
 
-__all__ = ["Advice", "CompareReport", "RankReport", "Report", "Trace", "analyze", "compare", "parse_trace",
-           "render_html", "render_json", "render_terminal"]
+__all__ = [
+    "Advice",
+    "CompareReport",
+    "RankReport",
+    "Report",
+    "Trace",
+    "analyze",
+    "compare",
+    "parse_trace",
+    "render_html",
+    "render_json",
+    "render_terminal",
+]

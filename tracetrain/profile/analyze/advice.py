@@ -53,11 +53,14 @@ def data_loader(report: RankReport) -> Advice | None:
     share = _fraction(report, idle)
     if share < 0.05:
         return None
-    return Advice("data_loader", "The GPU waits for the data loader",
-                  "Raise `data.num_workers` (and `data.prefetch_factor`), keep `data.pin_memory = true`, "
-                  "and tokenize/pack the dataset ahead of time.",
-                  f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host was in "
-                  "data-loading ranges.", share)
+    return Advice(
+        "data_loader",
+        "The GPU waits for the data loader",
+        "Raise `data.num_workers` (and `data.prefetch_factor`), keep `data.pin_memory = true`, "
+        "and tokenize/pack the dataset ahead of time.",
+        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host was in data-loading ranges.",
+        share,
+    )
 
 
 def pageable_copies(report: RankReport) -> Advice | None:
@@ -68,12 +71,15 @@ def pageable_copies(report: RankReport) -> Advice | None:
         return None
     count = sum(row.pageable_count for row in rows)
     mib = sum(row.pageable_bytes for row in rows) / 2**20
-    return Advice("pageable_copies", "Host copies use pageable memory",
-                  "Set `data.pin_memory = true` and copy with `.to(device, non_blocking=True)`; pin "
-                  "any host buffers used for offload.",
-                  f"{count} copies of pageable memory ({mib:.0f} MiB, {_per_step(report, pageable_us)}, "
-                  f"{share:.0%} of step time); pinned copies are faster and do not block the host.",
-                  0.5 * share)
+    return Advice(
+        "pageable_copies",
+        "Host copies use pageable memory",
+        "Set `data.pin_memory = true` and copy with `.to(device, non_blocking=True)`; pin "
+        "any host buffers used for offload.",
+        f"{count} copies of pageable memory ({mib:.0f} MiB, {_per_step(report, pageable_us)}, "
+        f"{share:.0%} of step time); pinned copies are faster and do not block the host.",
+        0.5 * share,
+    )
 
 
 def launch_bound(report: RankReport) -> Advice | None:
@@ -82,11 +88,15 @@ def launch_bound(report: RankReport) -> Advice | None:
     mean_us = report.bound.mean_kernel_us
     if mean_us >= 10.0 or share < 0.10:
         return None
-    return Advice("launch_bound", "Many short kernels: the GPU outruns the host",
-                  "Compile the model with `torch.compile` (fuses small kernels) or capture the step in "
-                  "CUDA graphs; a larger `train.micro_batch_size` gives each kernel more work.",
-                  f"mean kernel {mean_us:.1f} µs; GPU idle {_per_step(report, idle)} ({share:.0%} of "
-                  "step time) while the host was issuing work.", share)
+    return Advice(
+        "launch_bound",
+        "Many short kernels: the GPU outruns the host",
+        "Compile the model with `torch.compile` (fuses small kernels) or capture the step in "
+        "CUDA graphs; a larger `train.micro_batch_size` gives each kernel more work.",
+        f"mean kernel {mean_us:.1f} µs; GPU idle {_per_step(report, idle)} ({share:.0%} of "
+        "step time) while the host was issuing work.",
+        share,
+    )
 
 
 def fp32_gemm(report: RankReport) -> Advice | None:
@@ -94,11 +104,15 @@ def fp32_gemm(report: RankReport) -> Advice | None:
     share = _fraction(report, gemm.fp32_time_us)
     if gemm.time_us <= 0 or gemm.fp32_time_us < 0.1 * gemm.time_us or share < 0.02:
         return None
-    return Advice("fp32_gemm", "Matrix multiplies run in fp32",
-                  "Train in bf16 (`train.precision = \"bf16\"`), FP8 for large linear layers; at the "
-                  "least allow TF32 (`torch.backends.cuda.matmul.allow_tf32 = True`).",
-                  f"{gemm.fp32_time_us / gemm.time_us:.0%} of GEMM time ({share:.0%} of step time) is "
-                  "in fp32/TF32 GEMMs (fp32 inputs or sgemm/tf32 kernels).", 0.5 * share)
+    return Advice(
+        "fp32_gemm",
+        "Matrix multiplies run in fp32",
+        'Train in bf16 (`train.precision = "bf16"`), FP8 for large linear layers; at the '
+        "least allow TF32 (`torch.backends.cuda.matmul.allow_tf32 = True`).",
+        f"{gemm.fp32_time_us / gemm.time_us:.0%} of GEMM time ({share:.0%} of step time) is "
+        "in fp32/TF32 GEMMs (fp32 inputs or sgemm/tf32 kernels).",
+        0.5 * share,
+    )
 
 
 def small_gemm(report: RankReport) -> Advice | None:
@@ -107,11 +121,15 @@ def small_gemm(report: RankReport) -> Advice | None:
     if gemm.time_us <= 0 or gemm.small_time_us < 0.5 * gemm.time_us or share < 0.10:
         return None
     achieved = f" (achieved {gemm.tflops:.0f} TFLOP/s)" if gemm.tflops else ""
-    return Advice("small_gemm", "GEMMs are too small to fill the GPU",
-                  "Raise `train.micro_batch_size` (lower `train.grad_accum_steps` to keep the global "
-                  "batch) or `data.seq_len`, so each GEMM has more rows.",
-                  f"{gemm.small_time_us / gemm.time_us:.0%} of GEMM time is in GEMMs with fewer than "
-                  f"1024 rows running below 30% of peak{achieved}.", 0.5 * share)
+    return Advice(
+        "small_gemm",
+        "GEMMs are too small to fill the GPU",
+        "Raise `train.micro_batch_size` (lower `train.grad_accum_steps` to keep the global "
+        "batch) or `data.seq_len`, so each GEMM has more rows.",
+        f"{gemm.small_time_us / gemm.time_us:.0%} of GEMM time is in GEMMs with fewer than "
+        f"1024 rows running below 30% of peak{achieved}.",
+        0.5 * share,
+    )
 
 
 def sync_stalls(report: RankReport) -> Advice | None:
@@ -119,11 +137,15 @@ def sync_stalls(report: RankReport) -> Advice | None:
     share = _fraction(report, idle)
     if share < 0.05:
         return None
-    return Advice("sync_stalls", "Host synchronisations drain the GPU queue",
-                  "Remove `.item()`, `.cpu()`, `print(tensor)` and `torch.cuda.synchronize()` from the "
-                  "step; read metrics back every `logging.log_interval` steps only.",
-                  f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) after host syncs "
-                  "(cudaStreamSynchronize, aten::item, ...).", share)
+    return Advice(
+        "sync_stalls",
+        "Host synchronisations drain the GPU queue",
+        "Remove `.item()`, `.cpu()`, `print(tensor)` and `torch.cuda.synchronize()` from the "
+        "step; read metrics back every `logging.log_interval` steps only.",
+        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) after host syncs "
+        "(cudaStreamSynchronize, aten::item, ...).",
+        share,
+    )
 
 
 def memory_headroom(report: RankReport) -> Advice | None:
@@ -131,27 +153,40 @@ def memory_headroom(report: RankReport) -> Advice | None:
     if memory is None or memory.headroom_fraction is None or memory.headroom_fraction < 0.4:
         return None
     peak_gib, capacity_gib = memory.peak_reserved_bytes / 2**30, (memory.capacity_bytes or 0) / 2**30
-    return Advice("memory_headroom", "GPU memory is left unused",
-                  "Use it: raise `train.micro_batch_size`, or recompute fewer activations.",
-                  f"peak reserved {peak_gib:.1f} GiB of {capacity_gib:.1f} GiB "
-                  f"({memory.headroom_fraction:.0%} unused).", None)
+    return Advice(
+        "memory_headroom",
+        "GPU memory is left unused",
+        "Use it: raise `train.micro_batch_size`, or recompute fewer activations.",
+        f"peak reserved {peak_gib:.1f} GiB of {capacity_gib:.1f} GiB ({memory.headroom_fraction:.0%} unused).",
+        None,
+    )
 
 
 def exposed_comm(report: RankReport) -> Advice | None:
     comm = report.communication
     if comm.exposed_fraction < 0.05:
         return None
-    return Advice("exposed_comm", "Communication is not hidden behind compute",
-                  "Overlap it: tune DDP `bucket_cap_mb` / FSDP prefetching, accumulate gradients to "
-                  "communicate less often, and check for a straggler rank.",
-                  f"{comm.exposed_us / 1e3:.2f} ms of NCCL time ({comm.exposed_fraction:.0%} of step "
-                  f"time) ran with no compute alongside ({comm.overlap_fraction:.0%} overlapped).",
-                  comm.exposed_fraction)
+    return Advice(
+        "exposed_comm",
+        "Communication is not hidden behind compute",
+        "Overlap it: tune DDP `bucket_cap_mb` / FSDP prefetching, accumulate gradients to "
+        "communicate less often, and check for a straggler rank.",
+        f"{comm.exposed_us / 1e3:.2f} ms of NCCL time ({comm.exposed_fraction:.0%} of step "
+        f"time) ran with no compute alongside ({comm.overlap_fraction:.0%} overlapped).",
+        comm.exposed_fraction,
+    )
 
 
 RULES: tuple[Callable[[RankReport], Advice | None], ...] = (
-    data_loader, pageable_copies, launch_bound, fp32_gemm, small_gemm, sync_stalls, memory_headroom,
-    exposed_comm)
+    data_loader,
+    pageable_copies,
+    launch_bound,
+    fp32_gemm,
+    small_gemm,
+    sync_stalls,
+    memory_headroom,
+    exposed_comm,
+)
 
 
 def _by_gain(advice: Advice) -> float:

@@ -33,11 +33,30 @@ from tracetrain.profile.analyze.utilisation import Utilisation
 SHORT_KERNEL_US: Final = 10.0
 SMALL_GEMM_M: Final = 1024
 LOW_GEMM_EFFICIENCY: Final = 0.3
-_ITEMSIZE: Final = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "c10::Float8_e4m3fn": 1,
-                    "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1, "long int": 8, "int": 4,
-                    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
-_PRECISION: Final = {"float": "fp32", "double": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16",
-                     "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8", "c10::Float8_e4m3fnuz": "fp8"}
+_ITEMSIZE: Final = {
+    "float": 4,
+    "double": 8,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+    "c10::Float8_e4m3fnuz": 1,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+}
+_PRECISION: Final = {
+    "float": "fp32",
+    "double": "fp32",
+    "c10::BFloat16": "bf16",
+    "c10::Half": "fp16",
+    "c10::Float8_e4m3fn": "fp8",
+    "c10::Float8_e5m2": "fp8",
+    "c10::Float8_e4m3fnuz": "fp8",
+}
 _FP32_GEMM_NAME: Final = re.compile(r"sgemm|tf32|gemm_f32f32|_fp32_", re.I)
 _LOW_PRECISION_NAME: Final = re.compile(r"bf16|f16|fp16|e4m3|e5m2|fp8|hgemm", re.I)
 _GEMM = CATEGORIES.index("gemm")
@@ -116,15 +135,20 @@ def gemm_shape(op_name: str, dims: list, types: list) -> GemmShape | None:
     dtype = types[operands[0]] if len(types) > operands[0] else None
     precision = "fp8" if op_name == "aten::_scaled_mm" else _PRECISION.get(dtype or "")
     itemsize = _ITEMSIZE.get(dtype or "", 2)
-    return GemmShape(flops=2.0 * batch * m * k * n, bytes=float(itemsize * batch * (m * k + k * n + m * n)),
-                     m=int(m), precision=precision)
+    return GemmShape(
+        flops=2.0 * batch * m * k * n,
+        bytes=float(itemsize * batch * (m * k + k * n + m * n)),
+        m=int(m),
+        precision=precision,
+    )
 
 
 def _peak_flops(spec: DeviceSpec | None, precision: str | None) -> float | None:
     if spec is None:
         return None
-    tflops = {"bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops, "fp8": spec.fp8_tflops,
-              "fp32": spec.fp32_tflops}.get(precision or "bf16")
+    tflops = {"bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops, "fp8": spec.fp8_tflops, "fp32": spec.fp32_tflops}.get(
+        precision or "bf16"
+    )
     return tflops * 1e12 if tflops else None
 
 
@@ -156,26 +180,37 @@ def gemm_stats(trace: Trace, rows: np.ndarray, spec: DeviceSpec | None) -> GemmS
         if shape.precision == "fp32":
             fp32 += op_time[i]
     fp32 += _fp32_by_name(trace, rows[trace.gpu.gemm_op[rows] < 0])
-    return GemmStats(time_us=float(trace.gpu.dur[rows].sum()), shaped_time_us=float(shaped),
-                     num_ops=int((ops >= 0).sum()),
-                     tflops=float(flops / (shaped * 1e-6) / 1e12) if shaped else None,
-                     efficiency=float(peak_time / (shaped * 1e-6)) if shaped and peak_time else None,
-                     intensity=float(flops / nbytes) if nbytes else None, small_time_us=float(small),
-                     fp32_time_us=float(fp32))
+    return GemmStats(
+        time_us=float(trace.gpu.dur[rows].sum()),
+        shaped_time_us=float(shaped),
+        num_ops=int((ops >= 0).sum()),
+        tflops=float(flops / (shaped * 1e-6) / 1e12) if shaped else None,
+        efficiency=float(peak_time / (shaped * 1e-6)) if shaped and peak_time else None,
+        intensity=float(flops / nbytes) if nbytes else None,
+        small_time_us=float(small),
+        fp32_time_us=float(fp32),
+    )
 
 
 def _fp32_by_name(trace: Trace, rows: np.ndarray) -> float:
     """Time of GEMM kernels without a shaped op whose names say fp32 (sgemm, tf32, f32f32)."""
     names, inverse = np.unique(trace.gpu.name[rows], return_inverse=True)
-    fp32 = np.array([bool(_FP32_GEMM_NAME.search(trace.names[n]) and not _LOW_PRECISION_NAME.search(trace.names[n]))
-                     for n in names.tolist()], dtype=bool)
+    fp32 = np.array(
+        [
+            bool(_FP32_GEMM_NAME.search(trace.names[n]) and not _LOW_PRECISION_NAME.search(trace.names[n]))
+            for n in names.tolist()
+        ],
+        dtype=bool,
+    )
     return float(trace.gpu.dur[rows][fp32[inverse]].sum()) if len(rows) else 0.0
 
 
 # Ops whose output is far smaller than their input (a reduction over at least one dimension): their
 # traffic is the inputs read; counting an output as large as the largest input would double it.
-_REDUCING_OP = re.compile(r"\b(?:aten::)?(?:mean|sum|norm|linalg_vector_norm|amax|amin|max|min|argmax|argmin|"
-                          r"var|std|prod|all|any|nll_loss\w*|_foreach_norm)\b")
+_REDUCING_OP = re.compile(
+    r"\b(?:aten::)?(?:mean|sum|norm|linalg_vector_norm|amax|amin|max|min|argmax|argmin|"
+    r"var|std|prod|all|any|nll_loss\w*|_foreach_norm)\b"
+)
 
 
 def op_bytes_estimate(name: str, sizes: list[int]) -> int:
@@ -210,8 +245,9 @@ def _ridge(spec: DeviceSpec | None) -> float | None:
     return spec.bf16_tflops * 1e12 / (spec.hbm_tb_s * 1e12) if spec else None
 
 
-def _category_verdict(category: str, mean_us: float, launch_gappy: bool, gemm: GemmStats,
-                      spec: DeviceSpec | None) -> str:
+def _category_verdict(
+    category: str, mean_us: float, launch_gappy: bool, gemm: GemmStats, spec: DeviceSpec | None
+) -> str:
     if category == "communication":
         return "communication"
     if category in ("memcpy_h2d", "memcpy_d2h", "memcpy_other"):
@@ -228,8 +264,9 @@ def _category_verdict(category: str, mean_us: float, launch_gappy: bool, gemm: G
     return "unknown"
 
 
-def _bandwidth(trace: Trace, rows: np.ndarray, category: str,
-               spec: DeviceSpec | None) -> tuple[float | None, float | None]:
+def _bandwidth(
+    trace: Trace, rows: np.ndarray, category: str, spec: DeviceSpec | None
+) -> tuple[float | None, float | None]:
     """Achieved GB/s and its fraction of HBM bandwidth (not for host copies), where bytes are known."""
     if category in MEMORY_CATEGORIES and category != "memset":
         nbytes, us = streamed_bytes(trace, rows)
@@ -242,11 +279,12 @@ def _bandwidth(trace: Trace, rows: np.ndarray, category: str,
         return None, None
     gb_per_s = float(nbytes / (us * 1e3))
     on_hbm = spec is not None and category not in ("memcpy_h2d", "memcpy_d2h", "memcpy_other")
-    return gb_per_s, gb_per_s / (spec.hbm_tb_s * 1e3) if on_hbm else None
+    return gb_per_s, gb_per_s / (spec.hbm_tb_s * 1e3) if on_hbm and spec is not None else None
 
 
-def _category_rows(trace: Trace, rows: np.ndarray, spec: DeviceSpec | None, gemm: GemmStats,
-                   launch_gappy: bool) -> list[BoundRow]:
+def _category_rows(
+    trace: Trace, rows: np.ndarray, spec: DeviceSpec | None, gemm: GemmStats, launch_gappy: bool
+) -> list[BoundRow]:
     codes = gpu_categories(trace)[rows]
     total = float(trace.gpu.dur[rows].sum())
     table = []
@@ -255,11 +293,19 @@ def _category_rows(trace: Trace, rows: np.ndarray, spec: DeviceSpec | None, gemm
         category, time_us = CATEGORIES[code], float(trace.gpu.dur[sel].sum())
         mean_us = time_us / len(sel)
         gb_per_s, bandwidth_efficiency = _bandwidth(trace, sel, category, spec)
-        table.append(BoundRow(
-            category=category, time_us=time_us, share=time_us / total if total else 0.0, mean_kernel_us=mean_us,
-            tflops=gemm.tflops if code == _GEMM else None, flop_efficiency=gemm.efficiency if code == _GEMM else None,
-            gb_per_s=gb_per_s, bandwidth_efficiency=bandwidth_efficiency,
-            verdict=_category_verdict(category, mean_us, launch_gappy, gemm, spec)))
+        table.append(
+            BoundRow(
+                category=category,
+                time_us=time_us,
+                share=time_us / total if total else 0.0,
+                mean_kernel_us=mean_us,
+                tflops=gemm.tflops if code == _GEMM else None,
+                flop_efficiency=gemm.efficiency if code == _GEMM else None,
+                gb_per_s=gb_per_s,
+                bandwidth_efficiency=bandwidth_efficiency,
+                verdict=_category_verdict(category, mean_us, launch_gappy, gemm, spec),
+            )
+        )
     return sorted(table, key=lambda row: -row.time_us)
 
 
@@ -270,8 +316,10 @@ def _overall(util: Utilisation, rows: list[BoundRow], mean_kernel_us: float) -> 
         cause = max(util.idle_us, key=lambda c: util.idle_us[c])
         if cause == "host":
             verdict = "launch-bound" if mean_kernel_us < SHORT_KERNEL_US else "host-bound"
-            return verdict, (f"GPU idle {idle:.0%} of the window, mostly while the host issues work "
-                             f"(mean kernel {mean_kernel_us:.1f} µs)")
+            return verdict, (
+                f"GPU idle {idle:.0%} of the window, mostly while the host issues work "
+                f"(mean kernel {mean_kernel_us:.1f} µs)"
+            )
         return "host-bound", f"GPU idle {idle:.0%} of the window, mostly {cause.replace('_', ' ')}"
     if util.busy_us and util.exposed_comm_us >= 0.3 * util.busy_us:
         share = util.exposed_comm_us / util.busy_us
@@ -292,8 +340,9 @@ def bound(trace: Trace, spec: DeviceSpec | None, util: Utilisation) -> BoundAnal
     kernels = rows[trace.gpu.kind[rows] == KERNEL]
     mean_kernel_us = float(trace.gpu.dur[kernels].mean()) if len(kernels) else 0.0
     if not len(rows):
-        return BoundAnalysis(spec.name if spec else None, "no GPU activity", "the trace has no GPU events",
-                             0.0, [], gemm)
+        return BoundAnalysis(
+            spec.name if spec else None, "no GPU activity", "the trace has no GPU events", 0.0, [], gemm
+        )
     launch_gappy = util.idle_us["host"] >= 0.1 * util.steps_us
     table = _category_rows(trace, rows, spec, gemm, launch_gappy)
     verdict, reason = _overall(util, table, mean_kernel_us)

@@ -37,9 +37,21 @@ from __future__ import annotations
 import re
 from typing import Final
 
-CATEGORIES: Final = ("gemm", "attention", "normalisation", "elementwise", "reduction", "optimizer",
-                     "communication", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memcpy_other",
-                     "memset", "other")
+CATEGORIES: Final = (
+    "gemm",
+    "attention",
+    "normalisation",
+    "elementwise",
+    "reduction",
+    "optimizer",
+    "communication",
+    "memcpy_h2d",
+    "memcpy_d2h",
+    "memcpy_d2d",
+    "memcpy_other",
+    "memset",
+    "other",
+)
 MEMCPY_CATEGORIES: Final = ("memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memcpy_other")
 # Categories whose kernels stream memory: their speed is bytes/s against HBM bandwidth.
 MEMORY_CATEGORIES: Final = ("normalisation", "elementwise", "reduction", "optimizer", "memset")
@@ -48,22 +60,35 @@ _KERNEL_RULES: Final = [
     ("communication", re.compile(r"nccl|rccl", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|mha|dot_do_o|convert_dq", re.I)),
     ("optimizer", re.compile(r"multi_tensor_apply|adam|sgd|lamb_|lion_", re.I)),
-    ("normalisation", re.compile(r"rms_?norm|layer_?norm|group_?norm|batch_?norm|norm_(fwd|bwd)|gammabeta",
-                                 re.I)),
-    ("gemm", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|wgmma|\bKernel2\b|triton_tem|splitkreduce"
-                        r"|matmul", re.I)),
-    ("reduction", re.compile(r"reduce|softmax|triton_red_|triton_per_|cross_entropy|nll_loss|argmax",
-                             re.I)),
+    ("normalisation", re.compile(r"rms_?norm|layer_?norm|group_?norm|batch_?norm|norm_(fwd|bwd)|gammabeta", re.I)),
+    (
+        "gemm",
+        re.compile(
+            r"gemm|gemv|nvjet|xmma|cutlass|cublas|wgmma|\bKernel2\b|triton_tem|splitkreduce"
+            r"|matmul",
+            re.I,
+        ),
+    ),
+    ("reduction", re.compile(r"reduce|softmax|triton_red_|triton_per_|cross_entropy|nll_loss|argmax", re.I)),
     ("elementwise", re.compile(r"elementwise|triton_poi_|fill_kernel|catarray|copy_kernel", re.I)),
 ]
 
 _DATA_RANGE: Final = re.compile(
-    r"dataloader|_next_data|data_wait|data_load|load_data|fetch_data|get_batch|(^|[/#.])data($|[/#.])",
-    re.I)
-_SYNC_RUNTIME: Final = frozenset({
-    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-    "cudaMemcpy2D", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2",
-})
+    r"dataloader|_next_data|data_wait|data_load|load_data|fetch_data|get_batch|(^|[/#.])data($|[/#.])", re.I
+)
+_SYNC_RUNTIME: Final = frozenset(
+    {
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "cudaMemcpy2D",
+        "cuStreamSynchronize",
+        "cuCtxSynchronize",
+        "cuEventSynchronize",
+        "cuMemcpyDtoH_v2",
+    }
+)
 _SYNC_OPS: Final = frozenset({"aten::item", "aten::_local_scalar_dense", "aten::nonzero"})
 _COMM_RANGE: Final = re.compile(r"^(c10d::|nccl:|gloo:)|record_param_comms|ProcessGroup")
 
@@ -188,5 +213,16 @@ def short_kernel_name(name: str, max_chars: int = 90) -> str:
 
 
 # aten ops whose recorded `Input Dims` give a GEMM's shape (see bound.gemm_shape for the formulas).
-GEMM_OPS: Final = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-                             "aten::linear", "aten::_scaled_mm", "aten::addmm_", "aten::mm.out"})
+GEMM_OPS: Final = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::matmul",
+        "aten::linear",
+        "aten::_scaled_mm",
+        "aten::addmm_",
+        "aten::mm.out",
+    }
+)

@@ -75,18 +75,25 @@ def communication(trace: Trace, steps_us: float) -> CommRow:
     comm = device & (gpu_categories(trace) == _COMM)
     comm_spans, other_spans = gpu_spans(trace, comm), gpu_spans(trace, device & ~comm)
     overlapped = intersect(comm_spans, other_spans).total()
-    busy = union(np.concatenate([comm_spans.starts, other_spans.starts]),
-                 np.concatenate([comm_spans.ends, other_spans.ends])).total()
+    busy = union(
+        np.concatenate([comm_spans.starts, other_spans.starts]), np.concatenate([comm_spans.ends, other_spans.ends])
+    ).total()
     collectives: dict[str, float] = {}
     for row in np.flatnonzero(comm).tolist():
         name = collective_of(trace.names[trace.gpu.name[row]])
         collectives[name] = collectives.get(name, 0.0) + float(trace.gpu.dur[row])
     total = comm_spans.total()
-    return CommRow(rank=trace.rank, num_kernels=int(comm.sum()), comm_us=total, overlapped_us=overlapped,
-                   exposed_us=total - overlapped, comm_share=total / busy if busy else 0.0,
-                   overlap_fraction=overlapped / total if total else 0.0,
-                   exposed_fraction=(total - overlapped) / steps_us if steps_us else 0.0,
-                   collectives=collectives)
+    return CommRow(
+        rank=trace.rank,
+        num_kernels=int(comm.sum()),
+        comm_us=total,
+        overlapped_us=overlapped,
+        exposed_us=total - overlapped,
+        comm_share=total / busy if busy else 0.0,
+        overlap_fraction=overlapped / total if total else 0.0,
+        exposed_fraction=(total - overlapped) / steps_us if steps_us else 0.0,
+        collectives=collectives,
+    )
 
 
 def offload(trace: Trace) -> OffloadRow:
@@ -97,11 +104,15 @@ def offload(trace: Trace) -> OffloadRow:
     copies = gpu_spans(trace, h2d | d2h)
     window_us = trace.window[1] - trace.window[0]
     return OffloadRow(
-        h2d_us=float(trace.gpu.dur[h2d].sum()), h2d_bytes=int(np.maximum(trace.gpu.bytes[h2d], 0).sum()),
-        d2h_us=float(trace.gpu.dur[d2h].sum()), d2h_bytes=int(np.maximum(trace.gpu.bytes[d2h], 0).sum()),
+        h2d_us=float(trace.gpu.dur[h2d].sum()),
+        h2d_bytes=int(np.maximum(trace.gpu.bytes[h2d], 0).sum()),
+        d2h_us=float(trace.gpu.dur[d2h].sum()),
+        d2h_bytes=int(np.maximum(trace.gpu.bytes[d2h], 0).sum()),
         copy_fraction=copies.total() / window_us if window_us > 0 else 0.0,
-        num_unified_events=len(trace.unified), unified_us=float(np.nansum(trace.unified.dur)),
-        unified_bytes=int(np.maximum(trace.unified.bytes, 0).sum()))
+        num_unified_events=len(trace.unified),
+        unified_us=float(np.nansum(trace.unified.dur)),
+        unified_bytes=int(np.maximum(trace.unified.bytes, 0).sum()),
+    )
 
 
 def _downsample(ts: np.ndarray, values: np.ndarray, max_points: int) -> list[tuple[float, int]]:
@@ -124,7 +135,11 @@ def memory_timeline(trace: Trace, capacity_bytes: int | None) -> MemoryTimeline 
     allocated, reserved = trace.memory.allocated[rows], trace.memory.reserved[rows]
     peak_reserved = int(max(reserved.max(), allocated.max()))
     return MemoryTimeline(
-        device=device, num_events=len(rows), peak_allocated_bytes=int(allocated.max()),
-        peak_reserved_bytes=peak_reserved, capacity_bytes=capacity_bytes,
+        device=device,
+        num_events=len(rows),
+        peak_allocated_bytes=int(allocated.max()),
+        peak_reserved_bytes=peak_reserved,
+        capacity_bytes=capacity_bytes,
         headroom_fraction=1.0 - peak_reserved / capacity_bytes if capacity_bytes else None,
-        points=_downsample(trace.memory.ts[rows] - trace.window[0], allocated, MAX_MEMORY_POINTS))
+        points=_downsample(trace.memory.ts[rows] - trace.window[0], allocated, MAX_MEMORY_POINTS),
+    )

@@ -53,20 +53,32 @@ def _num_steps(rank: RankReport) -> int:
 
 def _summary(a: RankReport, b: RankReport) -> list[DeltaRow]:
     ua, ub = a.utilisation, b.utilisation
-    return [_row("step time", ua.mean_step_us, ub.mean_step_us, "us"),
-            _row("GPU busy", ua.busy_fraction, ub.busy_fraction, "fraction"),
-            _row("GPU busy per step", ua.busy_us / _num_steps(a), ub.busy_us / _num_steps(b), "us"),
-            _row("exposed communication per step", ua.exposed_comm_us / _num_steps(a),
-                 ub.exposed_comm_us / _num_steps(b), "us"),
-            _row("GEMM TFLOP/s", a.bound.gemm.tflops, b.bound.gemm.tflops, "tflops"),
-            _row("mean kernel", a.bound.mean_kernel_us, b.bound.mean_kernel_us, "us"),
-            _row("GPU events per step", a.kernels.num_gpu_events / _num_steps(a),
-                 b.kernels.num_gpu_events / _num_steps(b), "count")]
+    return [
+        _row("step time", ua.mean_step_us, ub.mean_step_us, "us"),
+        _row("GPU busy", ua.busy_fraction, ub.busy_fraction, "fraction"),
+        _row("GPU busy per step", ua.busy_us / _num_steps(a), ub.busy_us / _num_steps(b), "us"),
+        _row(
+            "exposed communication per step",
+            ua.exposed_comm_us / _num_steps(a),
+            ub.exposed_comm_us / _num_steps(b),
+            "us",
+        ),
+        _row("GEMM TFLOP/s", a.bound.gemm.tflops, b.bound.gemm.tflops, "tflops"),
+        _row("mean kernel", a.bound.mean_kernel_us, b.bound.mean_kernel_us, "us"),
+        _row(
+            "GPU events per step",
+            a.kernels.num_gpu_events / _num_steps(a),
+            b.kernels.num_gpu_events / _num_steps(b),
+            "count",
+        ),
+    ]
 
 
 def _idle(a: RankReport, b: RankReport) -> list[DeltaRow]:
-    return [_row(cause, a.utilisation.idle_us[cause] / _num_steps(a),
-                 b.utilisation.idle_us[cause] / _num_steps(b), "us") for cause in IDLE_CAUSES]
+    return [
+        _row(cause, a.utilisation.idle_us[cause] / _num_steps(a), b.utilisation.idle_us[cause] / _num_steps(b), "us")
+        for cause in IDLE_CAUSES
+    ]
 
 
 def _categories(a: RankReport, b: RankReport) -> list[DeltaRow]:
@@ -94,7 +106,16 @@ def compare(report_a: Report, report_b: Report) -> CompareReport:
     notes = []
     if len(report_a.ranks) > 1 or len(report_b.ranks) > 1:
         notes.append("multi-rank reports: comparing rank 0 of each")
-    return CompareReport(label_a=a.source, label_b=b.source, verdict_a=a.bound.verdict,
-                         verdict_b=b.bound.verdict, summary=_summary(a, b), idle=_idle(a, b),
-                         categories=_categories(a, b), kernels=_kernels(a, b), advice_a=report_a.advice,
-                         advice_b=report_b.advice, notes=notes)
+    return CompareReport(
+        label_a=a.source,
+        label_b=b.source,
+        verdict_a=a.bound.verdict,
+        verdict_b=b.bound.verdict,
+        summary=_summary(a, b),
+        idle=_idle(a, b),
+        categories=_categories(a, b),
+        kernels=_kernels(a, b),
+        advice_a=report_a.advice,
+        advice_b=report_b.advice,
+        notes=notes,
+    )

@@ -43,8 +43,11 @@ def signed(value: float | None, unit: str) -> str:
         return "—"
     sign = "+" if value > 0 else "-" if value < 0 else "±"
     magnitude = abs(value)
-    body = {"us": duration(magnitude), "fraction": f"{100 * magnitude:.1f} pt",
-            "tflops": f"{magnitude:.1f} TFLOP/s"}.get(unit, f"{magnitude:,.1f}")
+    body = {
+        "us": duration(magnitude),
+        "fraction": f"{100 * magnitude:.1f} pt",
+        "tflops": f"{magnitude:.1f} TFLOP/s",
+    }.get(unit, f"{magnitude:,.1f}")
     return sign + body
 
 

@@ -69,8 +69,7 @@ def intersect(a: Spans, b: Spans) -> Spans:
         return EMPTY
     lo, hi = _bounds(a, b)
     gaps_a, gaps_b = complement(a, lo, hi), complement(b, lo, hi)
-    either = union(np.concatenate([gaps_a.starts, gaps_b.starts]),
-                   np.concatenate([gaps_a.ends, gaps_b.ends]))
+    either = union(np.concatenate([gaps_a.starts, gaps_b.starts]), np.concatenate([gaps_a.ends, gaps_b.ends]))
     return complement(either, lo, hi)
 
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tracetrain.profile.analyze.categories import (CATEGORIES, MEMCPY_CATEGORIES, is_pageable_copy,
-                                                   short_kernel_name)
+from tracetrain.profile.analyze.categories import CATEGORIES, MEMCPY_CATEGORIES, is_pageable_copy, short_kernel_name
 from tracetrain.profile.analyze.select import gpu_categories, main_device, name_mask, on_device
 from tracetrain.profile.analyze.trace import Trace
 
@@ -66,29 +65,43 @@ class KernelBreakdown:
     memcpy: list[MemcpyRow]
 
 
-def _top_kernels(trace: Trace, rows: np.ndarray, codes: np.ndarray, total: float,
-                 top_n: int) -> list[KernelRow]:
+def _top_kernels(trace: Trace, rows: np.ndarray, codes: np.ndarray, total: float, top_n: int) -> list[KernelRow]:
     names, inverse = np.unique(trace.gpu.name[rows], return_inverse=True)
     time = np.bincount(inverse, weights=trace.gpu.dur[rows], minlength=len(names))
     count = np.bincount(inverse, minlength=len(names))
     first = np.zeros(len(names), dtype=np.int64)
     first[inverse] = np.arange(len(rows))  # some row of each name, for its category
     order = np.argsort(-time, kind="stable")[:top_n]
-    return [KernelRow(name=short_kernel_name(trace.names[names[i]]), full_name=trace.names[names[i]],
-                      category=CATEGORIES[codes[rows[first[i]]]], count=int(count[i]),
-                      total_us=float(time[i]), mean_us=float(time[i] / count[i]),
-                      share=float(time[i] / total) if total > 0 else 0.0)
-            for i in order.tolist()]
+    return [
+        KernelRow(
+            name=short_kernel_name(trace.names[names[i]]),
+            full_name=trace.names[names[i]],
+            category=CATEGORIES[codes[rows[first[i]]]],
+            count=int(count[i]),
+            total_us=float(time[i]),
+            mean_us=float(time[i] / count[i]),
+            share=float(time[i] / total) if total > 0 else 0.0,
+        )
+        for i in order.tolist()
+    ]
 
 
 def _category_table(trace: Trace, rows: np.ndarray, codes: np.ndarray, total: float) -> list[CategoryRow]:
     time = np.bincount(codes[rows], weights=trace.gpu.dur[rows], minlength=len(CATEGORIES))
     count = np.bincount(codes[rows], minlength=len(CATEGORIES))
     window_us = trace.window[1] - trace.window[0]
-    table = [CategoryRow(category=category, count=int(count[i]), total_us=float(time[i]),
-                         mean_us=float(time[i] / count[i]), share=float(time[i] / total),
-                         window_share=float(time[i] / window_us) if window_us > 0 else 0.0)
-             for i, category in enumerate(CATEGORIES) if count[i]]
+    table = [
+        CategoryRow(
+            category=category,
+            count=int(count[i]),
+            total_us=float(time[i]),
+            mean_us=float(time[i] / count[i]),
+            share=float(time[i] / total),
+            window_share=float(time[i] / window_us) if window_us > 0 else 0.0,
+        )
+        for i, category in enumerate(CATEGORIES)
+        if count[i]
+    ]
     return sorted(table, key=lambda row: -row.total_us)
 
 
@@ -103,12 +116,18 @@ def _memcpy_table(trace: Trace, rows: np.ndarray, codes: np.ndarray) -> list[Mem
         known = trace.gpu.bytes[sel] >= 0
         known_us = float(trace.gpu.dur[sel][known].sum())
         paged = sel[pageable[sel]]
-        table.append(MemcpyRow(
-            direction=direction.removeprefix("memcpy_"), count=len(sel), total_bytes=int(nbytes.sum()),
-            total_us=float(trace.gpu.dur[sel].sum()),
-            gb_per_s=float(nbytes.sum() / (known_us * 1e3)) if known_us > 0 else None,
-            pageable_count=len(paged), pageable_bytes=int(np.maximum(trace.gpu.bytes[paged], 0).sum()),
-            pageable_us=float(trace.gpu.dur[paged].sum())))
+        table.append(
+            MemcpyRow(
+                direction=direction.removeprefix("memcpy_"),
+                count=len(sel),
+                total_bytes=int(nbytes.sum()),
+                total_us=float(trace.gpu.dur[sel].sum()),
+                gb_per_s=float(nbytes.sum() / (known_us * 1e3)) if known_us > 0 else None,
+                pageable_count=len(paged),
+                pageable_bytes=int(np.maximum(trace.gpu.bytes[paged], 0).sum()),
+                pageable_us=float(trace.gpu.dur[paged].sum()),
+            )
+        )
     return table
 
 
@@ -119,7 +138,10 @@ def kernel_breakdown(trace: Trace, top_n: int = 15) -> KernelBreakdown:
         return KernelBreakdown(0.0, 0, [], [], [])
     codes = gpu_categories(trace)
     total = float(trace.gpu.dur[rows].sum())
-    return KernelBreakdown(total_gpu_us=total, num_gpu_events=len(rows),
-                           top=_top_kernels(trace, rows, codes, total, top_n),
-                           categories=_category_table(trace, rows, codes, total),
-                           memcpy=_memcpy_table(trace, rows, codes))
+    return KernelBreakdown(
+        total_gpu_us=total,
+        num_gpu_events=len(rows),
+        top=_top_kernels(trace, rows, codes, total, top_n),
+        categories=_category_table(trace, rows, codes, total),
+        memcpy=_memcpy_table(trace, rows, codes),
+    )

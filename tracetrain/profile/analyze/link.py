@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 _OP, _RUNTIME = 0, 2  # trace.OP, trace.RUNTIME (imported by value to avoid an import cycle)
 
 
-def _lookup(keys: np.ndarray, values: list[np.ndarray], queries: np.ndarray,
-            fills: list[float]) -> list[np.ndarray]:
+def _lookup(keys: np.ndarray, values: list[np.ndarray], queries: np.ndarray, fills: list[float]) -> list[np.ndarray]:
     """For each query, the values at the matching key (any one occurrence), else the fill values."""
     if len(keys) == 0:
         return [np.full(len(queries), fill) for fill in fills]
@@ -38,23 +37,27 @@ def _lookup(keys: np.ndarray, values: list[np.ndarray], queries: np.ndarray,
 def _launch_points(host: Columns, gpu: Columns, flows: Columns) -> tuple[np.ndarray, np.ndarray]:
     """Host time and thread of each GPU event's launch (NaN / -1 when unknown)."""
     runtime = (host.kind == _RUNTIME) & (host.corr >= 0)
-    ts, thread = _lookup(host.corr[runtime], [host.ts[runtime], host.thread[runtime]], gpu.corr,
-                         [np.nan, -1])
+    ts, thread = _lookup(host.corr[runtime], [host.ts[runtime], host.thread[runtime]], gpu.corr, [np.nan, -1])
     missing = np.isnan(ts) & (gpu.corr >= 0)
     if missing.any() and len(flows):
-        flow_ts, flow_thread = _lookup(flows.corr, [flows.ts, flows.thread], gpu.corr[missing],
-                                       [np.nan, -1])
+        flow_ts, flow_thread = _lookup(flows.corr, [flows.ts, flows.thread], gpu.corr[missing], [np.nan, -1])
         ts[missing], thread[missing] = flow_ts, flow_thread
     return ts, thread.astype(np.int64)
 
 
 def _view(values: np.ndarray) -> memoryview:
     """Zero-copy element access with Python scalars (much smaller than `tolist()` on big traces)."""
-    return memoryview(np.ascontiguousarray(values))
+    return memoryview(np.ascontiguousarray(values))  # type: ignore[arg-type]  # ndarrays export the buffer protocol
 
 
-def _innermost(op_thread: np.ndarray, op_start: np.ndarray, op_end: np.ndarray, op_is_gemm: np.ndarray,
-               q_thread: np.ndarray, q_ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _innermost(
+    op_thread: np.ndarray,
+    op_start: np.ndarray,
+    op_end: np.ndarray,
+    op_is_gemm: np.ndarray,
+    q_thread: np.ndarray,
+    q_ts: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """Sweep ops and queries in (thread, time) order with a stack of open ops.
 
     Returns, per query, the position (into the op arrays) of the innermost op containing it and of
@@ -92,9 +95,14 @@ def link_launches(host: Columns, gpu: Columns, flows: Columns, names: list[str])
     op = np.full(len(gpu), -1, dtype=np.int64)
     gemm_op = np.full(len(gpu), -1, dtype=np.int64)
     if len(known) and len(op_rows):
-        inner, gemm = _innermost(host.thread[op_rows], host.ts[op_rows],
-                                 host.ts[op_rows] + host.dur[op_rows], op_is_gemm,
-                                 launch_thread[known], launch_ts[known])
+        inner, gemm = _innermost(
+            host.thread[op_rows],
+            host.ts[op_rows],
+            host.ts[op_rows] + host.dur[op_rows],
+            op_is_gemm,
+            launch_thread[known],
+            launch_ts[known],
+        )
         op[known] = np.where(inner >= 0, op_rows[np.maximum(inner, 0)], -1)
         gemm_op[known] = np.where(gemm >= 0, op_rows[np.maximum(gemm, 0)], -1)
     return {"launch_ts": launch_ts, "op": op, "gemm_op": gemm_op}

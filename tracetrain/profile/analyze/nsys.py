@@ -47,15 +47,30 @@ import numpy as np
 
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.link import link_launches
+
 # The Kineto reader's column specs and typed-row buffers: both readers fill the same `Trace`.
-from tracetrain.profile.analyze.trace import (_FLOW_COLUMNS, _GPU_COLUMNS, _HOST_COLUMNS, _MEMORY_COLUMNS,
-                                              _UNIFIED_COLUMNS, ANNOTATION, KERNEL, MEMCPY, MEMSET, RUNTIME,
-                                              Columns, Trace, _Rows, _to_numpy, _window, is_sqlite)
+from tracetrain.profile.analyze.trace import (
+    _FLOW_COLUMNS,
+    _GPU_COLUMNS,
+    _HOST_COLUMNS,
+    _MEMORY_COLUMNS,
+    _UNIFIED_COLUMNS,
+    ANNOTATION,
+    KERNEL,
+    MEMCPY,
+    MEMSET,
+    RUNTIME,
+    Columns,
+    Trace,
+    _Rows,
+    _to_numpy,
+    _window,
+    is_sqlite,
+)
 
 NS_PER_US = 1000.0
 _CHUNK_ROWS = 8192
-_KERNELS, _MEMCPY, _MEMSET = ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY",
-                              "CUPTI_ACTIVITY_KIND_MEMSET")
+_KERNELS, _MEMCPY, _MEMSET = ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET")
 _RUNTIME, _NVTX = "CUPTI_ACTIVITY_KIND_RUNTIME", "NVTX_EVENTS"
 # NVTX_EVENTS.eventType of ranges: NvtxPushPopRange, NvtxStartEndRange, and the NVTXT twins that nsys's
 # own NVTX reports read alongside them (marks, 34, and domain/category records are not ranges).
@@ -63,13 +78,32 @@ _NVTX_RANGE_TYPES = (59, 60, 70, 71)
 # ENUM_CUDA_MEMCPY_OPER and ENUM_CUDA_MEM_KIND as documented ("SQLite Schema Event Values"); an export
 # that carries the enum tables is read from them instead. Note the memory kinds are nsys's own
 # numbering (Pageable = 0), not CUPTI's (where 0 is Unknown).
-_COPY_KINDS = {0: "CUDA_MEMCPY_KIND_UNKNOWN", 1: "CUDA_MEMCPY_KIND_HTOD", 2: "CUDA_MEMCPY_KIND_DTOH",
-               3: "CUDA_MEMCPY_KIND_HTOA", 4: "CUDA_MEMCPY_KIND_ATOH", 5: "CUDA_MEMCPY_KIND_ATOA",
-               6: "CUDA_MEMCPY_KIND_ATOD", 7: "CUDA_MEMCPY_KIND_DTOA", 8: "CUDA_MEMCPY_KIND_DTOD",
-               9: "CUDA_MEMCPY_KIND_HTOH", 10: "CUDA_MEMCPY_KIND_PTOP", 11: "CUDA_MEMCPY_KIND_UVM_HTOD",
-               12: "CUDA_MEMCPY_KIND_UVM_DTOH", 13: "CUDA_MEMCPY_KIND_UVM_DTOD"}
-_MEM_KINDS = {0: "Pageable", 1: "Pinned", 2: "Device", 3: "Array", 4: "Managed", 5: "Device Static",
-              6: "Managed Static", 7: "Unknown"}
+_COPY_KINDS = {
+    0: "CUDA_MEMCPY_KIND_UNKNOWN",
+    1: "CUDA_MEMCPY_KIND_HTOD",
+    2: "CUDA_MEMCPY_KIND_DTOH",
+    3: "CUDA_MEMCPY_KIND_HTOA",
+    4: "CUDA_MEMCPY_KIND_ATOH",
+    5: "CUDA_MEMCPY_KIND_ATOA",
+    6: "CUDA_MEMCPY_KIND_ATOD",
+    7: "CUDA_MEMCPY_KIND_DTOA",
+    8: "CUDA_MEMCPY_KIND_DTOD",
+    9: "CUDA_MEMCPY_KIND_HTOH",
+    10: "CUDA_MEMCPY_KIND_PTOP",
+    11: "CUDA_MEMCPY_KIND_UVM_HTOD",
+    12: "CUDA_MEMCPY_KIND_UVM_DTOH",
+    13: "CUDA_MEMCPY_KIND_UVM_DTOD",
+}
+_MEM_KINDS = {
+    0: "Pageable",
+    1: "Pinned",
+    2: "Device",
+    3: "Array",
+    4: "Managed",
+    5: "Device Static",
+    6: "Managed Static",
+    7: "Unknown",
+}
 _API_VERSION = re.compile(r"_v\d{4}$")  # cudaLaunchKernel_v7000; not cuMemcpyDtoH_v2, a real name
 _STEP_RANGE = re.compile(r"^step (\d+)$")  # tracetrain's NVTX step range (profile/capture.py)
 
@@ -137,8 +171,7 @@ class _Export:
     def _enum(self, table: str, column: str, default: dict[int, str]) -> dict[int, str]:
         if table not in self.tables or column not in self.columns(table):
             return default
-        return {**default, **{i: v for i, v in self.conn.execute(f"SELECT id, {column} FROM {table}")
-                              if v is not None}}
+        return {**default, **{i: v for i, v in self.conn.execute(f"SELECT id, {column} FROM {table}") if v is not None}}
 
 
 def _gpu_where(process: int | None) -> tuple[str, tuple]:
@@ -169,10 +202,21 @@ class _Tables:
 
     def kernels(self, process: int | None) -> None:
         where, params = _gpu_where(process)
-        for chunk in self.export.chunks(f"SELECT start, end, deviceId, streamId, coalesce(correlationId, -1), "
-                                        f"demangledName FROM {_KERNELS} WHERE {where}", params):
-            self.append(self.gpu, chunk[:, 0], chunk[:, 1], kind=KERNEL, device=chunk[:, 2], stream=chunk[:, 3],
-                        corr=chunk[:, 4], name=self.names.codes(chunk[:, 5], self.export.string))
+        for chunk in self.export.chunks(
+            f"SELECT start, end, deviceId, streamId, coalesce(correlationId, -1), "
+            f"demangledName FROM {_KERNELS} WHERE {where}",
+            params,
+        ):
+            self.append(
+                self.gpu,
+                chunk[:, 0],
+                chunk[:, 1],
+                kind=KERNEL,
+                device=chunk[:, 2],
+                stream=chunk[:, 3],
+                corr=chunk[:, 4],
+                name=self.names.codes(chunk[:, 5], self.export.string),
+            )
 
     def copies(self, process: int | None) -> None:
         """Copies (GPU rows) and unified-memory migrations (`unified` rows)."""
@@ -181,21 +225,35 @@ class _Tables:
         where, params = _gpu_where(process)
         src, dst = (self.export.column(_MEMCPY, kind, "-1") for kind in ("srcKind", "dstKind"))
         uvm = [kind for kind, symbol in self.export.copy_kinds.items() if "_UVM_" in symbol]
-        for chunk in self.export.chunks(f"SELECT start, end, deviceId, streamId, coalesce(correlationId, -1), "
-                                        f"bytes, copyKind, coalesce({src}, -1), coalesce({dst}, -1) "
-                                        f"FROM {_MEMCPY} WHERE {where}", params):
+        for chunk in self.export.chunks(
+            f"SELECT start, end, deviceId, streamId, coalesce(correlationId, -1), "
+            f"bytes, copyKind, coalesce({src}, -1), coalesce({dst}, -1) "
+            f"FROM {_MEMCPY} WHERE {where}",
+            params,
+        ):
             unified = np.isin(chunk[:, 6], uvm)
             self.append(self.unified, chunk[unified, 0], chunk[unified, 1], bytes=chunk[unified, 5])
             copy = chunk[~unified]
             keys = ((copy[:, 6] & 0xFF) << 16) | ((copy[:, 7] & 0xFF) << 8) | (copy[:, 8] & 0xFF)
-            self.append(self.gpu, copy[:, 0], copy[:, 1], kind=MEMCPY, device=copy[:, 2], stream=copy[:, 3],
-                        corr=copy[:, 4], bytes=copy[:, 5], name=self.names.codes(keys, self._copy_name))
+            self.append(
+                self.gpu,
+                copy[:, 0],
+                copy[:, 1],
+                kind=MEMCPY,
+                device=copy[:, 2],
+                stream=copy[:, 3],
+                corr=copy[:, 4],
+                bytes=copy[:, 5],
+                name=self.names.codes(keys, self._copy_name),
+            )
 
     def _copy_name(self, key: int) -> str:
         """Kineto's name for a copy, `Memcpy HtoD (Pageable -> Device)`, from copy and memory kinds."""
         kinds = self.export.mem_kinds
-        return (f"Memcpy {_copy_label(self.export.copy_kinds.get(key >> 16, ''))} "
-                f"({kinds.get((key >> 8) & 0xFF, 'Unknown')} -> {kinds.get(key & 0xFF, 'Unknown')})")
+        return (
+            f"Memcpy {_copy_label(self.export.copy_kinds.get(key >> 16, ''))} "
+            f"({kinds.get((key >> 8) & 0xFF, 'Unknown')} -> {kinds.get(key & 0xFF, 'Unknown')})"
+        )
 
     def memsets(self, process: int | None) -> None:
         if _MEMSET not in self.export.tables:
@@ -203,21 +261,41 @@ class _Tables:
         where, params = _gpu_where(process)
         mem_kind = self.export.column(_MEMSET, "memKind", "2")  # older exports: device memory
         kinds = self.export.mem_kinds
-        for chunk in self.export.chunks(f"SELECT start, end, deviceId, streamId, coalesce(correlationId, -1), "
-                                        f"bytes, coalesce({mem_kind}, -1) FROM {_MEMSET} WHERE {where}", params):
-            self.append(self.gpu, chunk[:, 0], chunk[:, 1], kind=MEMSET, device=chunk[:, 2], stream=chunk[:, 3],
-                        corr=chunk[:, 4], bytes=chunk[:, 5],
-                        name=self.names.codes(chunk[:, 6], lambda k: f"Memset ({kinds.get(k, 'Unknown')})"))
+        for chunk in self.export.chunks(
+            f"SELECT start, end, deviceId, streamId, coalesce(correlationId, -1), "
+            f"bytes, coalesce({mem_kind}, -1) FROM {_MEMSET} WHERE {where}",
+            params,
+        ):
+            self.append(
+                self.gpu,
+                chunk[:, 0],
+                chunk[:, 1],
+                kind=MEMSET,
+                device=chunk[:, 2],
+                stream=chunk[:, 3],
+                corr=chunk[:, 4],
+                bytes=chunk[:, 5],
+                name=self.names.codes(chunk[:, 6], lambda k: f"Memset ({kinds.get(k, 'Unknown')})"),
+            )
 
     def runtime(self, process: int | None) -> None:
         if _RUNTIME not in self.export.tables:
             return
         where, params = _host_where(process)
-        for chunk in self.export.chunks(f"SELECT start, end, coalesce(globalTid, 0), coalesce(correlationId, -1), "
-                                        f"nameId FROM {_RUNTIME} WHERE {where}", params):
-            self.append(self.host, chunk[:, 0], chunk[:, 1], kind=RUNTIME, corr=chunk[:, 3],
-                        thread=self.threads.codes(chunk[:, 2], _thread_label),
-                        name=self.names.codes(chunk[:, 4], lambda k: _API_VERSION.sub("", self.export.string(k))))
+        for chunk in self.export.chunks(
+            f"SELECT start, end, coalesce(globalTid, 0), coalesce(correlationId, -1), "
+            f"nameId FROM {_RUNTIME} WHERE {where}",
+            params,
+        ):
+            self.append(
+                self.host,
+                chunk[:, 0],
+                chunk[:, 1],
+                kind=RUNTIME,
+                corr=chunk[:, 3],
+                thread=self.threads.codes(chunk[:, 2], _thread_label),
+                name=self.names.codes(chunk[:, 4], lambda k: _API_VERSION.sub("", self.export.string(k))),
+            )
 
     def nvtx(self, process: int | None) -> None:
         """NVTX ranges, read last: one never closed in the capture (NULL end) runs to the end of the
@@ -226,8 +304,11 @@ class _Tables:
             return
         where, params = _host_where(process)
         kinds = ", ".join(map(str, _NVTX_RANGE_TYPES))
-        cursor = self.export.conn.execute(f"SELECT start, end, coalesce(globalTid, 0), textId, text "
-                                          f"FROM {_NVTX} WHERE eventType IN ({kinds}) AND {where}", params)
+        cursor = self.export.conn.execute(
+            f"SELECT start, end, coalesce(globalTid, 0), textId, text "
+            f"FROM {_NVTX} WHERE eventType IN ({kinds}) AND {where}",
+            params,
+        )
         open_end_ns = self.last_end_ns
         while rows := cursor.fetchmany(_CHUNK_ROWS):
             start = np.array([row[0] for row in rows], np.int64)
@@ -252,8 +333,12 @@ def _processes(export: _Export) -> list[int | None]:
     if not all("globalPid" in export.columns(t) for t in tables):
         return [None]
     union = " UNION ALL ".join(f"SELECT globalPid, deviceId FROM {t}" for t in tables)
-    found = [pid for pid, _ in export.conn.execute(
-        f"SELECT globalPid, min(deviceId) FROM ({union}) GROUP BY globalPid ORDER BY 2, 1")]
+    found = [
+        pid
+        for pid, _ in export.conn.execute(
+            f"SELECT globalPid, min(deviceId) FROM ({union}) GROUP BY globalPid ORDER BY 2, 1"
+        )
+    ]
     return found or [None]
 
 
@@ -263,12 +348,15 @@ def _device_info(export: _Export, process: int | None, device: int) -> tuple[str
     if "TARGET_INFO_GPU" not in export.tables or device < 0:
         return None, None
     memory = export.column("TARGET_INFO_GPU", "totalMemory", "NULL")
-    gpus = {gpu: (name, mem) for gpu, name, mem in
-            export.conn.execute(f"SELECT id, name, {memory} FROM TARGET_INFO_GPU")}
+    gpus = {
+        gpu: (name, mem) for gpu, name, mem in export.conn.execute(f"SELECT id, name, {memory} FROM TARGET_INFO_GPU")
+    }
     gpu_id = device
     if "TARGET_INFO_CUDA_DEVICE" in export.tables and process is not None:
-        row = export.conn.execute("SELECT gpuId FROM TARGET_INFO_CUDA_DEVICE WHERE pid = ? AND cudaId = ?",
-                                  ((process >> 24) & 0xFFFFFF, device)).fetchone()
+        row = export.conn.execute(
+            "SELECT gpuId FROM TARGET_INFO_CUDA_DEVICE WHERE pid = ? AND cudaId = ?",
+            ((process >> 24) & 0xFFFFFF, device),
+        ).fetchone()
         gpu_id = row[0] if row and row[0] is not None else device
     if gpu_id not in gpus and len(set(gpus.values())) == 1:
         gpu_id = next(iter(gpus))  # one kind of GPU in the machine: it is that one
@@ -276,8 +364,7 @@ def _device_info(export: _Export, process: int | None, device: int) -> tuple[str
     return name or None, mem if isinstance(mem, int) and mem > 0 else None
 
 
-def _process_trace(export: _Export, process: int | None, rank: int, world_size: int,
-                   device_name: str | None) -> Trace:
+def _process_trace(export: _Export, process: int | None, rank: int, world_size: int, device_name: str | None) -> Trace:
     tables = _Tables(export)
     for read in (tables.kernels, tables.copies, tables.memsets, tables.runtime, tables.nvtx):
         read(process)
@@ -287,17 +374,30 @@ def _process_trace(export: _Export, process: int | None, rank: int, world_size: 
     device = int(np.argmax(np.bincount(gpu.device, weights=gpu.dur))) if len(gpu) else -1
     trace_name, memory = _device_info(export, process, device)
     pid = f" (pid {(process >> 24) & 0xFFFFFF})" if world_size > 1 and process is not None else ""
-    trace = Trace(path=f"{export.path}{pid}", rank=rank, world_size=world_size,
-                  device_name=device_name or trace_name, device_memory_bytes=memory, names=names,
-                  threads=list(tables.threads.index), shapes=[], host=host, gpu=Columns({**gpu.data, **links}),
-                  memory=_to_numpy(_Rows(_MEMORY_COLUMNS)), unified=_to_numpy(tables.unified),
-                  window=_window(host, gpu))
+    trace = Trace(
+        path=f"{export.path}{pid}",
+        rank=rank,
+        world_size=world_size,
+        device_name=device_name or trace_name,
+        device_memory_bytes=memory,
+        names=names,
+        threads=list(tables.threads.index),
+        shapes=[],
+        host=host,
+        gpu=Columns({**gpu.data, **links}),
+        memory=_to_numpy(_Rows(_MEMORY_COLUMNS)),
+        unified=_to_numpy(tables.unified),
+        window=_window(host, gpu),
+    )
     if world_size > 1:
-        trace.notes.append(f"{export.path.name}: {world_size} GPU processes; ranks are numbered in GPU order "
-                           "(an export records no torch.distributed rank)")
+        trace.notes.append(
+            f"{export.path.name}: {world_size} GPU processes; ranks are numbered in GPU order "
+            "(an export records no torch.distributed rank)"
+        )
     if not (host.kind == ANNOTATION).any():
-        trace.notes.append(f"{export.path.name}: no NVTX ranges (capture with `nsys profile -t cuda,nvtx`): "
-                           "no steps or phases")
+        trace.notes.append(
+            f"{export.path.name}: no NVTX ranges (capture with `nsys profile -t cuda,nvtx`): no steps or phases"
+        )
     return trace
 
 
@@ -315,15 +415,19 @@ def read_nsys(path: str | Path, *, rank: int = 0, device_name: str | None = None
     """
     path = Path(path)
     if not is_sqlite(path):
-        raise TracetrainError(f"{path}: not an SQLite database (no 'SQLite format 3' header); expected the "
-                              "output of `nsys export --type sqlite`")
+        raise TracetrainError(
+            f"{path}: not an SQLite database (no 'SQLite format 3' header); expected the "
+            "output of `nsys export --type sqlite`"
+        )
     conn = None
     try:
         conn = _open(path)
         export = _Export(path, conn)
         if _KERNELS not in export.tables:
-            raise TracetrainError(f"{path}: no {_KERNELS} table; was the report captured with CUDA tracing "
-                                  "(`nsys profile -t cuda,nvtx`) and exported with `nsys export --type sqlite`?")
+            raise TracetrainError(
+                f"{path}: no {_KERNELS} table; was the report captured with CUDA tracing "
+                "(`nsys profile -t cuda,nvtx`) and exported with `nsys export --type sqlite`?"
+            )
         processes = _processes(export)
         for index, process in enumerate(processes):
             yield _process_trace(export, process, rank + index, len(processes), device_name)

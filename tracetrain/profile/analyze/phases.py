@@ -76,11 +76,17 @@ def phases(trace: Trace, steps_us: float) -> list[PhaseRow]:
         inside = _inside(spans, launch_ts)
         attributed |= inside
         gpu_us = float(dur[inside].sum())
-        table.append(PhaseRow(phase=phase, num_ranges=num_ranges, cpu_us=spans.total(), gpu_us=gpu_us,
-                              cpu_share=spans.total() / steps_us if steps_us else 0.0,
-                              gpu_share=gpu_us / total_gpu if total_gpu else 0.0))
+        table.append(
+            PhaseRow(
+                phase=phase,
+                num_ranges=num_ranges,
+                cpu_us=spans.total(),
+                gpu_us=gpu_us,
+                cpu_share=spans.total() / steps_us if steps_us else 0.0,
+                gpu_share=gpu_us / total_gpu if total_gpu else 0.0,
+            )
+        )
     rest = float(dur[~attributed].sum())
     if rest > 0:
         table.append(PhaseRow(NO_PHASE, 0, 0.0, rest, 0.0, rest / total_gpu))
     return table
-

@@ -27,8 +27,9 @@ JSON_VERSION = 1
 def _rich(table: TextTable) -> Table:
     out = Table(title=Text(table.title, style="bold"), title_justify="left", show_lines=False)
     for header, numeric in zip(table.headers, table.numeric):
-        out.add_column(Text(header), justify="right" if numeric else "left",
-                       overflow="fold", max_width=None if numeric else 60)
+        out.add_column(
+            Text(header), justify="right" if numeric else "left", overflow="fold", max_width=None if numeric else 60
+        )
     for row in table.rows:
         out.add_row(*(Text(cell) for cell in row))
     return out
@@ -38,9 +39,15 @@ def rank_tables(rank: RankReport) -> list[TextTable]:
     """The detailed tables of one rank, in reading order (empty tables left out)."""
     if not rank.has_gpu:  # a CPU-only trace: host step and phase times are all there is
         return [t for t in (tables.steps_table(rank), tables.phases_table(rank)) if t.rows]
-    found = [tables.utilisation_table(rank), tables.steps_table(rank), tables.categories_table(rank),
-             tables.kernels_table(rank), tables.memcpy_table(rank), tables.phases_table(rank),
-             tables.offload_table(rank)]
+    found = [
+        tables.utilisation_table(rank),
+        tables.steps_table(rank),
+        tables.categories_table(rank),
+        tables.kernels_table(rank),
+        tables.memcpy_table(rank),
+        tables.phases_table(rank),
+        tables.offload_table(rank),
+    ]
     return [t for t in found if t.rows]
 
 
@@ -54,11 +61,16 @@ def report_tables(report: Report) -> list[TextTable]:
 
 def compare_tables(diff: CompareReport) -> list[TextTable]:
     a, b = "a", "b"
-    return [t for t in (
-        tables.delta_table(f"Summary (a: {diff.verdict_a}, b: {diff.verdict_b})", diff.summary, a, b),
-        tables.delta_table("Idle per step by cause", diff.idle, a, b),
-        tables.delta_table("GPU time per step by category", diff.categories, a, b),
-        tables.delta_table("Top kernels, time per step", diff.kernels, a, b)) if t.rows]
+    return [
+        t
+        for t in (
+            tables.delta_table(f"Summary (a: {diff.verdict_a}, b: {diff.verdict_b})", diff.summary, a, b),
+            tables.delta_table("Idle per step by cause", diff.idle, a, b),
+            tables.delta_table("GPU time per step by category", diff.categories, a, b),
+            tables.delta_table("Top kernels, time per step", diff.kernels, a, b),
+        )
+        if t.rows
+    ]
 
 
 def _print_advice(console: Console, advice: list[Advice], title: str) -> None:
@@ -84,8 +96,9 @@ def render_terminal(report: Report | CompareReport, console: Console | None = No
         _print_advice(console, report.advice_b, "Advice for b")
     else:
         first = report.ranks[0]
-        console.print(Text(f"{first.source} — {first.device_name or 'unknown device'}, "
-                           f"{len(report.ranks)} rank(s)", style="bold"))
+        console.print(
+            Text(f"{first.source} — {first.device_name or 'unknown device'}, {len(report.ranks)} rank(s)", style="bold")
+        )
         for table in report_tables(report):
             console.print(_rich(table))
         if any(rank.has_gpu for rank in report.ranks):

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from tracetrain.devices import DeviceSpec, lookup_device
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.advice import Advice, advise, merge_advice
 from tracetrain.profile.analyze.bound import BoundAnalysis, bound
-from tracetrain.profile.analyze.comm import (CommRow, MemoryTimeline, OffloadRow, communication,
-                                             memory_timeline, offload)
+from tracetrain.profile.analyze.comm import CommRow, MemoryTimeline, OffloadRow, communication, memory_timeline, offload
 from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
 from tracetrain.profile.analyze.phases import PhaseRow, phases
 from tracetrain.profile.analyze.trace import Trace, read_traces
@@ -57,12 +57,14 @@ class Report:
 
 def _device(trace: Trace) -> tuple[DeviceSpec | None, list[str]]:
     if not trace.device_name:
-        return None, ["device unknown (no deviceProperties in the trace): pass device_name for "
-                      "FLOP/s and bandwidth efficiency"]
+        return None, [
+            "device unknown (no deviceProperties in the trace): pass device_name for FLOP/s and bandwidth efficiency"
+        ]
     spec = lookup_device(trace.device_name)
     if spec is None:
-        return None, [f"device {trace.device_name!r} is not in tracetrain.devices: no peak FLOP/s or "
-                      "bandwidth to compare with"]
+        return None, [
+            f"device {trace.device_name!r} is not in tracetrain.devices: no peak FLOP/s or bandwidth to compare with"
+        ]
     return spec, []
 
 
@@ -76,15 +78,23 @@ def analyze_trace(trace: Trace) -> RankReport:
     if num_devices > 1:
         notes.append(f"activity on {num_devices} GPUs in one trace: analysing GPU {util.device}, the busiest")
     if len(trace.gpu) and not util.has_step_ranges:
-        notes.append("no ProfilerStep#N ranges (call prof.step() each iteration): the whole window "
-                     "counts as one step")
+        notes.append("no ProfilerStep#N ranges (call prof.step() each iteration): the whole window counts as one step")
     capacity = trace.device_memory_bytes or (int(spec.memory_gib * 2**30) if spec else None)
     report = RankReport(
-        source=trace.path, rank=trace.rank, world_size=trace.world_size, has_gpu=has_gpu,
-        device_name=spec.name if spec else trace.device_name, notes=trace.notes + notes,
-        utilisation=util, kernels=kernel_breakdown(trace), bound=bound(trace, spec, util),
-        phases=phases(trace, util.steps_us), communication=communication(trace, util.steps_us),
-        offload=offload(trace), memory=memory_timeline(trace, capacity))
+        source=trace.path,
+        rank=trace.rank,
+        world_size=trace.world_size,
+        has_gpu=has_gpu,
+        device_name=spec.name if spec else trace.device_name,
+        notes=trace.notes + notes,
+        utilisation=util,
+        kernels=kernel_breakdown(trace),
+        bound=bound(trace, spec, util),
+        phases=phases(trace, util.steps_us),
+        communication=communication(trace, util.steps_us),
+        offload=offload(trace),
+        memory=memory_timeline(trace, capacity),
+    )
     # Every rule reads GPU time: a CPU-only trace gets its note and no advice.
     return replace(report, advice=advise(report)) if has_gpu else report
 
@@ -97,8 +107,11 @@ def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
     for item in map(Path, items):
         if item.is_dir():
             # Skip the analyzer's own output (report.json) written beside the traces by `tracetrain profile`.
-            found = sorted(p for p in item.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES)
-                           and not p.name.startswith("report"))
+            found = sorted(
+                p
+                for p in item.iterdir()
+                if p.is_file() and p.name.endswith(TRACE_SUFFIXES) and not p.name.startswith("report")
+            )
             if not found:
                 raise TracetrainError(f"{item}: directory has no .json, .json.gz or .sqlite trace files")
             files.extend(found)
@@ -116,7 +129,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, *, device_name: str | None
     `device_name` (e.g. "H100 SXM") overrides the device the trace names, for peak FLOP/s and
     bandwidth. Raises TracetrainError, naming the file, for a missing or malformed trace.
     """
-    ranks = []
+    ranks: list[Any] = []
     for path in trace_files(paths):
         for trace in read_traces(path, rank=len(ranks), device_name=device_name):
             ranks.append(analyze_trace(trace))
@@ -124,5 +137,9 @@ def analyze(paths: Sequence[str | Path] | str | Path, *, device_name: str | None
     notes = [f"{r.source}: {note}" if len(ranks) > 1 else note for r in ranks for note in r.notes]
     if len({r.rank for r in ranks}) < len(ranks):
         notes.append("several traces claim the same rank; pass one trace per rank")
-    return Report(ranks=ranks, communication=[r.communication for r in ranks],
-                  advice=merge_advice([r.advice for r in ranks]), notes=notes)
+    return Report(
+        ranks=ranks,
+        communication=[r.communication for r in ranks],
+        advice=merge_advice([r.advice for r in ranks]),
+        notes=notes,
+    )

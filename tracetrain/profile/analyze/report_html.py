@@ -13,8 +13,14 @@ from tracetrain.profile.analyze.svg import esc
 from tracetrain.profile.analyze.tables import CAUSE_LABELS, TextTable
 from tracetrain.profile.analyze.utilisation import IDLE_CAUSES
 
-STATE_COLORS = {"busy": "#4e79a7", "data_loader": "#f28e2b", "sync": "#e15759", "communication": "#76b7b2",
-                "host": "#edc948", "outside_steps": "#bab0ac"}
+STATE_COLORS = {
+    "busy": "#4e79a7",
+    "data_loader": "#f28e2b",
+    "sync": "#e15759",
+    "communication": "#76b7b2",
+    "host": "#edc948",
+    "outside_steps": "#bab0ac",
+}
 CATEGORY_COLORS = {c: svg.PALETTE[i % len(svg.PALETTE)] for i, c in enumerate(CATEGORIES)}
 _CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1000px;color:#222;padding:0 12px}
@@ -32,14 +38,18 @@ code{background:#f4f4f4;padding:0 3px}
 
 
 def _page(title: str, body: str) -> str:
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f'<style>{_CSS}</style></head><body>{body}</body></html>')
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+        f"<style>{_CSS}</style></head><body>{body}</body></html>"
+    )
 
 
 def _table(table: TextTable) -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h in table.headers)
-    rows = "".join("<tr>" + "".join(f'<td{" class=n" if n else ""}>{esc(c)}</td>'
-                                    for c, n in zip(row, table.numeric)) + "</tr>" for row in table.rows)
+    rows = "".join(
+        "<tr>" + "".join(f"<td{' class=n' if n else ''}>{esc(c)}</td>" for c, n in zip(row, table.numeric)) + "</tr>"
+        for row in table.rows
+    )
     return f"<table><caption>{esc(table.title)}</caption><tr>{head}</tr>{rows}</table>"
 
 
@@ -49,16 +59,23 @@ def _advice(advice: list[Advice], title: str = "Advice") -> str:
     items = "".join(
         f"<li><b>{esc(a.title)}</b>"
         + (f' <span class="gain">up to {esc(fmt.percent(a.gain, 0))} of step time</span>' if a.gain else "")
-        + f"<br>{esc(a.action)}<br><small>{esc(a.evidence)}</small></li>" for a in advice)
+        + f"<br>{esc(a.action)}<br><small>{esc(a.evidence)}</small></li>"
+        for a in advice
+    )
     return f'<h2>{esc(title)}</h2><ol class="advice">{items}</ol>'
 
 
 def _cards(rank: RankReport) -> str:
     util = rank.utilisation
-    cards = [("step time", fmt.duration(util.mean_step_us)), ("GPU busy", fmt.percent(util.busy_fraction)),
-             ("bound", rank.bound.verdict), ("GEMM", fmt.number(rank.bound.gemm.tflops, 0, " TFLOP/s"))]
-    return '<div class="cards">' + "".join(
-        f'<div class="card">{esc(k)}<b>{esc(v)}</b></div>' for k, v in cards) + "</div>"
+    cards = [
+        ("step time", fmt.duration(util.mean_step_us)),
+        ("GPU busy", fmt.percent(util.busy_fraction)),
+        ("bound", rank.bound.verdict),
+        ("GEMM", fmt.number(rank.bound.gemm.tflops, 0, " TFLOP/s")),
+    ]
+    return (
+        '<div class="cards">' + "".join(f'<div class="card">{esc(k)}<b>{esc(v)}</b></div>' for k, v in cards) + "</div>"
+    )
 
 
 def _timeline(rank: RankReport) -> str:
@@ -67,8 +84,11 @@ def _timeline(rank: RankReport) -> str:
     steps = [(s.start_us, s.name) for s in util.steps]
     chart = svg.timeline(bins, STATE_COLORS, steps, util.window_us, "GPU busy and idle over time")
     items = [("busy", STATE_COLORS["busy"])] + [(CAUSE_LABELS[c], STATE_COLORS[c]) for c in IDLE_CAUSES]
-    return ("<h2>GPU timeline</h2><p>Each column is a slice of the profiled window; ticks mark steps.</p>"
-            + chart + svg.legend(items))
+    return (
+        "<h2>GPU timeline</h2><p>Each column is a slice of the profiled window; ticks mark steps.</p>"
+        + chart
+        + svg.legend(items)
+    )
 
 
 def _categories(rank: RankReport) -> str:
@@ -76,13 +96,18 @@ def _categories(rank: RankReport) -> str:
     if not rows:
         return ""
     segments = [(r.category, r.total_us, CATEGORY_COLORS[r.category]) for r in rows]
-    return ("<h2>GPU time by category</h2>" + svg.stacked_bar(segments, fmt.duration, "category shares")
-            + svg.legend([(f"{r.category} {fmt.percent(r.share)}", CATEGORY_COLORS[r.category]) for r in rows]))
+    return (
+        "<h2>GPU time by category</h2>"
+        + svg.stacked_bar(segments, fmt.duration, "category shares")
+        + svg.legend([(f"{r.category} {fmt.percent(r.share)}", CATEGORY_COLORS[r.category]) for r in rows])
+    )
 
 
 def _kernels(rank: RankReport) -> str:
-    items = [(k.name, k.total_us, f"{k.full_name}\n{k.count} launches, mean {fmt.duration(k.mean_us)}")
-             for k in rank.kernels.top]
+    items = [
+        (k.name, k.total_us, f"{k.full_name}\n{k.count} launches, mean {fmt.duration(k.mean_us)}")
+        for k in rank.kernels.top
+    ]
     return "<h2>Top kernels</h2>" + svg.hbars(items, fmt.duration, "top kernels by GPU time") if items else ""
 
 
@@ -90,8 +115,12 @@ def _phases(rank: RankReport) -> str:
     if not rank.phases:
         return ""
     labels = [p.phase for p in rank.phases]
-    chart = svg.grouped_hbars(labels, [("host", [p.cpu_us for p in rank.phases]),
-                                       ("GPU", [p.gpu_us for p in rank.phases])], fmt.duration, "phase times")
+    chart = svg.grouped_hbars(
+        labels,
+        [("host", [p.cpu_us for p in rank.phases]), ("GPU", [p.gpu_us for p in rank.phases])],
+        fmt.duration,
+        "phase times",
+    )
     return "<h2>Phases</h2>" + chart + svg.legend([("host", svg.PALETTE[0]), ("GPU", svg.PALETTE[1])])
 
 
@@ -101,8 +130,10 @@ def _memory(rank: RankReport) -> str:
         return ""
     chart = svg.line_chart(memory.points, fmt.nbytes, "allocated memory over time")
     capacity = f" of {fmt.nbytes(memory.capacity_bytes)}" if memory.capacity_bytes else ""
-    peaks = (f"peak {fmt.nbytes(memory.peak_allocated_bytes)} allocated, "
-             f"{fmt.nbytes(memory.peak_reserved_bytes)} reserved{capacity}")
+    peaks = (
+        f"peak {fmt.nbytes(memory.peak_allocated_bytes)} allocated, "
+        f"{fmt.nbytes(memory.peak_reserved_bytes)} reserved{capacity}"
+    )
     return f"<h2>GPU memory</h2><p>Allocated bytes over the window; {esc(peaks)}.</p>" + chart
 
 
@@ -112,8 +143,9 @@ def _notes(notes: list[str]) -> str:
 
 def _report_page(report: Report) -> str:
     rank = report.ranks[0]
-    meta = (f"{esc(rank.source)} — {esc(rank.device_name or 'unknown device')}, {len(report.ranks)} rank(s)"
-            + (" — details below are rank 0's" if len(report.ranks) > 1 else ""))
+    meta = f"{esc(rank.source)} — {esc(rank.device_name or 'unknown device')}, {len(report.ranks)} rank(s)" + (
+        " — details below are rank 0's" if len(report.ranks) > 1 else ""
+    )
     body = [f"<h1>tracetrain trace analysis</h1><p class=meta>{meta}</p>", _notes(report.notes)]
     if rank.has_gpu:
         body += [_cards(rank), _advice(report.advice), _timeline(rank), _categories(rank), _kernels(rank)]
@@ -127,18 +159,26 @@ def _delta_chart(rows: list[DeltaRow], title: str) -> str:
     rows = [r for r in rows if (r.a or 0) > 0 or (r.b or 0) > 0]
     if not rows:
         return ""
-    chart = svg.grouped_hbars([r.metric for r in rows], [("a", [r.a or 0.0 for r in rows]),
-                                                         ("b", [r.b or 0.0 for r in rows])], fmt.duration, title)
+    chart = svg.grouped_hbars(
+        [r.metric for r in rows],
+        [("a", [r.a or 0.0 for r in rows]), ("b", [r.b or 0.0 for r in rows])],
+        fmt.duration,
+        title,
+    )
     return f"<h2>{esc(title)}</h2>" + chart + svg.legend([("a", svg.PALETTE[0]), ("b", svg.PALETTE[1])])
 
 
 def _compare_page(diff: CompareReport) -> str:
-    body = [f"<h1>tracetrain comparison</h1><p class=meta>a: {esc(diff.label_a)}<br>b: {esc(diff.label_b)}</p>",
-            _notes(diff.notes), _delta_chart(diff.categories, "GPU time per step by category"),
-            _delta_chart(diff.idle, "Idle per step by cause"),
-            _delta_chart(diff.kernels, "Top kernels, time per step"),
-            "".join(_table(t) for t in compare_tables(diff)),
-            _advice(diff.advice_a, "Advice for a"), _advice(diff.advice_b, "Advice for b")]
+    body = [
+        f"<h1>tracetrain comparison</h1><p class=meta>a: {esc(diff.label_a)}<br>b: {esc(diff.label_b)}</p>",
+        _notes(diff.notes),
+        _delta_chart(diff.categories, "GPU time per step by category"),
+        _delta_chart(diff.idle, "Idle per step by cause"),
+        _delta_chart(diff.kernels, "Top kernels, time per step"),
+        "".join(_table(t) for t in compare_tables(diff)),
+        _advice(diff.advice_a, "Advice for a"),
+        _advice(diff.advice_b, "Advice for b"),
+    ]
     return _page("tracetrain comparison", "".join(body))
 
 

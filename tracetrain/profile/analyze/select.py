@@ -51,9 +51,15 @@ def gpu_categories(trace: Trace) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     keys = trace.gpu.name.astype(np.int64) * len(GPU_KIND_NAMES) + trace.gpu.kind
     unique, inverse = np.unique(keys, return_inverse=True)
-    codes = np.array([CATEGORIES.index(kernel_category(trace.names[k // len(GPU_KIND_NAMES)],
-                                                       GPU_KIND_NAMES[k % len(GPU_KIND_NAMES)]))
-                      for k in unique.tolist()], dtype=np.int64)
+    codes = np.array(
+        [
+            CATEGORIES.index(
+                kernel_category(trace.names[k // len(GPU_KIND_NAMES)], GPU_KIND_NAMES[k % len(GPU_KIND_NAMES)])
+            )
+            for k in unique.tolist()
+        ],
+        dtype=np.int64,
+    )
     return codes[inverse]
 
 

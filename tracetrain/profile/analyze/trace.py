@@ -44,21 +44,37 @@ OP, ANNOTATION, RUNTIME = 0, 1, 2
 KERNEL, MEMCPY, MEMSET = 0, 1, 2
 GPU_KIND_NAMES = ("kernel", "memcpy", "memset")
 
-_HOST_CATS = {"cpu_op": OP, "operator": OP, "user_annotation": ANNOTATION, "cuda_runtime": RUNTIME,
-              "cuda_driver": RUNTIME, "runtime": RUNTIME, "driver": RUNTIME}
-_GPU_CATS = {"kernel": KERNEL, "gpu_memcpy": MEMCPY, "memcpy": MEMCPY, "gpu_memset": MEMSET,
-             "memset": MEMSET}
+_HOST_CATS = {
+    "cpu_op": OP,
+    "operator": OP,
+    "user_annotation": ANNOTATION,
+    "cuda_runtime": RUNTIME,
+    "cuda_driver": RUNTIME,
+    "runtime": RUNTIME,
+    "driver": RUNTIME,
+}
+_GPU_CATS = {"kernel": KERNEL, "gpu_memcpy": MEMCPY, "memcpy": MEMCPY, "gpu_memset": MEMSET, "memset": MEMSET}
 # Category -> (group, kind); looked up as written first, lower-cased for older spellings ("Kernel").
-_CATEGORIES = {**{cat: ("host", kind) for cat, kind in _HOST_CATS.items()},
-               **{cat: ("gpu", kind) for cat, kind in _GPU_CATS.items()}}
+_CATEGORIES = {
+    **{cat: ("host", kind) for cat, kind in _HOST_CATS.items()},
+    **{cat: ("gpu", kind) for cat, kind in _GPU_CATS.items()},
+}
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database (Nsight Systems export)
 _SQLITE_SUFFIXES = (".sqlite", ".sqlite3")
 _UNIFIED_NAME = re.compile(r"unified memory|page ?fault", re.I)
 _UNIFIED_CAT = re.compile(r"uvm|unified", re.I)
 # Column specs: name -> array typecode. Rows are added positionally, in this order.
 _HOST_COLUMNS = {"ts": "d", "dur": "d", "kind": "b", "name": "l", "thread": "l", "corr": "q", "shape": "l"}
-_GPU_COLUMNS = {"ts": "d", "dur": "d", "kind": "b", "name": "l", "device": "l", "stream": "q",
-                "corr": "q", "bytes": "q"}
+_GPU_COLUMNS = {
+    "ts": "d",
+    "dur": "d",
+    "kind": "b",
+    "name": "l",
+    "device": "l",
+    "stream": "q",
+    "corr": "q",
+    "bytes": "q",
+}
 _FLOW_COLUMNS = {"corr": "q", "ts": "d", "thread": "l"}
 _MEMORY_COLUMNS = {"ts": "d", "allocated": "q", "reserved": "q", "device": "l"}
 _UNIFIED_COLUMNS = {"ts": "d", "dur": "d", "bytes": "q"}
@@ -150,8 +166,12 @@ class _Builder:
             self.flows.add(_int(event.get("id")), _float(event.get("ts")), self._thread(event))
         elif phase == "i" and event.get("name") == "[memory]":
             args = event.get("args") or {}
-            self.memory.add(_float(event.get("ts")), _int(args.get("Total Allocated"), 0),
-                            _int(args.get("Total Reserved"), 0), _int(args.get("Device Id")))
+            self.memory.add(
+                _float(event.get("ts")),
+                _int(args.get("Total Allocated"), 0),
+                _int(args.get("Total Reserved"), 0),
+                _int(args.get("Device Id")),
+            )
 
     def _add_complete(self, event: dict[str, Any]) -> None:
         cat = event.get("cat", "")
@@ -159,12 +179,26 @@ class _Builder:
         name = str(event.get("name", ""))
         args = event.get("args") or {}
         if group == "host":
-            self.host.add(_float(event.get("ts")), _float(event.get("dur")), kind, self._intern(self.names, name),
-                          self._thread(event), _int(args.get("correlation")), self._shape(kind, args))
+            self.host.add(
+                _float(event.get("ts")),
+                _float(event.get("dur")),
+                kind,
+                self._intern(self.names, name),
+                self._thread(event),
+                _int(args.get("correlation")),
+                self._shape(kind, args),
+            )
         elif group == "gpu" and not _UNIFIED_NAME.search(name):
-            self.gpu.add(_float(event.get("ts")), _float(event.get("dur")), kind, self._intern(self.names, name),
-                         _int(args.get("device", event.get("pid")), 0), _int(args.get("stream", event.get("tid"))),
-                         _int(args.get("correlation")), _int(args.get("bytes")))
+            self.gpu.add(
+                _float(event.get("ts")),
+                _float(event.get("dur")),
+                kind,
+                self._intern(self.names, name),
+                _int(args.get("device", event.get("pid")), 0),
+                _int(args.get("stream", event.get("tid"))),
+                _int(args.get("correlation")),
+                _int(args.get("bytes")),
+            )
         elif group == "gpu" or _UNIFIED_CAT.search(str(cat)) or _UNIFIED_NAME.search(name):
             self.unified.add(_float(event.get("ts")), _float(event.get("dur")), _int(args.get("bytes")))
         elif cat == "python_function":
@@ -198,8 +232,12 @@ def _int(value: Any, default: int = -1) -> int:
 
 def _to_numpy(rows: _Rows) -> Columns:
     """Numpy views of the filled arrays (no copy)."""
-    return Columns({key: np.frombuffer(col, dtype=col.typecode) if len(col)
-                    else np.zeros(0, dtype=col.typecode) for key, col in rows.columns.items()})
+    return Columns(
+        {
+            key: np.frombuffer(col, dtype=col.typecode) if len(col) else np.zeros(0, dtype=col.typecode)
+            for key, col in rows.columns.items()
+        }
+    )
 
 
 def _open_text(path: Path):
@@ -254,6 +292,7 @@ def read_traces(path: str | Path, *, rank: int = 0, device_name: str | None = No
         # Imported here: nsys.py builds on this module's columns. It raises, naming the file, for a
         # `.sqlite` name without SQLite's header.
         from tracetrain.profile.analyze.nsys import read_nsys
+
         yield from read_nsys(path, rank=rank, device_name=device_name)
     else:
         yield parse_trace(path, rank=rank, device_name=device_name)
@@ -276,24 +315,38 @@ def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = No
     if path.is_file() and (is_sqlite(path) or path.suffix in _SQLITE_SUFFIXES):
         traces = list(read_traces(path, rank=rank, device_name=device_name))
         if len(traces) > 1:
-            raise TracetrainError(f"{path}: {len(traces)} GPU processes in one export; read them with "
-                                  "read_traces() or analyze()")
+            raise TracetrainError(
+                f"{path}: {len(traces)} GPU processes in one export; read them with read_traces() or analyze()"
+            )
         return traces[0]
     builder, others = _read(path)
     host, gpu = _to_numpy(builder.host), _to_numpy(builder.gpu)
     if len(host) == 0 and len(gpu) == 0:
         raise TracetrainError(f"{path}: no profiler events (cpu_op, kernel, ...) in traceEvents")
-    info = others.get("distributedInfo") if isinstance(others.get("distributedInfo"), dict) else {}
+    found = others.get("distributedInfo")
+    info: dict = found if isinstance(found, dict) else {}
     name, memory = _device_info(others, device_name)
     names = list(builder.names)
     gpu_links = link_launches(host, gpu, _to_numpy(builder.flows), names)
-    trace = Trace(path=str(path), rank=_int(info.get("rank"), rank),
-                  world_size=_int(info.get("world_size"), 1), device_name=name,
-                  device_memory_bytes=memory, names=names, threads=list(builder.threads),
-                  shapes=list(builder.shapes), host=host, gpu=Columns({**gpu.data, **gpu_links}),
-                  memory=_to_numpy(builder.memory), unified=_to_numpy(builder.unified),
-                  window=_window(host, gpu), num_python_events=builder.num_python)
+    trace = Trace(
+        path=str(path),
+        rank=_int(info.get("rank"), rank),
+        world_size=_int(info.get("world_size"), 1),
+        device_name=name,
+        device_memory_bytes=memory,
+        names=names,
+        threads=list(builder.threads),
+        shapes=list(builder.shapes),
+        host=host,
+        gpu=Columns({**gpu.data, **gpu_links}),
+        memory=_to_numpy(builder.memory),
+        unified=_to_numpy(builder.unified),
+        window=_window(host, gpu),
+        num_python_events=builder.num_python,
+    )
     if len(gpu) == 0:
-        trace.notes.append(f"{path.name}: no GPU events (kernels, copies); was the profiler run with "
-                           "ProfilerActivity.CUDA on a GPU? GPU analyses are empty.")
+        trace.notes.append(
+            f"{path.name}: no GPU events (kernels, copies); was the profiler run with "
+            "ProfilerActivity.CUDA on a GPU? GPU analyses are empty."
+        )
     return trace

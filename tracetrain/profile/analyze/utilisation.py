@@ -25,12 +25,9 @@ from typing import Final
 
 import numpy as np
 
-from tracetrain.profile.analyze.categories import (CATEGORIES, is_comm_range, is_data_range,
-                                                   is_sync_op, is_sync_runtime)
-from tracetrain.profile.analyze.intervals import (Spans, complement, intersect, measure_between, subtract,
-                                                  touches, union)
-from tracetrain.profile.analyze.select import (gpu_categories, gpu_spans, host_spans, main_device,
-                                               on_device, step_rows)
+from tracetrain.profile.analyze.categories import CATEGORIES, is_comm_range, is_data_range, is_sync_op, is_sync_runtime
+from tracetrain.profile.analyze.intervals import Spans, complement, intersect, measure_between, subtract, touches, union
+from tracetrain.profile.analyze.select import gpu_categories, gpu_spans, host_spans, main_device, on_device, step_rows
 from tracetrain.profile.analyze.trace import ANNOTATION, KERNEL, OP, RUNTIME, Trace
 
 IDLE_CAUSES: Final = ("data_loader", "sync", "communication", "host", "outside_steps")
@@ -108,9 +105,13 @@ def idle_by_cause(trace: Trace, device: int) -> dict[str, Spans]:
     is_sync = touches(_sync_spans(trace), gap_lo, gap_hi)
     comm_time = measure_between(host_spans(trace, (OP, ANNOTATION), is_comm_range), gap_lo, gap_hi)
     is_comm = ~is_sync & (comm_time >= 0.5 * (gap_hi - gap_lo))
-    return {"data_loader": intersect(inside, data_ranges), "sync": _select(rest, is_sync),
-            "communication": _select(rest, is_comm), "host": _select(rest, ~is_sync & ~is_comm),
-            "outside_steps": subtract(idle, steps)}
+    return {
+        "data_loader": intersect(inside, data_ranges),
+        "sync": _select(rest, is_sync),
+        "communication": _select(rest, is_comm),
+        "host": _select(rest, ~is_sync & ~is_comm),
+        "outside_steps": subtract(idle, steps),
+    }
 
 
 def _step_table(trace: Trace, busy: Spans, causes: dict[str, Spans], device: int) -> list[StepRow]:
@@ -120,12 +121,18 @@ def _step_table(trace: Trace, busy: Spans, causes: dict[str, Spans], device: int
     idle = {cause: measure_between(spans, starts, ends) for cause, spans in causes.items()}
     kernel_ts = np.sort(trace.gpu.ts[on_device(trace, device) & (trace.gpu.kind == KERNEL)])
     counts = np.searchsorted(kernel_ts, ends) - np.searchsorted(kernel_ts, starts)
-    return [StepRow(name=trace.names[trace.host.name[row]], start_us=float(starts[i] - trace.window[0]),
-                    duration_us=float(ends[i] - starts[i]), busy_us=float(busy_us[i]),
-                    busy_fraction=float(busy_us[i] / max(ends[i] - starts[i], 1e-9)),
-                    idle_us={cause: float(v[i]) for cause, v in idle.items() if cause != "outside_steps"},
-                    num_kernels=int(counts[i]))
-            for i, row in enumerate(rows.tolist())]
+    return [
+        StepRow(
+            name=trace.names[trace.host.name[row]],
+            start_us=float(starts[i] - trace.window[0]),
+            duration_us=float(ends[i] - starts[i]),
+            busy_us=float(busy_us[i]),
+            busy_fraction=float(busy_us[i] / max(ends[i] - starts[i], 1e-9)),
+            idle_us={cause: float(v[i]) for cause, v in idle.items() if cause != "outside_steps"},
+            num_kernels=int(counts[i]),
+        )
+        for i, row in enumerate(rows.tolist())
+    ]
 
 
 def busy_timeline(trace: Trace, busy: Spans, causes: dict[str, Spans], num_bins: int) -> list[TimelineBin]:
@@ -134,12 +141,16 @@ def busy_timeline(trace: Trace, busy: Spans, causes: dict[str, Spans], num_bins:
     edges = np.linspace(lo, hi, num_bins + 1)
     width = max((hi - lo) / num_bins, 1e-9)
     busy_part = measure_between(busy, edges[:-1], edges[1:]) / width
-    idle_parts = {cause: measure_between(spans, edges[:-1], edges[1:]) / width
-                  for cause, spans in causes.items()}
-    return [TimelineBin(start_us=float(edges[i] - lo), width_us=float(width),
-                        busy_fraction=float(busy_part[i]),
-                        idle_fraction={cause: float(part[i]) for cause, part in idle_parts.items()})
-            for i in range(num_bins)]
+    idle_parts = {cause: measure_between(spans, edges[:-1], edges[1:]) / width for cause, spans in causes.items()}
+    return [
+        TimelineBin(
+            start_us=float(edges[i] - lo),
+            width_us=float(width),
+            busy_fraction=float(busy_part[i]),
+            idle_fraction={cause: float(part[i]) for cause, part in idle_parts.items()},
+        )
+        for i in range(num_bins)
+    ]
 
 
 def utilisation(trace: Trace, num_bins: int = 240) -> Utilisation:
@@ -154,10 +165,15 @@ def utilisation(trace: Trace, num_bins: int = 240) -> Utilisation:
     steps = _step_table(trace, busy, causes, device)
     window_us = hi - lo
     return Utilisation(
-        device=device, window_us=window_us, busy_us=busy.total(),
+        device=device,
+        window_us=window_us,
+        busy_us=busy.total(),
         busy_fraction=busy.total() / window_us if window_us > 0 else 0.0,
         exposed_comm_us=exposed.total(),
-        idle_us={cause: spans.total() for cause, spans in causes.items()}, steps=steps,
+        idle_us={cause: spans.total() for cause, spans in causes.items()},
+        steps=steps,
         steps_us=_step_spans(trace).total(),
         mean_step_us=float(np.mean([s.duration_us for s in steps])) if steps else window_us,
-        has_step_ranges=bool(steps), timeline=busy_timeline(trace, busy, causes, num_bins))
+        has_step_ranges=bool(steps),
+        timeline=busy_timeline(trace, busy, causes, num_bins),
+    )
