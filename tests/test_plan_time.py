@@ -8,7 +8,7 @@ import pytest
 from tracetrain.models.accounting import lora_params, training_flops_per_token
 from tracetrain.models.presets import get_preset
 from tracetrain.plan import PlanInput, plan
-from tracetrain.plan import comm
+from tracetrain.plan import collective_time as comm
 from tracetrain.plan.inputs import device_spec
 from tracetrain.plan.time import Gemm, attention_efficiency, block_gemms, gemm_efficiency, gemm_time
 

@@ -1,4 +1,4 @@
-"""A whole optimizer step: micro-batches (time.py) x their number, exposed communication (comm.py),
+"""A whole optimizer step: micro-batches (time.py) x their number, exposed communication (collective_time.py),
 once-per-step work (gradient accumulation, AdamW, DP sync, offload transfers) and the pipeline bubble.
 Formulas and overlap rules are in time.py's docstring."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracetrain.plan import comm
+from tracetrain.plan import collective_time as comm
 from tracetrain.plan import traffic as tr
 from tracetrain.plan.activations import Numerics, numerics
 from tracetrain.plan.inputs import Hardware, PlanInput

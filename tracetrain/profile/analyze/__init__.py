@@ -10,7 +10,7 @@ one answering one question with a table:
 | kernels.py      | which kernels and categories take the GPU time; how fast are the copies? |
 | bound.py        | compute-, memory-, launch- or host-bound; achieved FLOP/s and GB/s       |
 | phases.py       | host and GPU time of forward / backward / optimizer / data / checkpoint  |
-| comm.py         | NCCL time and its overlap with compute; offload copies; memory over time |
+| comm_memory.py  | NCCL time and its overlap with compute; offload copies; memory over time |
 | advice.py       | what to change, with evidence and an estimated gain                      |
 | compare.py      | what changed between two runs                                            |
 

@@ -15,7 +15,14 @@ from tracetrain.devices import DeviceSpec, lookup_device
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.advice import Advice, advise, merge_advice
 from tracetrain.profile.analyze.bound import BoundAnalysis, bound
-from tracetrain.profile.analyze.comm import CommRow, MemoryTimeline, OffloadRow, communication, memory_timeline, offload
+from tracetrain.profile.analyze.comm_memory import (
+    CommRow,
+    MemoryTimeline,
+    OffloadRow,
+    communication,
+    memory_timeline,
+    offload,
+)
 from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
 from tracetrain.profile.analyze.phases import PhaseRow, phases
 from tracetrain.profile.analyze.trace import Trace, read_traces
