@@ -342,3 +342,43 @@ def _subset_diff(got: tuple[dict, dict], want: tuple[dict, dict]) -> float:
     value = torch.tensor(state_diff(got, sub))
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compositions with several ranks
+
+def fp16_found_inf_drill(out_path: str, inject: bool) -> None:
+    """FSDP over 2 ranks with fp16 loss scaling: after one step's backward, rank 1 alone gets an inf in
+    its local gradient shard (`inject`). The trainer's optimizer_update must skip the step and back off
+    the scale on every rank alike. Rank 0 writes {scales, changed (params moved), ...} per rank."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tracetrain.parallel import dist as tdist
+    from tracetrain.train.step import forward_backward, optimizer_update
+
+    torch.set_num_threads(1)
+    info = tdist.init_distributed(120, "cpu")
+    cfg = tiny_config(["--parallel.dp_shard=2", "--train.precision=fp16"])
+    par = apply_layout(cfg, build_tiny(cfg), info.world_size)
+    optimizer = build_optimizer(par.module, cfg.optim, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu")
+    ctx = dataclasses.replace(step_context(cfg), autocast_dtype=torch.float16, scaler=scaler, par=par)
+    before = {n: full(p) for n, p in par.module.named_parameters()}
+    total = forward_backward(par.module, global_batches(cfg, 4, 1), ctx)
+    if inject and info.rank == 1:
+        p = next(p for p in par.module.parameters() if p.grad is not None)
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        local.view(-1)[0] = float("inf")
+    out = optimizer_update(optimizer, total, ctx)
+    after = {n: full(p) for n, p in par.module.named_parameters()}
+    changed = torch.tensor([float(any(not torch.equal(before[n], after[n]) for n in before))])
+    flags = [torch.zeros(2), torch.zeros(2)]
+    dist.all_gather(flags, torch.tensor([changed.item(), float(scaler.get_scale())]))
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"changed": [float(x[0]) for x in flags], "scale": [float(x[1]) for x in flags],
+                       "finite": bool(out.finite), "diverged": bool(out.diverged)}, f)
+    tdist.shutdown()

@@ -125,6 +125,20 @@ class ParallelModel:
         group = self.mesh.group("dp_cp") if self.mesh is not None and self._size("dp_cp") > 1 else None
         return all_reduce_sum(loss, group)
 
+    def agree_on_found_inf(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """After `scaler.unscale_`: the inf/NaN flags of every rank's shards, OR-ed over the job (in place),
+        so that `scaler.step` skips and `scaler.update` backs off on every rank or on none.
+
+        With FSDP2 on torch 2.13 the flags already agree (the unscale of DTensor gradients reduces them;
+        measured on 2 gloo ranks with an inf in one rank's shard); this one all-reduce per fp16 step makes
+        it explicit instead of a side effect of DTensor dispatch. The flags live in GradScaler's
+        per-optimizer state (torch keeps no public handle; FSDP1's ShardedGradScaler syncs the same)."""
+        if self.mesh is None:
+            return
+        state = scaler._per_optimizer_states[id(optimizer)]
+        for flag in state["found_inf_per_device"].values():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every shard and stage (float32, device); clips to `max_norm`."""
         params = self.parameters()

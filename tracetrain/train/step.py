@@ -180,6 +180,10 @@ def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx:
     with ctx.phase("optimizer"):
         if scaler:
             scaler.unscale_(optimizer)  # clip and measure the true gradient norm
+            if par is not None:
+                # Each rank found inf/NaN in its own shards only: every rank must skip, and back off the
+                # scale, alike, or their weights and loss scales part ways.
+                par.agree_on_found_inf(scaler, optimizer)
         if par is not None:  # norm over every shard, mesh axis and stage
             grad_norm = par.clip_grad_norm_(max_norm)
         else:
