@@ -41,22 +41,10 @@ def build_tiny(cfg: Config) -> nn.Module:
 
 
 def global_batches(cfg: Config, rows: int, num: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:
-    """`num` global micro-batches of `rows` rows: two packed documents per row, ~30% ignored labels
-    (so data-parallel ranks hold different target counts)."""
-    gen = torch.Generator().manual_seed(seed)
-    seq, vocab = cfg.data.seq_len, model_args_from_config(cfg).vocab_size
-    out = []
-    for _ in range(num):
-        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
-        labels = torch.randint(0, vocab, (rows, seq), generator=gen)
-        labels[torch.rand(rows, seq, generator=gen) < 0.3] = -100
-        split = torch.randint(seq // 4, 3 * seq // 4, (rows,), generator=gen)
-        pos = torch.arange(seq).expand(rows, seq)
-        doc = (pos >= split[:, None]).long()
-        position_ids = torch.where(doc == 1, pos - split[:, None], pos)
-        out.append({"input_ids": ids, "labels": labels, "position_ids": position_ids.contiguous(),
-                    "document_ids": doc})
-    return out
+    """`num` global micro-batches of `rows` rows (the cluster smoke check's batches, train/smoke.py)."""
+    from tracetrain.train.smoke import smoke_batches
+
+    return smoke_batches(cfg, rows, seed, num)
 
 
 def step_context(cfg: Config) -> StepContext:

@@ -40,19 +40,25 @@ TINY = [
 ]
 
 
-def smoke_batches(cfg: Config, rows: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """One global micro-batch of `rows` rows, the same on every rank (seeded): random tokens, two packed
-    documents per row, ~30% ignored labels (so data-parallel ranks hold different target counts)."""
+def smoke_batches(cfg: Config, rows: int, seed: int, num: int = 1) -> list[dict[str, torch.Tensor]]:
+    """`num` global micro-batches of `rows` rows, the same on every rank (one seeded generator): random
+    tokens, two packed documents per row, ~30% ignored labels (so data-parallel ranks hold different
+    target counts). The parallel layout tests use the same batches."""
+    from tracetrain.models.build import model_args_from_config
+
     gen = torch.Generator().manual_seed(seed)
-    seq, vocab = cfg.data.seq_len, cfg.model.vocab_size or 128
-    ids = torch.randint(0, vocab, (rows, seq), generator=gen)
-    labels = torch.randint(0, vocab, (rows, seq), generator=gen)
-    labels[torch.rand(rows, seq, generator=gen) < 0.3] = -100
-    split = torch.randint(seq // 4, 3 * seq // 4, (rows,), generator=gen)
-    pos = torch.arange(seq).expand(rows, seq)
-    doc = (pos >= split[:, None]).long()
-    position_ids = torch.where(doc == 1, pos - split[:, None], pos)
-    return [{"input_ids": ids, "labels": labels, "position_ids": position_ids.contiguous(), "document_ids": doc}]
+    seq, vocab = cfg.data.seq_len, model_args_from_config(cfg).vocab_size
+    out = []
+    for _ in range(num):
+        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+        labels = torch.randint(0, vocab, (rows, seq), generator=gen)
+        labels[torch.rand(rows, seq, generator=gen) < 0.3] = -100
+        split = torch.randint(seq // 4, 3 * seq // 4, (rows,), generator=gen)
+        pos = torch.arange(seq).expand(rows, seq)
+        doc = (pos >= split[:, None]).long()
+        position_ids = torch.where(doc == 1, pos - split[:, None], pos)
+        out.append({"input_ids": ids, "labels": labels, "position_ids": position_ids.contiguous(), "document_ids": doc})
+    return out
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
