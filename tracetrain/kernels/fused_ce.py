@@ -80,7 +80,7 @@ def _chunked(
         logits = h_chunk @ w.t()  # (chunk, vocab) in compute dtype
         losses[start:end] = ce_rows_(logits, labels[start:end], ignore_index, write_grad=need_h or need_w)
         if need_h:
-            torch.mm(logits, w, out=grad_h[start:end])  # type: ignore[index]  # filled before use: the surrounding state machine guarantees it
+            torch.mm(logits, w, out=grad_h[start:end])  # type: ignore[index]  # grad_h is allocated whenever need_h, the only case that writes it
         if need_w:
             grad_w = _accumulate_weight_grad(grad_w, logits.t(), h_chunk, losses.dtype)
     return losses.sum(), grad_h, grad_w

@@ -421,7 +421,7 @@ class StreamedOffload(ActivationOffload):
         if slot.ready is not None:
             torch.cuda.current_stream(slot.device).wait_event(slot.ready)
             slot.ready = None  # later uses of this tensor are queued behind this wait
-        return slot.device_copy  # type: ignore[return-value]  # filled before use: the surrounding state machine guarantees it
+        return slot.device_copy  # type: ignore[return-value]  # _load above filled it when it was None
 
     def _prefetch(self, block: int) -> None:
         """Backward of `block` starts: request offloaded blocks down to k - (n_layers - block)."""
@@ -440,12 +440,12 @@ class StreamedOffload(ActivationOffload):
         device = slots[0].device
         if device.type != "cuda":
             for s in slots:  # a copy, as on the GPU: the host buffer goes back to the pool later
-                s.device_copy = s.host.clone()  # type: ignore[union-attr]  # filled before use: the surrounding state machine guarantees it
+                s.device_copy = s.host.clone()  # type: ignore[union-attr]  # an offloaded slot has its host copy
             return
         streams = self._side_streams(device)
         # Allocated on the compute stream, from the memory finished backward kernels freed (module doc);
         # the H2D stream waits for the compute stream, whose queued kernels may still use that memory.
-        copies = [torch.empty_strided(s.host.shape, s.host.stride(), dtype=s.host.dtype, device=device) for s in slots]  # type: ignore[union-attr]  # filled before use: the surrounding state machine guarantees it
+        copies = [torch.empty_strided(s.host.shape, s.host.stride(), dtype=s.host.dtype, device=device) for s in slots]  # type: ignore[union-attr]  # an offloaded slot has its host copy
         streams.h2d.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(streams.h2d):
             for event in {id(s.stored): s.stored for s in slots}.values():
@@ -454,7 +454,7 @@ class StreamedOffload(ActivationOffload):
                 else:
                     streams.h2d.wait_event(event)
             for s, dst in zip(slots, copies):
-                dst.copy_(s.host, non_blocking=True)  # type: ignore[arg-type]  # filled before use: the surrounding state machine guarantees it
+                dst.copy_(s.host, non_blocking=True)  # type: ignore[arg-type]  # an offloaded slot has its host copy
             ready = streams.h2d.record_event()
         for s, dst in zip(slots, copies):
             s.device_copy, s.ready = dst, ready

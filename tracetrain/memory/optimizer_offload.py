@@ -184,7 +184,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         grad, event = param.grad, None
         assert grad is not None
         if grad.is_cuda:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(grad.device))  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(grad.device))  # type: ignore[union-attr]  # the copy stream exists whenever gradients are on CUDA (grad.is_cuda above)
             with torch.cuda.stream(self._copy_stream):
                 slot.staging.copy_(grad, non_blocking=True)
                 event = torch.cuda.Event()
@@ -250,7 +250,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         for slot in self._arrived:
             # Host sync, needed: the CPU update reads every accumulated gradient. The wait is on the
             # worker, which waits on the D2H events; the GPU keeps running whatever is queued.
-            slot.pending.result()  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
+            slot.pending.result()  # type: ignore[union-attr]  # every arrived slot has its accumulate future
             slot.pending = None
             squares.append(_squared_norm(slot.grad))
         if not squares:

@@ -89,7 +89,7 @@ class _Row:
             return True
         self.tokens.append(token)
         if self.request.stop:
-            text = self.decode(self.tokens)  # type: ignore[misc]  # bound before use (set when the object is built)
+            text = self.decode(self.tokens)  # type: ignore[misc]  # decode is set whenever the request has stop strings
             cuts = [i for i in (text.find(s) for s in self.request.stop) if i >= 0]
             if cuts:
                 self.text, self.finish_reason = text[: min(cuts)], "stop"
@@ -208,9 +208,9 @@ class GraphedDecodeStep:
             self._capture()
         if self.cache.length + 1 > self.cache.max_len:
             raise ValueError(f"KV cache holds {self.cache.max_len} tokens; {self.cache.length + 1} requested")
-        self.graph.replay()  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
+        self.graph.replay()  # type: ignore[union-attr]  # captured just above when it was None
         self.cache.length += 1
-        return self.logits  # type: ignore[return-value]  # filled before use: the surrounding state machine guarantees it
+        return self.logits  # type: ignore[return-value]  # the capture allocates the static logits
 
 
 def make_cache(

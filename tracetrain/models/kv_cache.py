@@ -247,11 +247,11 @@ class OffloadedKVCache(CacheMask):
                 for buf, ring in zip(self.staging[i % 2], self.window[i]):
                     buf[first:last].copy_(ring[slot : slot + last - first], non_blocking=True)
             if self.ready[i % 2] is not None:
-                self.ready[i % 2].record()  # type: ignore[union-attr]  # created together with the flag checked before this line (CUDA path only)
+                self.ready[i % 2].record()  # type: ignore[union-attr]  # checked on the line above (list items are not narrowed)
 
     def wait_ready(self, i: int) -> None:
         if self.ready[i % 2] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[i % 2])  # type: ignore[arg-type]  # created together with the flag checked before this line (CUDA path only)
+            torch.cuda.current_stream(self.device).wait_event(self.ready[i % 2])  # type: ignore[arg-type]  # an event exists on the CUDA path, the only one that waits
 
     def write_back(self, i: int, start: int, end: int) -> None:
         """New positions [start, end) of layer i: into its GPU window (the most recent W), and to the CPU."""

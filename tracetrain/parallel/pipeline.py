@@ -68,10 +68,10 @@ class PipelineStageModule(nn.Module):
         """x: token ids (batch, seq) on the first stage, hidden states (batch, seq, dim) after it."""
         cos, sin = Transformer.rope(self, position_ids)  # type: ignore[arg-type]  # the model's one formula
         mask = self.mask_fn(document_ids) if document_ids is not None else None
-        h = self.embed_tokens(x) if self.is_first else x  # type: ignore[misc]  # bound before use (set when the object is built)
+        h = self.embed_tokens(x) if self.is_first else x  # type: ignore[misc]  # embed_tokens exists on the first stage (is_first)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
-        return self.lm_head(self.norm(h)) if self.is_last else h  # type: ignore[misc]  # bound before use (set when the object is built)
+        return self.lm_head(self.norm(h)) if self.is_last else h  # type: ignore[misc]  # norm and lm_head exist on the last stage (is_last)
 
 
 def stage_ids_of_rank(pp_rank: int, par: ParallelSection) -> list[int]:
