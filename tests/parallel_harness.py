@@ -335,8 +335,8 @@ def _subset_diff(got: tuple[dict, dict], want: tuple[dict, dict]) -> float:
 # ----------------------------------------------------------------------------------------------------
 # Compositions with several ranks
 
-def fp16_found_inf_drill(out_path: str, inject: bool) -> None:
-    """FSDP over 2 ranks with fp16 loss scaling: after one step's backward, rank 1 alone gets an inf in
+def fp16_found_inf_drill(out_path: str, inject: bool, layout: str = "--parallel.dp_shard=2") -> None:
+    """A layout over 2 ranks (FSDP by default; TP, CP) with fp16 loss scaling: after one step's backward, rank 1 alone gets an inf in
     its local gradient shard (`inject`). The trainer's optimizer_update must skip the step and back off
     the scale on every rank alike. Rank 0 writes {scales, changed (params moved), ...} per rank."""
     import json
@@ -349,7 +349,7 @@ def fp16_found_inf_drill(out_path: str, inject: bool) -> None:
 
     torch.set_num_threads(1)
     info = tdist.init_distributed(120, "cpu")
-    cfg = tiny_config(["--parallel.dp_shard=2", "--train.precision=fp16"])
+    cfg = tiny_config([layout, "--train.precision=fp16"])
     par = apply_layout(cfg, build_tiny(cfg), info.world_size)
     optimizer = build_optimizer(par.module, cfg.optim, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu")
@@ -369,4 +369,52 @@ def fp16_found_inf_drill(out_path: str, inject: bool) -> None:
         with open(out_path, "w") as f:
             json.dump({"changed": [float(x[0]) for x in flags], "scale": [float(x[1]) for x in flags],
                        "finite": bool(out.finite), "diverged": bool(out.diverged)}, f)
+    tdist.shutdown()
+
+
+def activation_offload_drill(out_path: str, overrides: list[str]) -> None:
+    """Streamed activation offload (half the blocks) on a data-parallel layout: 2 steps with the layout
+    and in one process on the same global batches (4 rows). Rank 0 writes the max loss/grad/param diffs
+    and, per rank, the bytes and tensors its last forward offloaded next to what one process offloads for
+    a batch of the same shape as that rank's rows: equal only if the layout's gathered weights (FSDP's
+    unsharded parameters) are recognised as weights and stay where they are."""
+    import json
+
+    import torch.distributed as dist
+
+    from tracetrain.memory import apply_activation_offload
+    from tracetrain.parallel import dist as tdist
+
+    torch.set_num_threads(1)
+    info = tdist.init_distributed(120, "cpu")
+    cfg = tiny_config(overrides)
+
+    def run(par: ParallelModel, steps: list[list[dict[str, torch.Tensor]]]) -> tuple[dict[str, object], object]:
+        offload = apply_activation_offload(par.module, "streamed", min_offload_bytes=1, fraction=0.5)
+        optimizer = GradCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
+        ctx = dataclasses.replace(step_context(cfg), activation_offload=offload)
+        losses = [float(run_step(par, optimizer, mbs, ctx).loss) for mbs in steps]  # type: ignore[arg-type]
+        params = {n: full(p) for n, p in par.module.named_parameters()}
+        return {"losses": losses, "grads": optimizer.grads, "params": params}, offload.stats  # type: ignore[union-attr]
+
+    steps = [global_batches(cfg, 4, 1, seed=s) for s in range(2)]
+    ref, _ = run(ParallelModel(parts=[build_tiny(cfg)]), steps)
+    par = apply_layout(cfg, build_tiny(cfg), info.world_size)
+    got, stats = run(par, steps)
+    local_rows = 4 // par.mesh.size("dp")
+    _, local_ref_stats = run(ParallelModel(parts=[build_tiny(cfg)]), [global_batches(cfg, local_rows, 1)])
+    diffs = torch.tensor([max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),  # type: ignore[call-overload]
+                          max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"])),  # type: ignore[call-overload]
+                          max_diff(got["params"], ref["params"])])  # type: ignore[arg-type]
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    counts = torch.tensor([stats.offloaded_bytes, stats.num_tensors,  # type: ignore[attr-defined]
+                           local_ref_stats.offloaded_bytes, local_ref_stats.num_tensors], dtype=torch.float64)  # type: ignore[attr-defined]
+    gathered = [torch.zeros_like(counts) for _ in range(info.world_size)]
+    dist.all_gather(gathered, counts)
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"loss": float(diffs[0]), "grad": float(diffs[1]), "param": float(diffs[2]),
+                       "losses": got["losses"],
+                       "per_rank": [{"bytes": int(c[0]), "tensors": int(c[1]), "one_process_bytes": int(c[2]),
+                                     "one_process_tensors": int(c[3])} for c in gathered]}, f)
     tdist.shutdown()

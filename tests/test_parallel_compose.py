@@ -1,9 +1,12 @@
-"""Switches composed with several ranks (CPU, gloo): fp16 loss scaling with FSDP.
+"""Switches composed with several ranks (CPU, gloo): fp16 loss scaling with FSDP, TP and CP; activation
+offload with FSDP and DDP; the pipeline under the real CLI.
 
-- The trainer under torchrun with fp16 and dp_shard=2 gives the single-process losses (same global
-  batch) within fp16 noise.
+- The trainer under torchrun with fp16 and dp_shard=2 / tp=2 / cp=2 gives the single-process losses
+  (same global batch) within fp16 noise.
 - An inf in one rank's gradient shard makes every rank skip the step and back off the loss scale alike
   (without the agreement, rank 0 would update while rank 1 skipped, and their weights and scales part).
+- Activation offload on FSDP / DDP ranks trains exactly like one process, and each rank offloads the
+  same bytes as one process given that rank's rows (FSDP's gathered weights are not copied as activations).
 """
 
 import json
@@ -13,7 +16,9 @@ from pathlib import Path
 
 from tracetrain.parallel.launch import launch_local
 
-from parallel_harness import fp16_found_inf_drill
+import pytest
+
+from parallel_harness import activation_offload_drill, fp16_found_inf_drill
 from test_train import read_metrics, run_cli
 
 ARGS = ["--train.steps=6", "--data.synthetic_examples=400", "--data.seq_len=64", "--model.n_layers=2",
@@ -25,36 +30,71 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir)[0]]
 
 
-def test_fp16_with_fsdp_matches_one_process(tmp_path):
+def _torchrun(tmp_path: Path, name: str, *overrides: str) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tracetrain.cli",
-           "train", *ARGS, "--train.micro_batch_size=4", "--parallel.dp_shard=2", f"--train.output_dir={tmp_path}",
-           "--train.run_name=fsdp"]
+           "train", *ARGS, *overrides, f"--train.output_dir={tmp_path}", f"--train.run_name={name}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return _losses(tmp_path / name)
+
+
+@pytest.mark.parametrize(("layout", "rows_per_rank"), [("dp_shard", 4), ("tp", 8), ("cp", 8)])
+def test_fp16_with_a_layout_matches_one_process(tmp_path, layout, rows_per_rank):
+    got = _torchrun(tmp_path, layout, f"--train.micro_batch_size={rows_per_rank}", f"--parallel.{layout}=2")
     run_cli("train", *ARGS, "--train.micro_batch_size=8", f"--train.output_dir={tmp_path}", "--train.run_name=one")
-    fsdp, one = _losses(tmp_path / "fsdp"), _losses(tmp_path / "one")
-    assert len(fsdp) == len(one) == 6
-    # fp16 activations: summation order across shards moves the last bits (measured: <= 4e-5 at ~5.0).
-    assert max(abs(a - b) for a, b in zip(fsdp, one)) < 1e-3
-    assert fsdp[-1] < fsdp[0] - 0.3  # and it trains
+    one = _losses(tmp_path / "one")
+    assert len(got) == len(one) == 6
+    # fp16 activations: summation order across shards moves the last bits (measured: <= 4e-5 at ~5.0
+    # for FSDP, 1e-4 for TP and CP).
+    assert max(abs(a - b) for a, b in zip(got, one)) < 1e-3
+    assert got[-1] < got[0] - 0.3  # and it trains
 
 
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+@pytest.mark.parametrize("layout", ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.cp=2"])
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path, layout):
     out = tmp_path / "inject.json"
-    launch_local(fp16_found_inf_drill, 2, str(out), True, timeout_s=200)
+    launch_local(fp16_found_inf_drill, 2, str(out), True, layout, timeout_s=200)
     got = json.loads(out.read_text())
     assert got["changed"] == [0.0, 0.0]  # no rank updated its weights
     assert got["scale"][0] == got["scale"][1] == 2.0**16 * 0.5  # both backed off from the initial 2**16
     assert not got["finite"] and not got["diverged"]  # a skipped fp16 step, not a diverged run
     # Control: the same step without the inf updates every rank and keeps the scale.
-    launch_local(fp16_found_inf_drill, 2, str(out), False, timeout_s=200)
+    launch_local(fp16_found_inf_drill, 2, str(out), False, layout, timeout_s=200)
     got = json.loads(out.read_text())
     assert got["changed"] == [1.0, 1.0] and got["scale"] == [2.0**16, 2.0**16] and got["finite"]
 
 
-def test_what_does_not_compose_yet_is_refused_with_its_reason():
-    import pytest
+@pytest.mark.parametrize("layout", ["--parallel.dp_shard=2", "--parallel.dp_replicate=2"])
+def test_activation_offload_with_data_parallel_ranks(tmp_path, layout):
+    out = tmp_path / "offload.json"
+    launch_local(activation_offload_drill, 2, str(out), [layout], timeout_s=200)
+    got = json.loads(out.read_text())
+    assert got["loss"] < 1e-5 and got["grad"] < 1e-5 and got["param"] < 1e-5, got
+    for rank in got["per_rank"]:
+        assert rank["tensors"] > 0  # something was offloaded
+        assert (rank["bytes"], rank["tensors"]) == (rank["one_process_bytes"], rank["one_process_tensors"]), got
 
+
+def test_activation_offload_with_fsdp_under_torchrun(tmp_path):
+    got = _torchrun(tmp_path, "fsdp", "--train.micro_batch_size=4", "--parallel.dp_shard=2",
+                    "--memory.activation_offload=streamed", "--memory.activation_offload_fraction=0.5",
+                    "--train.precision=fp32")
+    run_cli("train", *ARGS, "--train.micro_batch_size=8", "--train.precision=fp32", f"--train.output_dir={tmp_path}",
+            "--train.run_name=one")
+    assert max(abs(a - b) for a, b in zip(got, _losses(tmp_path / "one"))) < 1e-5
+
+
+def test_pipeline_under_torchrun_matches_one_process(tmp_path):
+    got = _torchrun(tmp_path, "pp", "--train.micro_batch_size=8", "--parallel.pp=2", "--parallel.pp_microbatches=2",
+                    "--train.precision=fp32")
+    run_cli("train", *ARGS, "--train.micro_batch_size=8", "--train.precision=fp32", f"--train.output_dir={tmp_path}",
+            "--train.run_name=one")
+    one = _losses(tmp_path / "one")
+    assert len(got) == len(one) == 6
+    assert max(abs(a - b) for a, b in zip(got, one)) < 1e-4
+
+
+def test_what_does_not_compose_yet_is_refused_with_its_reason():
     from tracetrain.config import load_config
     from tracetrain.errors import ConfigError
     from tracetrain.models.build import model_args_from_config
@@ -67,7 +107,12 @@ def test_what_does_not_compose_yet_is_refused_with_its_reason():
     check("--parallel.dp_shard=2", "--train.precision=fp16")  # composes
     with pytest.raises(ConfigError, match=r"parallel.pp, train.precision: pipeline parallelism does not support fp16 loss scaling"):
         check("--parallel.pp=2", "--train.precision=fp16")
-    with pytest.raises(ConfigError, match=r"train.precision.*tested with data parallelism \(FSDP\) only"):
-        check("--parallel.tp=2", "--train.precision=fp16")
-    with pytest.raises(ConfigError, match=r"memory.activation_offload.*not tested with sharded blocks"):
-        check("--parallel.dp_shard=2", "--memory.activation_offload=save_on_cpu")
+    check("--parallel.tp=2", "--train.precision=fp16")
+    check("--parallel.dp_shard=2", "--memory.activation_offload=save_on_cpu")
+    with pytest.raises(ConfigError, match=r"'memory.optimizer_offload' is not supported together with several ranks yet: .*use parallel.fsdp_cpu_offload"):
+        check("--parallel.dp_shard=2", "--memory.optimizer_offload=true")
+    check("--parallel.dp_shard=2", "--train.fp8=rowwise")
+    with pytest.raises(ConfigError, match=r"'train.fp8' is not supported .*data parallelism \(FSDP, DDP\) only"):
+        check("--parallel.tp=2", "--train.fp8=rowwise")
+    with pytest.raises(ConfigError, match=r"'memory.unified_memory' is not supported .*DTensor"):
+        check("--parallel.dp_replicate=2", "--memory.unified_memory=optimizer")

@@ -85,7 +85,13 @@ def model_blocks(part: nn.Module) -> list[nn.Module]:
 
 
 def apply_data_parallel(
-    part: nn.Module, pm: ParallelMesh, par: ParallelSection, *, param_dtype: torch.dtype | None, experts_sharded: bool
+    part: nn.Module,
+    pm: ParallelMesh,
+    par: ParallelSection,
+    *,
+    param_dtype: torch.dtype | None,
+    experts_sharded: bool,
+    shard_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
     """Shard `part` (the model, or one pipeline stage) over the data-parallel mesh, in place.
 
@@ -93,11 +99,13 @@ def apply_data_parallel(
     gradients are always reduced in fp32. `experts_sharded`: MoE experts already split over `ep`
     (expert_parallel.py); they then get their own FSDP units over `expert_dp_mesh`. Returns the FSDP
     units created, outermost (the root) last; empty when the layout has no data parallelism.
+    `shard_mesh`: shard on this 1-D mesh instead of the layout's (a 1-rank mesh: FSDP2 exercised on one
+    GPU, benchmarks/compose_gpu.py).
     """
-    mesh = dense_dp_mesh(pm)
+    mesh = shard_mesh if shard_mesh is not None else dense_dp_mesh(pm)
     if mesh is None:
         return []
-    pure_replicate = pm.size("dp_shard_cp") == 1
+    pure_replicate = pm.size("dp_shard_cp") == 1 and shard_mesh is None
     zero3 = par.zero_stage == 3 and not pure_replicate
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload: OffloadPolicy = CPUOffloadPolicy() if par.fsdp_cpu_offload else OffloadPolicy()
