@@ -105,8 +105,10 @@ SMALL = ["--train.steps=24", "--train.micro_batch_size=8", "--data.synthetic_exa
 
 
 def read_metrics(run_dir):
+    """(train lines, eval lines during training); the final evaluation's line is left out."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if "loss" in r], [r for r in lines if "eval_loss" in r]
+    return ([r for r in lines if r["kind"] == "train"],
+            [r for r in lines if r["kind"] == "eval" and not r.get("final")])
 
 
 def test_cli_train_writes_a_complete_run_directory(tmp_path):
@@ -117,6 +119,10 @@ def test_cli_train_writes_a_complete_run_directory(tmp_path):
     assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in steps)
     assert len(evals) == 1 and evals[0]["step"] == 12
     summary = json.loads((run / "summary.json").read_text())
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in lines if r.get("final")]
+    assert len(final) == 1 and final[0]["kind"] == "eval" and final[0]["step"] == 24
+    assert final[0]["eval_loss"] == summary["eval_loss"] and final[0]["exact_match"] == summary["exact_match"]
     assert {"eval_loss", "eval_ppl", "exact_match", "tokens_per_s", "checkpoint"} <= set(summary)
     assert load_config(run / "config.toml").train.steps == 24
     assert (run / "checkpoints" / "step_00000024" / "model.safetensors").is_file()
@@ -124,6 +130,28 @@ def test_cli_train_writes_a_complete_run_directory(tmp_path):
     assert "held-out loss" in proc.stdout
     # The loss fell.
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+
+
+def test_metrics_lines_carry_time_kind_and_each_steps_own_throughput(tmp_path):
+    import time
+
+    start = time.time()
+    run_cli("train", *SMALL, "--logging.log_interval=6", f"--train.output_dir={tmp_path}", "--train.run_name=m")
+    end = time.time()
+    lines = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in lines} == {"train", "eval"}
+    assert all(start <= r["time"] <= end for r in lines)
+    assert [r["time"] for r in lines] == sorted(r["time"] for r in lines)
+    train = [r for r in lines if r["kind"] == "train"]
+    for r in train:  # the step's own tokens over its own time
+        assert abs(r["tokens_per_s"] - r["tokens"] / r["step_s"]) <= 1e-6 * r["tokens_per_s"]
+    # Not the interval's figure copied onto each of its 6 lines.
+    assert len({r["tokens_per_s"] for r in train[:6]}) > 1
+    summary = json.loads((tmp_path / "m" / "summary.json").read_text())
+    warm = summary["throughput_warmup_steps"]
+    assert warm == 2 and summary["throughput_steps"] == 22  # 10% of 24 steps are warm-up
+    whole = sum(r["tokens"] for r in train[warm:]) / sum(r["step_s"] for r in train[warm:])
+    assert abs(summary["tokens_per_s"] - whole) <= 1e-6 * whole
 
 
 def test_cli_user_errors_are_one_line(tmp_path):

@@ -188,6 +188,15 @@ class LoggingSection:
     progress: bool = fld(True, "Show a live progress bar on the console.")
     tensorboard: bool = fld(False, "Also write TensorBoard event files (needs the tensorboard package).")
     peak_tflops: float = fld(0.0, "Peak dense FLOP/s (in TFLOP/s) for MFU; 0 = look up the GPU in the table.", ge=0)
+    mlflow: bool = fld(
+        False, "Log metrics, the resolved config and the summary to MLflow (pip install 'tracetrain[mlflow]')."
+    )
+    mlflow_tracking_uri: str = fld(
+        "", "MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else a local file store at <output_dir>/mlruns."
+    )
+    mlflow_experiment: str = fld("tracetrain", "MLflow experiment name (created if missing).")
+    wandb: bool = fld(False, "Log to Weights & Biases (pip install 'tracetrain[wandb]'); WANDB_MODE=offline honoured.")
+    wandb_project: str = fld("tracetrain", "W&B project; the run is named after train.run_name.")
 
 
 @dataclass(frozen=True)

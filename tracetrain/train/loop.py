@@ -354,6 +354,10 @@ class _Run:
             filename=name,
             skipped_steps=self.skipped_at_start,
         )
+        if self.rank0:
+            from tracetrain.train.tracking import open_trackers
+
+            self.metrics.trackers = open_trackers(cfg, run_dir, run_dir.name)
         self.prof = ProfileCapture(cfg.profile, run_dir, device)
         self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
 
@@ -522,6 +526,7 @@ class _Run:
         else:
             summary = self._final_evaluation()
             if summary:
+                self.metrics.log_eval(done, summary, final=True)
                 self.callbacks("on_eval", done, dict(summary))
             summary.update(_throughput_summary(self.metrics, self.cfg, done))
             if self.cfg.checkpoint.save_final:
@@ -533,6 +538,7 @@ class _Run:
             summary["final_steps_skipped"] = self.metrics.bad_streak
         if self.rank0:
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        self.metrics.finish_trackers(summary)
         self.reporter.summary(summary, self.run_dir)
         if "final_steps_skipped" in summary:
             raise self._ended_on_skipped_steps(summary)
@@ -577,8 +583,8 @@ def _throughput_summary(metrics: MetricsLogger, cfg: Config, steps: int) -> dict
     return {
         "steps": steps,
         "train_loss": last.get("loss"),
-        "tokens_per_s": last.get("tokens_per_s"),
-        "mfu": last.get("mfu"),
+        **metrics.throughput(),
+        "last_interval_tokens_per_s": last.get("tokens_per_s"),
         "skipped_steps": metrics.skipped_steps,
         **{k: v for k, v in last.items() if k.startswith("mem_")},
     }

@@ -1,9 +1,11 @@
 """Per-step metrics: loss, grad norm, lr, tokens/s, MFU, data-wait vs compute time, peak memory.
 
 Device values (loss, grad norm, finite flag) stay on the device until `flush`, which reads a whole
-interval with one host sync. Wall-clock throughput is measured between flushes, so it covers every
-step in the interval including the GPU work that was still queued at the previous flush.
-Records go to `metrics.jsonl` (one line per step, plus eval lines), the console, and TensorBoard.
+interval with one host sync. Each step's own duration comes from markers recorded after each step (CUDA
+events on the GPU, read after that sync; the clock on the CPU), so it covers the GPU work of that step and
+any time the GPU waited for it, without a sync per step. The console shows the interval's throughput;
+`summary()` gives the whole run's after warm-up (compile, allocator growth). Records go to
+`metrics.jsonl` (schema in docs/metrics.md), the console, TensorBoard and the trackers (train/tracking.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class _Pending:
     lr: float
     tokens: int
     data_wait_s: float
+    start: Any  # step markers: torch.cuda.Event on the GPU, perf_counter seconds on the CPU
+    end: Any
+    time: float  # unix seconds when the step was recorded
 
 
 @dataclass
@@ -46,12 +51,15 @@ class MetricsLogger:
     bad_streak: int = 0
     skipped_steps: int = 0
     last: dict[str, Any] = field(default_factory=dict)
+    trackers: list[Any] = field(default_factory=list)  # train/tracking.py, rank 0 only
+    timed: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of each step this process ran
 
     def __post_init__(self) -> None:
         path = self.run_dir / self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a", buffering=1)  # noqa: SIM115  # open for the run's life; close() closes it
         self.window_start = time.perf_counter()
+        self.mark = self._marker()
         self.tb = None
         if self.tensorboard:
             try:
@@ -74,11 +82,36 @@ class MetricsLogger:
         data_wait_s: float,
     ) -> None:
         """Remember one step's values without reading them from the device."""
-        self.pending.append(_Pending(step, loss, grad_norm, finite, diverged, lr, tokens, data_wait_s))
+        end = self._marker()
+        self.pending.append(
+            _Pending(step, loss, grad_norm, finite, diverged, lr, tokens, data_wait_s, self.mark, end, time.time())
+        )
+        self.mark = end
 
     def restart_window(self) -> None:
         """Exclude time spent outside training steps (eval, checkpoints) from throughput."""
         self.window_start = time.perf_counter()
+        self.mark = self._marker()
+
+    def _marker(self) -> Any:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    @staticmethod
+    def _seconds(start: Any, end: Any) -> float:
+        if isinstance(start, float):
+            return end - start
+        return start.elapsed_time(end) / 1000.0  # both recorded and done: read after flush's sync
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """One metrics.jsonl line, and the same record to TensorBoard and the trackers."""
+        self.file.write(json.dumps(rec) + "\n")
+        self._tensorboard(rec)
+        for tracker in self.trackers:
+            tracker.log(rec)
 
     def flush(self) -> dict[str, Any] | None:
         """Read the pending steps (one host sync), write them, and return the interval's summary."""
@@ -95,34 +128,57 @@ class MetricsLogger:
         tokens = sum(p.tokens for p in self.pending)
         data_wait = sum(p.data_wait_s for p in self.pending)
         tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
-        mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
         memory = self.memory()
-        step_s = elapsed / len(self.pending)
         for p, (loss, gnorm, finite, diverged) in zip(self.pending, values):
             self._count_bad(finite > 0, diverged > 0, p.step)
+            step_s = self._seconds(p.start, p.end)
+            self.timed.append((p.tokens, step_s))
+            own = p.tokens / step_s if step_s > 0 else 0.0
             rec = {
+                "kind": "train",
                 "step": p.step + 1,
+                "time": round(p.time, 3),
                 "loss": loss,
                 "grad_norm": gnorm,
                 "lr": p.lr,
                 "skipped": finite == 0,
-                "tokens_per_s": tokens_per_s,
-                "mfu": mfu,
+                "tokens": p.tokens,
+                "tokens_per_s": own,
+                "mfu": self._mfu(own),
                 "step_s": step_s,
                 "data_wait_s": p.data_wait_s,
                 "compute_s": max(0.0, step_s - p.data_wait_s),
                 **memory,
             }
-            self.file.write(json.dumps(rec) + "\n")
-            self._tensorboard(rec)
+            self.write(rec)
         self.last = {
             **rec,
+            "tokens_per_s": tokens_per_s,  # the console shows the interval's throughput
+            "mfu": self._mfu(tokens_per_s),
             "data_wait_share": data_wait / elapsed if elapsed > 0 else 0.0,
             "skipped_total": self.skipped_steps,
         }
         self.pending.clear()
         self.window_start = time.perf_counter()
         return self.last
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        return tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
+
+    def throughput(self) -> dict[str, Any]:
+        """The whole run's tokens/s (this process's steps) after warm-up: the first 10% of the steps, at
+        least one when there are two or more (compile, allocator growth, the first data)."""
+        n = len(self.timed)
+        warmup = min(n - 1, max(1, n // 10)) if n > 1 else 0
+        tokens = sum(t for t, _ in self.timed[warmup:])
+        seconds = sum(s for _, s in self.timed[warmup:])
+        tokens_per_s = tokens / seconds if seconds > 0 else None
+        return {
+            "tokens_per_s": tokens_per_s,
+            "mfu": self._mfu(tokens_per_s) if tokens_per_s else None,
+            "throughput_steps": n - warmup,
+            "throughput_warmup_steps": warmup,
+        }
 
     def _count_bad(self, applied: bool, diverged: bool, step: int) -> None:
         self.skipped_steps += 0 if applied else 1
@@ -143,19 +199,27 @@ class MetricsLogger:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"mem_peak_rss_gib": rss / (2**30 if sys.platform == "darwin" else 2**20)}
 
-    def log_eval(self, step: int, values: dict[str, Any]) -> None:
-        rec = {"step": step, **values}
-        self.file.write(json.dumps(rec) + "\n")
-        self._tensorboard(rec)
+    def log_eval(self, step: int, values: dict[str, Any], final: bool = False) -> None:
+        rec = {"kind": "eval", "step": step, "time": round(time.time(), 3), **values}
+        if final:
+            rec["final"] = True
+        self.write(rec)
+
+    def finish_trackers(self, summary: dict[str, Any] | None) -> None:
+        """End every tracker's run with the summary (None: the run failed)."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.finish(summary)
 
     def _tensorboard(self, rec: dict[str, Any]) -> None:
         if self.tb is None:
             return
         for key, value in rec.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.tb.add_scalar(key, value, rec["step"])
 
     def close(self) -> None:
+        self.finish_trackers(None)  # still open only when the run did not reach its summary
         self.file.close()
         if self.tb is not None:
             self.tb.close()
