@@ -344,6 +344,14 @@ def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_report(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.train.run_report import write_report
+
+    out = write_report([Path(r) for r in a.runs], Path(a.out) if a.out else None)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_config(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.config import load_config, reference_markdown, to_toml
 
@@ -521,6 +529,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     pl.add_argument("--html", metavar="FILE", help="write the interactive HTML planner page")
     pl.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     handlers["plan"] = cmd_plan
+
+    rp = sub.add_parser(
+        "report",
+        help="draw a run's training report page (loss, throughput, memory...), or overlay several runs",
+        description="One run: writes RUN/report.html (the trainer keeps it current while it runs). Several "
+        "runs: one page with every run overlaid, written to --out (default report-A-vs-B.html here).",
+    )
+    rp.add_argument("runs", nargs="+", metavar="RUN", help="run directories (runs/NAME)")
+    rp.add_argument("--out", metavar="FILE", help="where to write the page")
+    handlers["report"] = cmd_report
 
     sub.add_parser("presets", help="list model presets with parameter counts")
     handlers["presets"] = cmd_presets

@@ -188,6 +188,7 @@ class LoggingSection:
     progress: bool = fld(True, "Show a live progress bar on the console.")
     tensorboard: bool = fld(False, "Also write TensorBoard event files (needs the tensorboard package).")
     peak_tflops: float = fld(0.0, "Peak dense FLOP/s (in TFLOP/s) for MFU; 0 = look up the GPU in the table.", ge=0)
+    report: bool = fld(True, "Keep RUN/report.html (loss, throughput, memory charts) current at every log interval.")
     mlflow: bool = fld(
         False, "Log metrics, the resolved config and the summary to MLflow (pip install 'tracetrain[mlflow]')."
     )

@@ -357,7 +357,7 @@ class _Run:
         if self.rank0:
             from tracetrain.train.tracking import open_trackers
 
-            self.metrics.trackers = open_trackers(cfg, run_dir, run_dir.name)
+            self.metrics.trackers = open_trackers(cfg, run_dir, run_dir.name, self.dist.world_size)
         self.prof = ProfileCapture(cfg.profile, run_dir, device)
         self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
 

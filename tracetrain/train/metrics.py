@@ -159,6 +159,8 @@ class MetricsLogger:
             "skipped_total": self.skipped_steps,
         }
         self.pending.clear()
+        for tracker in self.trackers:
+            tracker.refresh()
         self.window_start = time.perf_counter()
         return self.last
 

@@ -1,7 +1,7 @@
 """Experiment trackers: MLflow and Weights & Biases, on rank 0, fed the same records as metrics.jsonl.
 
 `open_trackers(cfg, run_dir, run_name)` returns the trackers the config turns on (`logging.mlflow`,
-`logging.wandb`); each gets the resolved config as parameters when it starts, every metrics.jsonl record
+`logging.wandb`, and `logging.report`: RUN/report.html); each gets the resolved config as parameters when it starts, every metrics.jsonl record
 (`log(record)`: train lines under `train/`, eval lines under `eval/`, at their step) and the summary at
 the end (`finish(summary)`). A package that is not installed is a one-line error naming the extra.
 
@@ -26,6 +26,8 @@ _SKIP = {"step", "kind", "time"}
 
 class Tracker(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
+
+    def refresh(self) -> None: ...  # the log interval ended (the report page redraws)
 
     def finish(self, summary: dict[str, Any] | None) -> None: ...
 
@@ -82,6 +84,9 @@ class MlflowTracker:
         if values:
             self.mlflow.log_metrics(values, step=int(record.get("step", 0)))
 
+    def refresh(self) -> None:
+        pass
+
     def finish(self, summary: dict[str, Any] | None) -> None:
         if summary:
             values = scalars({**summary, "kind": "summary"})
@@ -111,14 +116,22 @@ class WandbTracker:
         if values:
             self.run.log(values, step=int(record.get("step", 0)))
 
+    def refresh(self) -> None:
+        pass
+
     def finish(self, summary: dict[str, Any] | None) -> None:
         for key, value in scalars({**(summary or {}), "kind": "summary"}).items():
             self.run.summary[key] = value
         self.run.finish(exit_code=0 if summary is not None else 1)
 
 
-def open_trackers(cfg: Config, run_dir: Path, run_name: str) -> list[Tracker]:
+def open_trackers(cfg: Config, run_dir: Path, run_name: str, world_size: int = 1) -> list[Tracker]:
+    """The trackers the config turns on, the report page (train/run_report.py) first."""
     trackers: list[Tracker] = []
+    if cfg.logging.report:
+        from tracetrain.train.run_report import RunReport
+
+        trackers.append(RunReport(run_dir, world_size))
     if cfg.logging.mlflow:
         trackers.append(MlflowTracker(cfg, run_dir, run_name))
     if cfg.logging.wandb:
