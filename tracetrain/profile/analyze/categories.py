@@ -13,14 +13,22 @@ Kernel categories (first matching rule wins; matched case-insensitively against 
 |                 | `dot_do_o`/`convert_dq` (before gemm, for `fmha_cutlassF...`)                        |
 | optimizer       | `multi_tensor_apply`, `adam`, `sgd`, `lamb_`, `lion_` (foreach ops included)          |
 | normalisation   | `rms_norm`/`rmsnorm`, `layer_norm`/`layernorm`, `group_norm`, `batch_norm`,          |
-|                 | `norm_fwd/bwd`, `GammaBeta` (layer norm's weight gradient)                           |
+|                 | `norm_fwd/bwd`, `GammaBeta` (layer norm's weight gradient), cuDNN's `bn_fw_`/`bn_bw_`|
+|                 | (MIOpen's `MIOpenBatchNorm...` by `batch_norm`)                                      |
 | gemm            | `gemm`, `gemv`, `nvjet`, `xmma`, `cutlass`, `cublas`, `wgmma`, `Kernel2`, `triton_tem`,|
-|                 | `splitKreduce`, `matmul`                                                             |
+|                 | `splitKreduce`, `matmul`; convolutions, which run as implicit GEMMs on the tensor     |
+|                 | cores: `convolve`/`convolution`, `conv2d_`/`conv3d_`, `naive_conv`, `winograd`,      |
+|                 | `fft2d`, `xmma_fprop/dgrad/wgrad`; AMD's Tensile GEMMs `Cijk_` (rocBLAS, hipBLASLt)   |
+|                 | and MIOpen's `igemm`                                                                 |
 | reduction       | `reduce`, `softmax`, `triton_red_`, `triton_per_`, `cross_entropy`, `nll_loss`, `argmax`|
-| elementwise     | `elementwise`, `triton_poi_`, `fill_kernel`, `CatArray`, `copy_kernel`               |
+| elementwise     | `elementwise`, `triton_poi_`, `fill_kernel`, `CatArray`, `copy_kernel`, layout       |
+|                 | transposes `nchwToNhwc`/`nhwcToNchw`                                                 |
+| gemm            | any other `cudnn::`, MIOpen, `rocblas` or `hipblaslt` kernel (last, so that their    |
+|                 | norm, softmax and layout kernels match the rules above first)                        |
 | other           | anything else                                                                        |
 
-Host (CPU) ranges that explain an idle GPU:
+Host (CPU) ranges that explain an idle GPU (in older schemas these ranges, and `ProfilerStep#N` and
+the phase ranges, are `Operator`/`cpu_op` events; `is_range_name` tells the parser they are ranges):
 
 | cause          | host events                                                                          |
 |----------------|--------------------------------------------------------------------------------------|
@@ -60,17 +68,30 @@ _KERNEL_RULES: Final = [
     ("communication", re.compile(r"nccl|rccl", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|mha|dot_do_o|convert_dq", re.I)),
     ("optimizer", re.compile(r"multi_tensor_apply|adam|sgd|lamb_|lion_", re.I)),
-    ("normalisation", re.compile(r"rms_?norm|layer_?norm|group_?norm|batch_?norm|norm_(fwd|bwd)|gammabeta", re.I)),
+    (
+        "normalisation",
+        re.compile(r"rms_?norm|layer_?norm|group_?norm|batch_?norm|norm_(fwd|bwd)|gammabeta|bn_(fw|bw)_", re.I),
+    ),
     (
         "gemm",
         re.compile(
-            r"gemm|gemv|nvjet|xmma|cutlass|cublas|wgmma|\bKernel2\b|triton_tem|splitkreduce"
-            r"|matmul",
+            r"gemm|gemv|nvjet|xmma|cutlass|cublas|wgmma|\bKernel2\b|triton_tem|splitkreduce|matmul"
+            # Convolutions: implicit GEMMs on the same tensor cores, so they are matmul-like compute.
+            r"|convolve|convolution|conv[23]d_|naive_conv|winograd|fft2d"
+            # AMD: rocBLAS's and hipBLASLt's GEMMs (Tensile's `Cijk_...` kernels).
+            r"|cijk_",
             re.I,
         ),
     ),
     ("reduction", re.compile(r"reduce|softmax|triton_red_|triton_per_|cross_entropy|nll_loss|argmax", re.I)),
-    ("elementwise", re.compile(r"elementwise|triton_poi_|fill_kernel|catarray|copy_kernel", re.I)),
+    (
+        "elementwise",
+        re.compile(r"elementwise|triton_poi_|fill_kernel|catarray|copy_kernel|nchwtonhwc|nhwctonchw", re.I),
+    ),
+    # Last: the rest of the kernels of cuDNN and MIOpen are convolution variants (`cudnn::detail::...`,
+    # `miopenSp3AsmConv...`), those of rocBLAS and hipBLASLt GEMM variants; their norm, softmax and
+    # layout kernels matched the rules above.
+    ("gemm", re.compile(r"cudnn::|miopen|rocblas|hipblaslt", re.I)),
 ]
 
 _DATA_RANGE: Final = re.compile(
@@ -135,6 +156,13 @@ def is_pageable_copy(name: str) -> bool:
 
 def is_data_range(name: str) -> bool:
     return bool(_DATA_RANGE.search(name)) and not STEP_ANNOTATION.match(name)
+
+
+def is_range_name(name: str) -> bool:
+    """Whether a host event named `name` is a record_function range (a step, a training phase, data
+    loading) rather than an operator. Older Kineto schemas (2021) write these ranges as `Operator` or
+    `cpu_op` events, not `user_annotation`; the parser reads them by this name rule."""
+    return bool(STEP_ANNOTATION.match(name)) or is_data_range(name) or phase_of(name) is not None
 
 
 def is_sync_runtime(name: str) -> bool:

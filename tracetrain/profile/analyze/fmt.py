@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
+
+# Terminal control in untrusted trace strings: ANSI CSI sequences (`ESC [ ... m`, 8-bit `\x9b ... m`),
+# OSC sequences (`ESC ] ... BEL`, which can set titles or hyperlinks), other `ESC x` escapes, and any
+# remaining C0/C1 control character except newline and tab.
+_TERMINAL_CONTROL = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f-\x9f]"
+)
 
 
 def duration(us: float | None) -> str:
@@ -67,3 +75,10 @@ def relative(a: float | None, b: float | None) -> str:
     if a is None or b is None or a == 0:
         return "—"
     return f"{100 * (b / a - 1):+.1f}%"
+
+
+def printable(text: str) -> str:
+    """`text` without terminal escape sequences or control characters (kernel and op names come from
+    the trace, written by another program: an ANSI colour or cursor code in one must not reach the
+    terminal)."""
+    return _TERMINAL_CONTROL.sub("", text)

@@ -1,7 +1,8 @@
 """Render a `Report` or `CompareReport` to the terminal (rich tables) or to JSON-ready data.
 
 Rendering never computes: it formats the tables the analyzers returned. Trace strings (kernel
-names, file names) are untrusted and are written as plain `rich.text.Text`, never as markup.
+names, file names) are untrusted and are written as plain `rich.text.Text`, never as markup, with
+ANSI escape sequences and control characters stripped (`fmt.printable`).
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ from tracetrain.profile.analyze.tables import TextTable
 JSON_VERSION = 1
 
 
+def _text(value: str, style: str = "") -> Text:
+    """Plain rich text with terminal escape sequences stripped (trace strings are untrusted)."""
+    return Text(fmt.printable(value), style=style)
+
+
 def _rich(table: TextTable) -> Table:
-    out = Table(title=Text(table.title, style="bold"), title_justify="left", show_lines=False)
+    out = Table(title=_text(table.title, style="bold"), title_justify="left", show_lines=False)
     for header, numeric in zip(table.headers, table.numeric):
         out.add_column(
-            Text(header), justify="right" if numeric else "left", overflow="fold", max_width=None if numeric else 60
+            _text(header), justify="right" if numeric else "left", overflow="fold", max_width=None if numeric else 60
         )
     for row in table.rows:
-        out.add_row(*(Text(cell) for cell in row))
+        out.add_row(*(_text(cell) for cell in row))
     return out
 
 
@@ -74,22 +80,22 @@ def compare_tables(diff: CompareReport) -> list[TextTable]:
 
 
 def _print_advice(console: Console, advice: list[Advice], title: str) -> None:
-    console.print(Text(title, style="bold"))
+    console.print(_text(title, style="bold"))
     if not advice:
-        console.print(Text("  no rule fired: nothing obvious to fix in this trace"))
+        console.print(_text("  no rule fired: nothing obvious to fix in this trace"))
     for i, item in enumerate(advice, 1):
         gain = f" (up to {fmt.percent(item.gain, 0)} of step time)" if item.gain else ""
-        console.print(Text(f"{i}. {item.title}{gain}", style="green"))
-        console.print(Text(f"   {item.action}\n   {item.evidence}"))
+        console.print(_text(f"{i}. {item.title}{gain}", style="green"))
+        console.print(_text(f"   {item.action}\n   {item.evidence}"))
 
 
 def render_terminal(report: Report | CompareReport, console: Console | None = None) -> None:
     """Print the report (or comparison) as rich tables."""
     console = console or Console()
     for note in report.notes:
-        console.print(Text(f"note: {note}", style="yellow"))
+        console.print(_text(f"note: {note}", style="yellow"))
     if isinstance(report, CompareReport):
-        console.print(Text(f"a: {report.label_a}\nb: {report.label_b}", style="bold"))
+        console.print(_text(f"a: {report.label_a}\nb: {report.label_b}", style="bold"))
         for table in compare_tables(report):
             console.print(_rich(table))
         _print_advice(console, report.advice_a, "Advice for a")
@@ -97,7 +103,9 @@ def render_terminal(report: Report | CompareReport, console: Console | None = No
     else:
         first = report.ranks[0]
         console.print(
-            Text(f"{first.source} — {first.device_name or 'unknown device'}, {len(report.ranks)} rank(s)", style="bold")
+            _text(
+                f"{first.source} — {first.device_name or 'unknown device'}, {len(report.ranks)} rank(s)", style="bold"
+            )
         )
         for table in report_tables(report):
             console.print(_rich(table))

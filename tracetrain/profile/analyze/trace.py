@@ -13,7 +13,10 @@ events, `Trace` spans, `gpu_user_annotation`, is counted or ignored; unknown fie
 - `[memory]` instant events (`args["Total Allocated"]`, `"Total Reserved"`, `"Device Id"`);
 - unified-memory activity (names with `Unified Memory`, `page fault`, or a `uvm`/`unified` category).
 
-Older Kineto spellings (`Kernel`, `Memcpy`, `Runtime`, `Operator`) map to the same kinds. Each event
+Older Kineto spellings (`Kernel`, `Memcpy`, `Runtime`, `Operator`) map to the same kinds; in those
+older schemas (2021) record_function ranges (`ProfilerStep#N`, `enumerate(DataLoader)#...`, phases) are
+`Operator`/`cpu_op` events, read as annotations by their name (`categories.is_range_name`). An event
+whose duration is negative, NaN or missing is dropped and counted in a note, never measured. Each event
 becomes one row of typed numpy columns; names and recorded shapes are interned, so a trace of N
 events costs about 60 bytes per kept event, not the size of its JSON.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 import zlib
 from array import array
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from tracetrain.errors import TracetrainError
+from tracetrain.profile.analyze.categories import is_range_name
 from tracetrain.profile.analyze.jsonstream import read_trace_document
 from tracetrain.profile.analyze.link import link_launches
 
@@ -149,6 +154,8 @@ class _Builder:
         self.flows, self.memory = _Rows(_FLOW_COLUMNS), _Rows(_MEMORY_COLUMNS)
         self.unified = _Rows(_UNIFIED_COLUMNS)
         self.num_python = 0
+        self.num_invalid = 0  # events dropped for a negative, NaN or missing duration
+        self.range_names: dict[int, bool] = {}  # name index -> is_range_name(name)
 
     def _intern(self, table: dict[str, int], key: str) -> int:
         index = table.get(key)
@@ -178,12 +185,19 @@ class _Builder:
         group, kind = _CATEGORIES.get(cat) or _CATEGORIES.get(str(cat).lower(), ("", 0))
         name = str(event.get("name", ""))
         args = event.get("args") or {}
+        dur = _float(event.get("dur"))
+        if group and not 0 <= dur < math.inf:  # NaN, negative or infinite: no interval to measure
+            self.num_invalid += 1
+            return
         if group == "host":
+            name_index = self._intern(self.names, name)
+            if kind == OP and self._is_range(name_index, name):
+                kind = ANNOTATION
             self.host.add(
                 _float(event.get("ts")),
-                _float(event.get("dur")),
+                dur,
                 kind,
-                self._intern(self.names, name),
+                name_index,
                 self._thread(event),
                 _int(args.get("correlation")),
                 self._shape(kind, args),
@@ -191,7 +205,7 @@ class _Builder:
         elif group == "gpu" and not _UNIFIED_NAME.search(name):
             self.gpu.add(
                 _float(event.get("ts")),
-                _float(event.get("dur")),
+                dur,
                 kind,
                 self._intern(self.names, name),
                 _int(args.get("device", event.get("pid")), 0),
@@ -200,9 +214,16 @@ class _Builder:
                 _int(args.get("bytes")),
             )
         elif group == "gpu" or _UNIFIED_CAT.search(str(cat)) or _UNIFIED_NAME.search(name):
-            self.unified.add(_float(event.get("ts")), _float(event.get("dur")), _int(args.get("bytes")))
+            self.unified.add(_float(event.get("ts")), dur, _int(args.get("bytes")))
         elif cat == "python_function":
             self.num_python += 1
+
+    def _is_range(self, name_index: int, name: str) -> bool:
+        """Whether an operator event is really a record_function range (2021 schemas), once per name."""
+        found = self.range_names.get(name_index)
+        if found is None:
+            found = self.range_names[name_index] = is_range_name(name)
+        return found
 
     def _thread(self, event: dict[str, Any]) -> int:
         return self._intern(self.threads, f"{event.get('pid')}/{event.get('tid')}")
@@ -344,6 +365,10 @@ def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = No
         window=_window(host, gpu),
         num_python_events=builder.num_python,
     )
+    if builder.num_invalid:
+        trace.notes.append(
+            f"{path.name}: dropped {builder.num_invalid} events with invalid durations (negative, NaN or missing)"
+        )
     if len(gpu) == 0:
         trace.notes.append(
             f"{path.name}: no GPU events (kernels, copies); was the profiler run with "
