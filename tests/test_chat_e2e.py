@@ -183,7 +183,7 @@ def test_exported_logits_match_tracetrain_and_differ_from_base(base, exported):
 @pytest.mark.slow
 def test_generate_chat_matches_transformers_greedy(exported):
     run, hf_dir = exported
-    proc = run_cli("generate", str(run), "--chat", "--system", SYSTEM, "--prompt", "What is 5 plus 9?",
+    proc = run_cli("generate", "--json", str(run), "--chat", "--system", SYSTEM, "--prompt", "What is 5 plus 9?",
                    "--max-new-tokens", "6", "--device", "cpu")
     line = json.loads(proc.stdout)
     assert line["prompt"] == "What is 5 plus 9?" and line["finish_reason"] in ("eos", "length")
@@ -196,5 +196,5 @@ def test_generate_chat_matches_transformers_greedy(exported):
     new = out[0, prompt.shape[1]:].tolist()
     assert line["tokens"] == len(new)
     assert line["completion"] == hf_tok.decode(new, skip_special_tokens=True)
-    proc = run_cli("generate", str(run), "--chat", "--prompts-file", "x.jsonl", check=False)
+    proc = run_cli("generate", "--json", str(run), "--chat", "--prompts-file", "x.jsonl", check=False)
     assert proc.returncode == 2 and "--chat takes --prompt" in proc.stderr

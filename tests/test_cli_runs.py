@@ -35,12 +35,17 @@ def test_eval_reports_loss_and_exact_match(trained):
 
 
 def test_generate_applies_template_and_is_deterministic(trained):
-    a = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
-    b = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
+    a = run_cli("generate", "--json", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
+    b = run_cli("generate", "--json", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
     assert a == b and json.loads(a)["prompt"] == "reverse: abc"
-    sampled = run_cli("generate", str(trained), "--prompt", "upper: xyz", "--temperature", "1.0",
+    sampled = run_cli("generate", "--json", str(trained), "--prompt", "upper: xyz", "--temperature", "1.0",
                       "--top-p", "0.9", "--seed", "3").stdout
     assert "completion" in json.loads(sampled)
+    # Without --json: the text itself; with several prompts, each under its prompt.
+    text = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
+    assert text == json.loads(a)["completion"] + "\n"
+    two = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--prompt", "upper: q", "--max-new-tokens", "8")
+    assert two.stdout.startswith("### reverse: abc\n" + json.loads(a)["completion"] + "\n\n### upper: q\n")
 
 
 def test_export_hf_loads_in_transformers(trained, tmp_path):

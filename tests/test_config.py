@@ -137,3 +137,24 @@ def test_config_file_encoding_and_kind_errors(tmp_path):
     assert load_config(utf8).optim.lr == 3e-4
     with pytest.raises(ConfigError, match=r"is a directory; give a .toml file"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize(("given", "meant"), [
+    ("optim.learning_rate", "optim.lr"),  # another tool's name for the key
+    ("train.learning_rate", "optim.lr"),  # ... in the wrong section
+    ("train.max_steps", "train.steps"),
+    ("train.lr", "optim.lr"),  # the right last component in the wrong section
+    ("lora.r", "lora.rank"),
+    ("optim.warmup_step", "optim.warmup_steps"),
+    ("model.dimm", "model.dim"),
+])
+def test_did_you_mean_matches_the_last_component_and_common_names(given, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"--{given}=1"])
+    assert str(e.value) == f"unknown config key '{given}' (did you mean '{meant}'?)"
+
+
+def test_a_list_key_takes_a_word_or_comma_separated_words():
+    assert load_config(None, ["--lora.targets=all-linear"]).lora.targets == ["all-linear"]
+    assert load_config(None, ["--lora.targets=q_proj, v_proj"]).lora.targets == ["q_proj", "v_proj"]
+    assert load_config(None, ['--lora.targets=["q_proj"]']).lora.targets == ["q_proj"]

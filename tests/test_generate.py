@@ -247,7 +247,7 @@ def test_cli_prompts_file_end_to_end(tmp_path):
     outs = []
     for extra in ([], ["--kv-offload", "--gpu-window", "2"]):
         out = tmp_path / f"out{len(outs)}.jsonl"
-        summary = json.loads(run_cli("generate", str(tmp_path / "r"), "--prompts-file", str(tmp_path / "p.jsonl"),
+        summary = json.loads(run_cli("generate", "--json", str(tmp_path / "r"), "--prompts-file", str(tmp_path / "p.jsonl"),
                                      "--output", str(out), "--max-new-tokens", "6", *extra).stdout)
         assert summary["prompts"] == 2
         outs.append([json.loads(x) for x in out.read_text().splitlines()])
@@ -336,5 +336,5 @@ def test_cli_refuses_bad_generation_options(flags, named, capsys):
 
 def test_cli_generate_option_error_is_one_line_in_a_subprocess():
     from test_train import run_cli
-    proc = run_cli("generate", "no-such-run", "--prompt", "x", "--batch-size=0", check=False)
+    proc = run_cli("generate", "--json", "no-such-run", "--prompt", "x", "--batch-size=0", check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --batch-size 0: must be >= 1"

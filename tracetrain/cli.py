@@ -149,9 +149,17 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
             output.write_text(text)
         except OSError as e:
             raise TracetrainError(f"--output {output}: cannot write ({e.strerror})") from None
-        print(json.dumps({**summary, "output": a.output}))
-    else:
+        if a.as_json:
+            print(json.dumps({**summary, "output": a.output}))
+        else:
+            print(f"wrote {len(lines)} completion(s) to {a.output}")
+    elif a.as_json:
         print(text, end="")
+    else:  # the text itself; with several prompts, each under its prompt
+        for i, line in enumerate(lines):
+            if len(lines) > 1:
+                print(("\n" if i else "") + f"### {line['prompt']}")
+            print(line["completion"])
     return 0
 
 
@@ -391,6 +399,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
         )
         if name == "generate":
             s.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+            s.add_argument(
+                "--json",
+                dest="as_json",
+                action="store_true",
+                help="print one JSON line per prompt (prompt, completion, finish_reason, tokens) instead of the text",
+            )
             s.add_argument(
                 "--prompts-file",
                 metavar="FILE.jsonl",

@@ -332,6 +332,9 @@ def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
     kinds, optional = _allowed_types(tp)
     if value is None and optional:
         return None
+    if list in kinds and isinstance(value, str):
+        # --lora.targets=all-linear, --lora.targets=q_proj,v_proj: a word or comma-separated words.
+        value = [v.strip() for v in value.split(",") if v.strip()]
     # bool is a subclass of int: reject true/false where a number is expected.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise ConfigError(f"config key '{key}': {value!r} is not {_describe(tp)}")
@@ -360,8 +363,62 @@ def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
 _SECTION_OWNER: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
 
 
+# What other tools (Hugging Face Trainer, PEFT, torchtitan) call some keys: `--optim.learning_rate` is met
+# with "did you mean 'optim.lr'?".
+ALIASES = {
+    "learning_rate": "optim.lr",
+    "max_steps": "train.steps",
+    "num_train_steps": "train.steps",
+    "batch_size": "train.micro_batch_size",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "local_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps",
+    "max_seq_length": "data.seq_len",
+    "max_length": "data.seq_len",
+    "seq_length": "data.seq_len",
+    "r": "lora.rank",
+    "lora_r": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "target_modules": "lora.targets",
+    "model_name_or_path": "model.init_from",
+    "gradient_checkpointing": "memory.recompute",
+    "activation_checkpointing": "memory.recompute",
+    "dataloader_num_workers": "data.num_workers",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "mixed_precision": "train.precision",
+    "warmup": "optim.warmup_steps",
+    "lr_scheduler_type": "optim.schedule",
+}
+
+
+def _all_keys() -> list[str]:
+    return [f"{name}.{f.name}" for name, owner in _SECTION_OWNER.items() for f in dataclasses.fields(owner)]
+
+
+def _key_hint(name: str) -> str | None:
+    """The key meant by an unknown `section.key`: an alias of its last component, a close match of that
+    component in any section, or a close match of the whole name."""
+    last = name.rsplit(".", 1)[-1]
+    keys = _all_keys()
+    if last in ALIASES and ALIASES[last] in keys:
+        return ALIASES[last]
+    by_last: dict[str, str] = {}
+    for key in keys:
+        by_last.setdefault(key.rsplit(".", 1)[-1], key)
+    same = [k for k in keys if k.rsplit(".", 1)[-1] == last]
+    if same:
+        return same[0]
+    close = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.75)
+    if close:
+        return by_last[close[0]]
+    whole = difflib.get_close_matches(name, keys, n=1)
+    return whole[0] if whole else None
+
+
 def _unknown(kind: str, name: str, known: list[str], where: str) -> ConfigError:
-    hint = difflib.get_close_matches(name, known, n=1)
+    hint = [h] if kind == "config key" and (h := _key_hint(name)) else difflib.get_close_matches(name, known, n=1)
     suggestion = f" (did you mean '{hint[0]}'?)" if hint else f"; known: {', '.join(sorted(known))}"
     return ConfigError(f"{where}unknown {kind} '{name}'{suggestion}")
 
