@@ -116,3 +116,16 @@ def test_what_does_not_compose_yet_is_refused_with_its_reason():
         check("--parallel.tp=2", "--train.fp8=rowwise")
     with pytest.raises(ConfigError, match=r"'memory.unified_memory' is not supported .*DTensor"):
         check("--parallel.dp_replicate=2", "--memory.unified_memory=optimizer")
+
+
+def test_torchrun_needs_no_run_name(tmp_path):
+    """Rank 0 picks the timestamped run directory and hands its name to the other ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tracetrain.cli",
+           "train", *ARGS, "--train.steps=2", "--train.micro_batch_size=4", "--parallel.dp_shard=2",
+           "--train.precision=fp32", f"--train.output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = list(tmp_path.iterdir())
+    assert len(runs) == 1, runs  # one directory for the job, not one per rank
+    assert (runs[0] / "metrics.jsonl").is_file() and (runs[0] / "logs" / "metrics_rank1.jsonl").is_file()
+    assert f"run directory: {runs[0]}" in proc.stdout

@@ -162,18 +162,17 @@ def check_data_unchanged(saved: str, current: str, cfg: Config, ckpt: Path, num_
 
 def claim_run_dir(cfg: Config) -> RunLock:
     """Create a fresh run directory and lock it; refuse to write into a used one (nothing is ever
-    overwritten). Of several processes claiming one `train.run_name` at once, exactly one wins."""
+    overwritten). Of several processes claiming one `train.run_name` at once, exactly one wins.
+
+    Under torchrun every rank writes into the same folder: rank 0 claims it (a timestamp when
+    `train.run_name` is empty) and hands its name to the other ranks through the launcher's store."""
     out = Path(cfg.train.output_dir)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Every rank must write into the same folder, decided before the ranks can talk.
-        if not cfg.train.run_name:
-            raise ConfigError(
-                "config key 'train.run_name' is required with several ranks (torchrun): all "
-                "ranks must agree on the run directory"
-            )
-        if int(os.environ.get("RANK", "0")) != 0:  # rank 0 claims and locks it for the job
-            (out / cfg.train.run_name).mkdir(parents=True, exist_ok=True)
-            return RunLock(out / cfg.train.run_name, None, created=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and rank != 0:  # rank 0 claims and locks it for the job
+        name = cfg.train.run_name or _shared_run_name(None, cfg.parallel.timeout_s)
+        (out / name).mkdir(parents=True, exist_ok=True)
+        return RunLock(out / name, None, created=False)
     name = cfg.train.run_name or time.strftime("%Y%m%d-%H%M%S")
     lock = claim_new_run_dir(out / name)
     if lock is None and cfg.train.run_name:
@@ -185,7 +184,35 @@ def claim_run_dir(cfg: Config) -> RunLock:
     while lock is None:  # a timestamped name taken (by another run started in the same second)
         suffix += 1
         lock = claim_new_run_dir(out / f"{name}-{suffix}")
+    if world > 1 and not cfg.train.run_name:
+        _shared_run_name(lock.path.name, cfg.parallel.timeout_s)
     return lock
+
+
+def _shared_run_name(name: str | None, timeout_s: int) -> str:
+    """Rank 0 publishes the run directory's name (`name`); the other ranks (None) wait for it. Through
+    the store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, before any process group exists; the
+    key holds the restart count, so a restarted job picks a new name."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        raise ConfigError(
+            "config key 'train.run_name' is required with several ranks when not launched by torchrun: "
+            "all ranks must agree on the run directory"
+        )
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    key = f"tracetrain/run_name/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if name is not None:
+        store.set(key, name)
+        return name
+    return store.get(key).decode()
 
 
 def prepare_run_dir(cfg: Config) -> Path:
