@@ -73,6 +73,16 @@ def test_resume_refuses_changes_that_alter_the_run(tmp_path):
         resolve_resume(str(tmp_path / "r"), None, ["--data.seq_len=128"])
     cfg, point = resolve_resume(str(tmp_path / "r"), None, ["--train.steps=6", "--logging.log_interval=2"])
     assert cfg.train.steps == 6 and point.checkpoint.name == "step_00000003"
+    # Raising train.steps says what happens to the schedule (cosine over 3 steps, 1 of warmup: at step 3
+    # it had reached its floor; over 6 steps it is half-way).
+    from tracetrain.train.optim import lr_factor
+    lr, o = cfg.optim.lr, cfg.optim
+    assert point.note == (f"train.steps 3 -> 6: the cosine decay now spans 6 steps, so the learning rate at step 3 "
+                          f"moves from {lr * lr_factor(3, o, 3):.3g} to {lr * lr_factor(3, o, 6):.3g} and decays to "
+                          "step 6 from there")
+    assert lr_factor(3, o, 6) > lr_factor(3, o, 3)
+    _, same = resolve_resume(str(tmp_path / "r"), None, [])
+    assert same.note is None
     with pytest.raises(CheckpointError, match="no config.toml"):
         resolve_resume(str(tmp_path / "nothing"), None, [])
 

@@ -32,6 +32,8 @@ def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
 
     if a.resume:
         cfg, point = resolve_resume(a.resume, a.config, overrides)
+        if point is not None and point.note and os.environ.get("RANK", "0") == "0":
+            print(point.note)
     else:
         cfg, point = load_config(a.config, overrides), None
     # No run directory yet: train() claims one only after the data, model and device checks pass.

@@ -45,6 +45,7 @@ ALLOWED_CHANGES = (
 class ResumePoint:
     run_dir: Path
     checkpoint: Path
+    note: str | None = None  # said before the run continues (a changed train.steps)
 
     def truncate_metrics(self, run_dir: Path, step: int) -> bool:
         """Drop metric lines written after the checkpoint (they will be produced again), and a torn last
@@ -112,7 +113,24 @@ def resolve_resume(spec: str, config_path: str | None, overrides: list[str]) -> 
     cfg = load_config(config_path or run_dir / "config.toml", overrides)
     check_compatible(saved, cfg, run_dir)
     check_steps_cover(cfg, ckpt)
-    return cfg, ResumePoint(run_dir=run_dir, checkpoint=ckpt)
+    return cfg, ResumePoint(run_dir=run_dir, checkpoint=ckpt, note=steps_change_note(saved, cfg, step_of(ckpt)))
+
+
+def steps_change_note(saved: Config, cfg: Config, step: int | None) -> str | None:
+    """What a changed `train.steps` does to the learning-rate schedule from the resumed step on."""
+    from tracetrain.train.optim import lr_factor
+
+    before, after = saved.train.steps, cfg.train.steps
+    if before == after or step is None or cfg.train.epochs or saved.train.epochs:
+        return None
+    if cfg.optim.schedule == "constant":
+        return f"train.steps {before} -> {after}: the learning rate stays constant; the run continues to step {after}"
+    lr = cfg.optim.lr
+    old, new = lr * lr_factor(step, saved.optim, before), lr * lr_factor(step, cfg.optim, after)
+    return (
+        f"train.steps {before} -> {after}: the {cfg.optim.schedule} decay now spans {after} steps, so the learning "
+        f"rate at step {step} moves from {old:.3g} to {new:.3g} and decays to step {after} from there"
+    )
 
 
 def check_steps_cover(cfg: Config, ckpt: Path) -> None:
