@@ -67,6 +67,8 @@ def test_epochs_size_the_run_schedule_and_records(epoch_run):
     assert train_rows[-1]["lr"] < 0.2 * cfg.optim.lr  # cosine to min_lr_ratio 0.1 at the end
     ckpts = sorted(p.name for p in (epoch_run / "checkpoints").iterdir())
     assert ckpts[-1] == f"step_{steps:08d}" and f"step_{4:08d}" in ckpts
+    # The run's page counts steps against the resolved total.
+    assert f"steps<b>{steps} / {steps}</b>" in (epoch_run / "report.html").read_text()
 
 
 def test_epoch_run_resumes_exactly(epoch_run, tmp_path):

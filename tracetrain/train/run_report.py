@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -253,8 +254,9 @@ def _cards(run: RunData) -> str:
     s = run.summary or {}
     last = run.train[-1] if run.train else {}
     final = next((e for e in reversed(run.evals) if e.get("final")), None) or (run.evals[-1] if run.evals else {})
+    total = _total_steps(run)
     items = [
-        ("steps", f"{last.get('step', 0)}" + (f" / {run.config['train']['steps']}" if "train" in run.config else "")),
+        ("steps", f"{last.get('step', 0)}" + (f" / {total}" if total else "")),
         ("train loss", _fmt(last.get("loss"))),
         ("held-out loss", _fmt(final.get("eval_loss"))),
         ("tokens/s per GPU", _fmt(s.get("tokens_per_s"), "{:,.0f}")),
@@ -269,6 +271,19 @@ def _cards(run: RunData) -> str:
         state = f"interrupted ({run.summary.get('signal')}) at step {run.summary.get('step')}"
     cards = "".join(f'<div class="card">{esc(k)}<b>{esc(v)}</b></div>' for k, v in items)
     return f'<p class="meta">{esc(run.name)}: {esc(state)}</p><div class="cards">{cards}</div>'
+
+
+def _total_steps(run: RunData) -> int | None:
+    """The run's step count: train.steps, or with train.epochs the count the trainer resolved from the data
+    (written into config.toml as a `# steps = N  (resolved from epochs ...)` comment)."""
+    steps = (run.summary or {}).get("steps", run.config.get("train", {}).get("steps"))
+    if isinstance(steps, int):
+        return steps
+    if (run.run_dir / "config.toml").is_file():
+        m = re.search(r"^# steps = (\d+)", (run.run_dir / "config.toml").read_text(), re.M)
+        if m:
+            return int(m.group(1))
+    return None
 
 
 def _fmt(value: Any, pattern: str = "{:.4f}") -> str:
@@ -343,6 +358,7 @@ class RunReport:
     def __init__(self, run_dir: Path, world_size: int) -> None:
         self.run = RunData.load(run_dir) if (run_dir / "metrics.jsonl").is_file() else RunData(run_dir.name, run_dir)
         self.run.world_size = world_size  # a resumed run shows its earlier steps too
+        self.warned = False
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.add(record)
@@ -354,7 +370,14 @@ class RunReport:
         if not self.run.config and (run_dir / "config.toml").is_file():
             self.run.config = tomllib.loads((run_dir / "config.toml").read_text())
         self.run.data_stats = self.run.data_stats or _json_or_none(run_dir / "data_stats.json") or {}
-        atomic_write_text(run_dir / "report.html", render([self.run], run_dir))
+        try:
+            page = render([self.run], run_dir)
+        except Exception as e:  # a page that cannot be drawn never stops the training it shows
+            if not self.warned:
+                print(f"warning: could not draw {run_dir / 'report.html'} ({type(e).__name__}: {e}); training goes on")
+                self.warned = True
+            return
+        atomic_write_text(run_dir / "report.html", page)
 
     def finish(self, summary: dict[str, Any] | None) -> None:
         self.run.summary = summary
