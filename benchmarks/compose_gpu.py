@@ -12,7 +12,8 @@ real kernels; it cannot check cross-GPU numerics. Run it as one process:
 Pass criterion (printed): every step's FSDP loss within 2% of the same switch without FSDP (FSDP gathers
 weights in bf16 where the plain run casts them under autocast: same values, different rounding points),
 no non-finite step, and streamed activation offload under FSDP offloading and lowering the peak
-against the bf16 FSDP run.
+against the bf16 FSDP run; managed optimizer states (`unified-optimizer`) giving the bf16 losses bit for
+bit, with DTensor moments under FSDP, and a lower allocator peak.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ CASES = {
     "fp8-tensorwise": ["--train.fp8=tensorwise"],
     "lora-fp8-rowwise": ["--train.mode=lora", "--train.fp8=rowwise"],
     "offload-streamed": ["--memory.activation_offload=streamed", "--memory.activation_offload_fraction=0.5"],
+    # Adam moments in CUDA managed memory: with FSDP they are DTensors whose local storage is managed.
+    "unified-optimizer": ["--memory.unified_memory=optimizer"],
 }
 
 
@@ -72,6 +75,12 @@ def run_case(overrides: list[str], fsdp: bool, a: argparse.Namespace, mesh1: obj
                                     experts_sharded=False, shard_mesh=mesh1)  # type: ignore[arg-type]
         par = ParallelModel(parts=[model], mesh=pm, grad_sync=grad_sync_for(units, pm, cfg.parallel))
     optimizer = build_optimizer(model, cfg.optim, device, cfg.memory)
+    managed = 0
+    if cfg.memory.unified_memory != "none":
+        from tracetrain.memory.unified import apply_unified_memory, managed_bytes
+
+        apply_unified_memory(optimizer, "optimizer")
+        managed = managed_bytes(device)
     offload = None
     if cfg.memory.activation_offload != "none":
         offload = apply_activation_offload(model, cfg.memory.activation_offload,
@@ -92,6 +101,9 @@ def run_case(overrides: list[str], fsdp: bool, a: argparse.Namespace, mesh1: obj
            "tokens_per_s": a.batch * a.seq / step_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
            "held_before_gib": held_before / 2**30,
            "fsdp_params_are_dtensors": bool(fsdp and type(next(model.parameters())).__name__ == "DTensor")}
+    if managed:
+        row["managed_bytes"] = managed
+        row["moments_are_dtensors"] = type(next(iter(optimizer.state.values()))["exp_avg"]).__name__ == "DTensor"
     if offload is not None:
         row["offloaded_bytes"] = offload.stats.offloaded_bytes  # type: ignore[attr-defined]
     del model, optimizer, built, par, offload
@@ -129,6 +141,14 @@ def main() -> None:
             ok &= plain["offloaded_bytes"] > 0 and sharded["offloaded_bytes"] > 0
             if "bf16" in results:
                 ok &= sharded["peak_gib"] < results["bf16"]["fsdp"]["peak_gib"]
+        if "managed_bytes" in plain and "bf16" in results:
+            # Managed memory moves where the moments live, not what is computed: the same losses bit for
+            # bit as bf16 with and without FSDP, the moments (2 x fp32 per parameter) managed, and a lower
+            # peak of the torch allocator.
+            base = results["bf16"]
+            ok &= plain["losses"] == base["plain"]["losses"] and sharded["losses"] == base["fsdp"]["losses"]
+            ok &= sharded["moments_are_dtensors"] and sharded["managed_bytes"] == plain["managed_bytes"] > 0
+            ok &= sharded["peak_gib"] < base["fsdp"]["peak_gib"] and plain["peak_gib"] < base["plain"]["peak_gib"]
         results[name] = {"plain": plain, "fsdp": sharded, "max_rel_loss_diff": rel, "pass": ok}
         for r in (plain, sharded):
             print(f"{name:18} {r['fsdp']!s:>5} {r['tokens_per_s']:9.0f} {r['peak_gib']:9.2f} {r['losses'][0]:8.4f} "

@@ -49,6 +49,8 @@ from tracetrain.train.step import loss_sum, train_step  # noqa: E402
 
 CASES = {
     "7b-lora": dict(preset="llama2-7b", mode="lora", batch=4, seq=2048, peer=["--model", "llama2-7b", "--mode", "lora"]),
+    # unsloth's usual setting: adapters on every projection (its fused MLP path applies)
+    "7b-lora-all": dict(preset="llama2-7b", mode="lora", batch=4, seq=2048, peer=[], targets="all-linear"),
     "1b-full": dict(preset="llama3.2-1b", mode="full", batch=4, seq=2048,
                     peer=["--model", "llama3.2-1b", "--mode", "full"]),
     "1b-full-b8": dict(preset="llama3.2-1b", mode="full", batch=8, seq=2048, peer=[]),
@@ -96,7 +98,8 @@ def build_variant(case: str, variant: str, lr: float):
                              f"--train.attention={var['attention']}",
                              f"--train.compile={'on' if var['compile'] else 'off'}", "--train.fused_kernels=off",
                              f"--train.fused_ce={'true' if var['fused_ce'] else 'false'}",
-                             f"--train.fused_ce_chunk={FUSED_CE_CHUNK}", f"--train.fp8={var.get('fp8', 'none')}"])
+                             f"--train.fused_ce_chunk={FUSED_CE_CHUNK}", f"--train.fp8={var.get('fp8', 'none')}",
+                             *([f"--lora.targets={spec['targets']}"] if "targets" in spec else [])])
     torch._dynamo.reset()  # each variant compiles afresh (and Dynamo's recompile limit is per process)
     run_spec = resolve(cfg, torch.device("cuda")).replace(
         fused_kernels=tuple(var["kernels"]), fp8_fused_mlp=var.get("fp8_fused_mlp", False))

@@ -114,8 +114,12 @@ def test_what_does_not_compose_yet_is_refused_with_its_reason():
     check("--parallel.dp_shard=2", "--train.fp8=rowwise")
     with pytest.raises(ConfigError, match=r"'train.fp8' is not supported .*data parallelism \(FSDP, DDP\) only"):
         check("--parallel.tp=2", "--train.fp8=rowwise")
-    with pytest.raises(ConfigError, match=r"'memory.unified_memory' is not supported .*DTensor"):
-        check("--parallel.dp_replicate=2", "--memory.unified_memory=optimizer")
+    check("--parallel.dp_replicate=2", "--memory.unified_memory=optimizer")  # managed DTensor moments
+    check("--parallel.dp_shard=2", "--memory.unified_memory=optimizer")
+    with pytest.raises(ConfigError, match=r"'memory.unified_memory' is not supported .*only the optimizer states"):
+        check("--parallel.dp_replicate=2", "--memory.unified_memory=model")
+    with pytest.raises(ConfigError, match=r"'memory.unified_memory' is not supported .*not checked"):
+        check("--parallel.tp=2", "--memory.unified_memory=optimizer")
 
 
 def test_torchrun_needs_no_run_name(tmp_path):

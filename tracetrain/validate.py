@@ -90,7 +90,8 @@ def refuse_with_parallel(cfg: Config) -> None:
     What composes, with its test: fp16 loss scaling with FSDP, TP and CP (every rank skips an overflowed
     step alike; tests/test_parallel_compose.py), activation offload with FSDP and DDP (gloo, and CUDA in
     benchmarks/compose_gpu.py), FP8 with FSDP / DDP (benchmarks/compose_gpu.py on one GPU: FSDP2 over a
-    1-rank mesh, losses within 0.4% of the unsharded run). With pipeline parallelism `validate_parallel`
+    1-rank mesh, losses within 0.4% of the unsharded run), managed optimizer states with FSDP / DDP (the
+    same script: DTensor moments on managed storage). With pipeline parallelism `validate_parallel`
     refuses fp16.
     """
     checks = {
@@ -100,9 +101,14 @@ def refuse_with_parallel(cfg: Config) -> None:
             "for sharded CPU offload",
         ),
         "memory.unified_memory": (
-            cfg.memory.unified_memory != "none",
-            "managed-memory placement of sharded (DTensor) parameters and optimizer states is not implemented; "
-            "use parallel.fsdp_cpu_offload",
+            cfg.memory.unified_memory == "model"
+            or (
+                cfg.memory.unified_memory == "optimizer"
+                and max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.ep) > 1
+            ),
+            "with several ranks only the optimizer states go to managed memory (memory.unified_memory = "
+            "'optimizer', with FSDP or DDP): FSDP owns and re-creates the parameter storage, and the tensor-, "
+            "context-, pipeline- and expert-parallel layouts were not checked with it",
         ),
         "train.fp8": (
             cfg.train.fp8 != "none" and max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.ep) > 1,

@@ -248,6 +248,11 @@ def managed_empty(
     return _as_tensor(buffer, device).view(dtype).view(shape)
 
 
+def managed_bytes(device: torch.device | str = "cuda") -> int:
+    """Bytes of managed memory this process holds on `device` (what the guard counts)."""
+    return LEDGER.held(_cuda_device(device).index)
+
+
 def prefetch(tensor: torch.Tensor, to: Literal["gpu", "cpu"]) -> None:
     """Migrate a managed tensor's pages ahead of use, ordered on the current stream (no host sync)."""
     stream = torch.cuda.current_stream(tensor.device).cuda_stream
@@ -305,25 +310,49 @@ def _swap_optimizer_states(opt: torch.optim.Optimizer, advise: Advise, coherent_
             if not state:
                 # Adam creates its state lazily at the first step: create it now, directly managed.
                 state.update(_adam_initial_state(p, group, advise, coherent_memory))
-                moved += sum(v.numel() * v.element_size() for k, v in state.items() if k != "step")
+                moved += sum(_local(v).numel() * v.element_size() for k, v in state.items() if k != "step")
                 continue
             for name, value in list(state.items()):
-                if name != "step" and value.is_cuda:
-                    state[name] = _to_managed(value, advise, coherent_memory)
-                    moved += value.numel() * value.element_size()
+                if name != "step" and value.device.type == "cuda":
+                    state[name] = _like(value, _to_managed(_local(value), advise, coherent_memory))
+                    moved += _local(value).numel() * value.element_size()
             torch.cuda.empty_cache()  # as in _swap_params
     return moved
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP / DDP / TP parameters and their Adam moments); `t` otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's managed storage) as a tensor of the same kind as `ref`: a DTensor on ref's
+    mesh and placements when ref is one, so the optimizer's update still sees DTensor states."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(ref, DTensor):
+        return local
+    return DTensor.from_local(
+        local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride()
+    )
+
+
 def _adam_initial_state(p: torch.Tensor, group: dict, advise: Advise, coherent_memory: bool) -> dict[str, torch.Tensor]:
-    """What torch's Adam/AdamW `_init_group` creates before the first step, moments managed."""
+    """What torch's Adam/AdamW `_init_group` creates before the first step, moments managed (DTensor
+    moments for DTensor parameters: managed storage for this rank's shard)."""
     on_device = group.get("fused") or group.get("capturable")
     names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+    local = _local(p)
     state = {
-        name: managed_empty(
-            p.shape, p.dtype, p.device, advise, accessed_by_gpu=True, coherent_memory=coherent_memory
-        ).zero_()
+        name: _like(
+            p,
+            managed_empty(
+                local.shape, local.dtype, local.device, advise, accessed_by_gpu=True, coherent_memory=coherent_memory
+            ).zero_(),
+        )
         for name in names
     }
-    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+    state["step"] = torch.zeros((), dtype=torch.float32, device=local.device) if on_device else torch.tensor(0.0)
     return state

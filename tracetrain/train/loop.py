@@ -307,6 +307,8 @@ class _Run:
         assert self.assembly.optimizer is not None  # the table's optimizer row always applies
         self.optimizer: torch.optim.Optimizer = self.assembly.optimizer
         self.offload = self.assembly.activation_offload
+        if cfg.memory.unified_memory != "none":
+            self.note_managed()
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
         self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16" else None
@@ -361,6 +363,14 @@ class _Run:
         self.prof = ProfileCapture(cfg.profile, run_dir, device)
         self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
 
+    def note_managed(self) -> None:
+        """Say how much this rank holds in managed (unified) memory: the torch allocator's figures do not
+        count it."""
+        from tracetrain.memory.unified import managed_bytes
+
+        which = "weights" if self.cfg.memory.unified_memory == "model" else "optimizer states"
+        self.reporter.note(f"unified memory: {managed_bytes(self.device) / 2**30:.2f} GiB of {which} are managed")
+
     def restore(self, resume: ResumePoint) -> None:
         """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters.
         Refused (before any file is touched) if the run would end before the checkpoint or the data changed."""
@@ -373,6 +383,13 @@ class _Run:
             state = train_state_from_dict(raw)
         else:
             state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
+        if self.cfg.memory.unified_memory == "optimizer":
+            from tracetrain.memory.unified import apply_unified_memory
+
+            # Loading replaced the managed Adam moments with plain device tensors: move them back, or a
+            # resumed run would hold its optimizer states in GPU memory the plan said it would not need.
+            apply_unified_memory(self.optimizer, "optimizer", coherent_memory=self.cfg.memory.coherent_memory)
+            self.note_managed()
         self.scheduler.load_state_dict(state.scheduler)
         if self.scaler is not None and state.counters.get("scaler"):
             self.scaler.load_state_dict(state.counters["scaler"])

@@ -28,5 +28,6 @@ def resolve_device(spec: str, key: str = "config key 'train.device'") -> torch.d
             )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"{key}: {spec!r} but only {torch.cuda.device_count()} GPU(s)")
-        torch.cuda.set_device(device)
+        if device.index is not None:  # plain "cuda" is the current device; set_device needs an index
+            torch.cuda.set_device(device)
     return device
