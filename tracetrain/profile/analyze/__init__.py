@@ -11,6 +11,7 @@ one answering one question with a table:
 | bound.py        | compute-, memory-, launch- or host-bound; achieved FLOP/s and GB/s       |
 | phases.py       | host and GPU time of forward / backward / optimizer / data / checkpoint  |
 | comm_memory.py  | NCCL time and its overlap with compute; offload copies; memory over time |
+| operators.py    | without GPU activity: which host operators and ranges take the time      |
 | advice.py       | what to change, with evidence and an estimated gain                      |
 | compare.py      | what changed between two runs                                            |
 

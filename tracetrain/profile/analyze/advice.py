@@ -9,12 +9,18 @@ estimate from the trace alone, or None when the benefit is not a time saving on 
 | data_loader     | GPU idle while the host loads data >= 5% of step time               | that idle time  |
 | pageable_copies | copies from/to pageable host memory >= 1% of step time              | half their time |
 | launch_bound    | mean kernel < 10 µs and host-caused GPU idle >= 10% of step time    | that idle time  |
+| host_bound      | mean kernel >= 10 µs and host-caused GPU idle >= 10% of step time   | that idle time  |
+|                 | (Python overhead or CPU work between launches, not kernel size)     |                 |
 | fp32_gemm       | fp32/TF32 GEMMs >= 10% of GEMM time and >= 2% of step time          | half their time |
 | small_gemm      | GEMMs with m < 1024 below 30% of peak: >= half of GEMM time and     | half their time |
 |                 | >= 10% of step time                                                 |                 |
-| sync_stalls     | GPU idle after host syncs (`.item()`, ...) >= 5% of step time       | that idle time  |
+| sync_stalls     | GPU idle charged to host syncs (`.item()`, ...) >= 5% of step time  | that idle time  |
 | memory_headroom | peak reserved memory leaves >= 40% of the GPU's memory unused       | None            |
 | exposed_comm    | NCCL time not overlapped by compute >= 5% of step time              | that time       |
+
+Actions are said in the trace's own terms: a trace of tracetrain's trainer (its phase ranges are named
+`tracetrain/<phase>`, see `phases.py`) gets tracetrain's config keys (`data.num_workers`); any other
+program's trace gets the plain PyTorch change (`DataLoader(num_workers=...)`, `torch.autocast`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from tracetrain.profile.analyze.bound import SHORT_KERNEL_US
 
 if TYPE_CHECKING:
     from tracetrain.profile.analyze.report import RankReport
@@ -37,6 +45,16 @@ class Advice:
     evidence: str
     gain: float | None
     rank: int | None = None
+
+
+def _by_tracetrain(report: RankReport) -> bool:
+    """Whether tracetrain's trainer wrote the trace (its `tracetrain/<phase>` ranges are in it)."""
+    return any(row.from_tracetrain for row in report.phases)
+
+
+def _action(report: RankReport, tracetrain: str, pytorch: str) -> str:
+    """The action in the trace's terms: tracetrain config keys for its own traces, else plain PyTorch."""
+    return tracetrain if _by_tracetrain(report) else pytorch
 
 
 def _per_step(report: RankReport, us: float) -> str:
@@ -56,8 +74,13 @@ def data_loader(report: RankReport) -> Advice | None:
     return Advice(
         "data_loader",
         "The GPU waits for the data loader",
-        "Raise `data.num_workers` (and `data.prefetch_factor`), keep `data.pin_memory = true`, "
-        "and tokenize/pack the dataset ahead of time.",
+        _action(
+            report,
+            "Raise `data.num_workers` (and `data.prefetch_factor`), keep `data.pin_memory = true`, "
+            "and tokenize/pack the dataset ahead of time.",
+            "Load in worker processes: `DataLoader(..., num_workers=N, pin_memory=True, "
+            "persistent_workers=True)`, and tokenize, decode or augment ahead of time, not in the loop.",
+        ),
         f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host was in data-loading ranges.",
         share,
     )
@@ -74,27 +97,72 @@ def pageable_copies(report: RankReport) -> Advice | None:
     return Advice(
         "pageable_copies",
         "Host copies use pageable memory",
-        "Set `data.pin_memory = true` and copy with `.to(device, non_blocking=True)`; pin "
-        "any host buffers used for offload.",
+        _action(
+            report,
+            "Set `data.pin_memory = true` and copy with `.to(device, non_blocking=True)`; pin "
+            "any host buffers used for offload.",
+            "Pin host batches (`DataLoader(..., pin_memory=True)` or `tensor.pin_memory()`) and copy "
+            "with `.to(device, non_blocking=True)`; pin any host buffers used for offload.",
+        ),
         f"{count} copies of pageable memory ({mib:.0f} MiB, {_per_step(report, pageable_us)}, "
         f"{share:.0%} of step time); pinned copies are faster and do not block the host.",
         0.5 * share,
     )
 
 
+def _host_evidence(report: RankReport, idle: float, share: float) -> str:
+    util = report.utilisation
+    every = f", one every {util.mean_step_us / util.launches_per_step:.0f} µs" if util.launches_per_step else ""
+    return (
+        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host was issuing work; "
+        f"mean kernel {report.bound.mean_kernel_us:.1f} µs, {util.launches_per_step:.0f} GPU launches per "
+        f"step{every}."
+    )
+
+
 def launch_bound(report: RankReport) -> Advice | None:
     idle = report.utilisation.idle_us["host"]
     share = _fraction(report, idle)
-    mean_us = report.bound.mean_kernel_us
-    if mean_us >= 10.0 or share < 0.10:
+    if report.bound.mean_kernel_us >= SHORT_KERNEL_US or share < 0.10:
         return None
     return Advice(
         "launch_bound",
         "Many short kernels: the GPU outruns the host",
-        "Compile the model with `torch.compile` (fuses small kernels) or capture the step in "
-        "CUDA graphs; a larger `train.micro_batch_size` gives each kernel more work.",
-        f"mean kernel {mean_us:.1f} µs; GPU idle {_per_step(report, idle)} ({share:.0%} of "
-        "step time) while the host was issuing work.",
+        _action(
+            report,
+            'Set `train.compile = "on"` (fuses small kernels into fewer launches) or capture the step '
+            "in CUDA graphs; a larger `train.micro_batch_size` gives each kernel more work.",
+            "Compile the model, `model = torch.compile(model)` (fuses small kernels into fewer launches; "
+            '`mode="reduce-overhead"` also replays them as a CUDA graph); a larger batch gives each '
+            "kernel more work.",
+        ),
+        _host_evidence(report, idle, share),
+        share,
+    )
+
+
+def host_bound(report: RankReport) -> Advice | None:
+    """Host-caused idle with kernels long enough that launching them is not the cost: the host spends
+    its time elsewhere between launches (Python, CPU work in the loop)."""
+    idle = report.utilisation.idle_us["host"]
+    share = _fraction(report, idle)
+    if report.bound.mean_kernel_us < SHORT_KERNEL_US or share < 0.10:
+        return None
+    return Advice(
+        "host_bound",
+        "The host issues work too slowly: Python or CPU work between launches",
+        _action(
+            report,
+            "Find what the host does between launches (`profile.with_stack = true`, or py-spy) and move "
+            "CPU work out of the step (data work into `data.num_workers`); "
+            '`train.compile = "on"` cuts Python and dispatcher overhead, and a larger '
+            "`train.micro_batch_size` gives each launch more work.",
+            "Find what the host does between launches (`torch.profiler.profile(with_stack=True)`, or "
+            "py-spy) and move CPU work out of the training loop (metrics every N steps, data work into "
+            "`DataLoader(num_workers=...)`); `torch.compile(model)` cuts Python and dispatcher overhead, "
+            "and a larger batch gives each launch more work.",
+        ),
+        _host_evidence(report, idle, share),
         share,
     )
 
@@ -107,8 +175,12 @@ def fp32_gemm(report: RankReport) -> Advice | None:
     return Advice(
         "fp32_gemm",
         "Matrix multiplies run in fp32",
-        'Train in bf16 (`train.precision = "bf16"`), FP8 for large linear layers; at the '
-        "least allow TF32 (`torch.backends.cuda.matmul.allow_tf32 = True`).",
+        _action(
+            report,
+            'Train in bf16 (`train.precision = "bf16"`), FP8 for large linear layers (`train.fp8`).',
+            'Run forward and loss under `torch.autocast("cuda", dtype=torch.bfloat16)`; at the least '
+            'allow TF32: `torch.set_float32_matmul_precision("high")`.',
+        ),
         f"{gemm.fp32_time_us / gemm.time_us:.0%} of GEMM time ({share:.0%} of step time) is "
         "in fp32/TF32 GEMMs (fp32 inputs or sgemm/tf32 kernels).",
         0.5 * share,
@@ -124,8 +196,13 @@ def small_gemm(report: RankReport) -> Advice | None:
     return Advice(
         "small_gemm",
         "GEMMs are too small to fill the GPU",
-        "Raise `train.micro_batch_size` (lower `train.grad_accum_steps` to keep the global "
-        "batch) or `data.seq_len`, so each GEMM has more rows.",
+        _action(
+            report,
+            "Raise `train.micro_batch_size` (lower `train.grad_accum_steps` to keep the global "
+            "batch) or `data.seq_len`, so each GEMM has more rows.",
+            "Raise the batch size (fewer gradient-accumulation steps keep the global batch) or the "
+            "sequence length, so each GEMM has more rows.",
+        ),
         f"{gemm.small_time_us / gemm.time_us:.0%} of GEMM time is in GEMMs with fewer than "
         f"1024 rows running below 30% of peak{achieved}.",
         0.5 * share,
@@ -133,17 +210,25 @@ def small_gemm(report: RankReport) -> Advice | None:
 
 
 def sync_stalls(report: RankReport) -> Advice | None:
-    idle = report.utilisation.idle_us["sync"]
+    util = report.utilisation
+    idle = util.idle_us["sync"]
     share = _fraction(report, idle)
     if share < 0.05:
         return None
     return Advice(
         "sync_stalls",
         "Host synchronisations drain the GPU queue",
-        "Remove `.item()`, `.cpu()`, `print(tensor)` and `torch.cuda.synchronize()` from the "
-        "step; read metrics back every `logging.log_interval` steps only.",
-        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) after host syncs "
-        "(cudaStreamSynchronize, aten::item, ...).",
+        _action(
+            report,
+            "Raise `logging.log_interval` (metrics are read back, one host sync, once per interval); "
+            "look for `.item()`, `.cpu()` or `print(tensor)` in model code run inside the step.",
+            "Remove `.item()`, `.cpu()`, `.tolist()`, `print(tensor)` and `torch.cuda.synchronize()` "
+            "from the step: accumulate metrics on the GPU and read them back every N steps; avoid "
+            "data-dependent shapes (`nonzero`, boolean-mask indexing) in the step.",
+        ),
+        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host waited in "
+        f"{util.syncs_per_step:.0f} syncs per step (cudaStreamSynchronize, .item(), ...) and refilled "
+        "the queue after them.",
         share,
     )
 
@@ -156,7 +241,11 @@ def memory_headroom(report: RankReport) -> Advice | None:
     return Advice(
         "memory_headroom",
         "GPU memory is left unused",
-        "Use it: raise `train.micro_batch_size`, or recompute fewer activations.",
+        _action(
+            report,
+            "Use it: raise `train.micro_batch_size`, or recompute fewer activations (`memory.recompute`).",
+            "Use it: raise the batch size, or checkpoint fewer activations (`torch.utils.checkpoint`).",
+        ),
         f"peak reserved {peak_gib:.1f} GiB of {capacity_gib:.1f} GiB ({memory.headroom_fraction:.0%} unused).",
         None,
     )
@@ -169,8 +258,13 @@ def exposed_comm(report: RankReport) -> Advice | None:
     return Advice(
         "exposed_comm",
         "Communication is not hidden behind compute",
-        "Overlap it: tune DDP `bucket_cap_mb` / FSDP prefetching, accumulate gradients to "
-        "communicate less often, and check for a straggler rank.",
+        _action(
+            report,
+            "Communicate less often (raise `train.grad_accum_steps`) and check for a straggler rank.",
+            "Overlap it: tune `DistributedDataParallel(bucket_cap_mb=...)` or FSDP prefetching, "
+            "accumulate gradients under `model.no_sync()` to communicate less often, and check for a "
+            "straggler rank.",
+        ),
         f"{comm.exposed_us / 1e3:.2f} ms of NCCL time ({comm.exposed_fraction:.0%} of step "
         f"time) ran with no compute alongside ({comm.overlap_fraction:.0%} overlapped).",
         comm.exposed_fraction,
@@ -181,6 +275,7 @@ RULES: tuple[Callable[[RankReport], Advice | None], ...] = (
     data_loader,
     pageable_copies,
     launch_bound,
+    host_bound,
     fp32_gemm,
     small_gemm,
     sync_stalls,

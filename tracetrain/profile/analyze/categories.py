@@ -13,18 +13,23 @@ Kernel categories (first matching rule wins; matched case-insensitively against 
 |                 | `dot_do_o`/`convert_dq` (before gemm, for `fmha_cutlassF...`)                        |
 | optimizer       | `multi_tensor_apply`, `adam`, `sgd`, `lamb_`, `lion_` (foreach ops included)          |
 | normalisation   | `rms_norm`/`rmsnorm`, `layer_norm`/`layernorm`, `group_norm`, `batch_norm`,          |
-|                 | `norm_fwd/bwd`, `GammaBeta` (layer norm's weight gradient), cuDNN's `bn_fw_`/`bn_bw_`|
-|                 | (MIOpen's `MIOpenBatchNorm...` by `batch_norm`)                                      |
+|                 | `norm_fwd/bwd`, `GammaBeta` (layer norm's weight gradient), cuDNN's `bn_fw_`/`bn_bw_`,|
+|                 | `RowwiseMoments`/`welford` (a norm's statistics) (MIOpen's by `batch_norm`)          |
 | gemm            | `gemm`, `gemv`, `nvjet`, `xmma`, `cutlass`, `cublas`, `wgmma`, `Kernel2`, `triton_tem`,|
 |                 | `splitKreduce`, `matmul`; convolutions, which run as implicit GEMMs on the tensor     |
 |                 | cores: `convolve`/`convolution`, `conv2d_`/`conv3d_`, `naive_conv`, `winograd`,      |
-|                 | `fft2d`, `xmma_fprop/dgrad/wgrad`; AMD's Tensile GEMMs `Cijk_` (rocBLAS, hipBLASLt)   |
-|                 | and MIOpen's `igemm`                                                                 |
-| reduction       | `reduce`, `softmax`, `triton_red_`, `triton_per_`, `cross_entropy`, `nll_loss`, `argmax`|
-| elementwise     | `elementwise`, `triton_poi_`, `fill_kernel`, `CatArray`, `copy_kernel`, layout       |
-|                 | transposes `nchwToNhwc`/`nhwcToNchw`                                                 |
-| gemm            | any other `cudnn::`, MIOpen, `rocblas` or `hipblaslt` kernel (last, so that their    |
-|                 | norm, softmax and layout kernels match the rules above first)                        |
+|                 | `fft2d`, `xmma_fprop/dgrad/wgrad`, cuDNN's `wgrad_alg0_engine`/`dgrad_engine`; AMD's |
+|                 | Tensile GEMMs `Cijk_` (rocBLAS, hipBLASLt) and MIOpen's `igemm`                      |
+| reduction       | `reduce`, `softmax`, `triton_red_`, `triton_per_`, `cross_entropy`, `nll_loss`, `argmax`,|
+|                 | pooling (`max_pool`, `avg_pool`, `adaptive_average_pool`), and the whole-tensor       |
+|                 | primitives scan, sort and histogram (`cub::DeviceScan...`, `RadixSort`, `sort`)      |
+| elementwise     | `elementwise`, `triton_poi_`, `fill_kernel`, `CatArray`, copies (`copy`), `dropout`, |
+|                 | layout transposes `nchwToNhwc`/`nhwcToNchw`, `permute`; gathers and embeddings       |
+|                 | (`embedding`, FBGEMM's `split_embedding_...`, `indexSelect`, `gather`, `scatter`,   |
+|                 | `linearize_index`, `bounds_check_indices`, `searchsorted`)                           |
+| gemm            | any other cuDNN (`cudnn::`, `cudnn_infer_..._scudnn_...`, `cask_cudnn...`), MIOpen,  |
+|                 | `rocblas` or `hipblaslt` kernel (last, so that their norm, softmax and layout kernels|
+|                 | match the rules above first)                                                         |
 | other           | anything else                                                                        |
 
 Host (CPU) ranges that explain an idle GPU (in older schemas these ranges, and `ProfilerStep#N` and
@@ -70,28 +75,46 @@ _KERNEL_RULES: Final = [
     ("optimizer", re.compile(r"multi_tensor_apply|adam|sgd|lamb_|lion_", re.I)),
     (
         "normalisation",
-        re.compile(r"rms_?norm|layer_?norm|group_?norm|batch_?norm|norm_(fwd|bwd)|gammabeta|bn_(fw|bw)_", re.I),
+        re.compile(
+            r"rms_?norm|layer_?norm|group_?norm|batch_?norm|norm_(fwd|bwd)|gammabeta|bn_(fw|bw)_|rowwisemoments|welford",
+            re.I,
+        ),
     ),
     (
         "gemm",
         re.compile(
             r"gemm|gemv|nvjet|xmma|cutlass|cublas|wgmma|\bKernel2\b|triton_tem|splitkreduce|matmul"
             # Convolutions: implicit GEMMs on the same tensor cores, so they are matmul-like compute.
-            r"|convolve|convolution|conv[23]d_|naive_conv|winograd|fft2d"
+            r"|convolve|convolution|conv[23]d_|naive_conv|winograd|fft2d|wgrad_alg\d|dgrad_(alg|engine)"
             # AMD: rocBLAS's and hipBLASLt's GEMMs (Tensile's `Cijk_...` kernels).
             r"|cijk_",
             re.I,
         ),
     ),
-    ("reduction", re.compile(r"reduce|softmax|triton_red_|triton_per_|cross_entropy|nll_loss|argmax", re.I)),
+    (
+        "reduction",
+        re.compile(
+            r"reduce|softmax|triton_red_|triton_per_|cross_entropy|nll_loss|argmax"
+            # Pooling reduces a window; scan, sort and histogram are whole-tensor primitives (CUB).
+            r"|max_pool|avg_pool|average_pool|devicescan|radixsort|sort|histogram",
+            re.I,
+        ),
+    ),
     (
         "elementwise",
-        re.compile(r"elementwise|triton_poi_|fill_kernel|catarray|copy_kernel|nchwtonhwc|nhwctonchw", re.I),
+        re.compile(
+            r"elementwise|triton_poi_|fill_kernel|catarray|copy|dropout|nchwtonhwc|nhwctonchw|permute"
+            # Gathers: embedding lookups (FBGEMM's table-batched `split_embedding_...`) and indexing
+            # stream memory row by row like elementwise kernels.
+            r"|embedding|index_?select|gather|scatter|linearize_index|bounds_check_indices|searchsorted",
+            re.I,
+        ),
     ),
     # Last: the rest of the kernels of cuDNN and MIOpen are convolution variants (`cudnn::detail::...`,
-    # `miopenSp3AsmConv...`), those of rocBLAS and hipBLASLt GEMM variants; their norm, softmax and
-    # layout kernels matched the rules above.
-    ("gemm", re.compile(r"cudnn::|miopen|rocblas|hipblaslt", re.I)),
+    # `cudnn_infer_volta_scudnn_128x64_relu_...`, `miopenSp3AsmConv...`) or their index set-up
+    # (`cask_cudnn_infer::computeOffsetsKernel`), those of rocBLAS and hipBLASLt GEMM variants; their
+    # norm, softmax and layout kernels matched the rules above.
+    ("gemm", re.compile(r"cudnn|miopen|rocblas|hipblaslt", re.I)),
 ]
 
 _DATA_RANGE: Final = re.compile(

@@ -3,7 +3,8 @@
 A `Spans` is a sorted list of disjoint half-open intervals. Utilisation, idle causes, overlap of
 communication with compute and the HTML timeline are all set algebra over these: union (busy time
 with overlapping streams counted once), complement (idle), intersection (overlap) and the measure of a
-set between two times (busy time inside a step or a timeline bin).
+set between two times (busy time inside a step or a timeline bin), and its inverse (the time by which
+a set has covered a given measure: where a host sync's share of the idle time after it runs out).
 """
 
 from __future__ import annotations
@@ -99,13 +100,25 @@ def measure_between(spans: Spans, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return covered_until(spans, hi) - covered_until(spans, lo)
 
 
-def touches(spans: Spans, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """For each gap `[lo[i], hi[i])`, whether a span overlaps it or ends exactly at its start (a
-    host call that returns as the GPU drains, such as a sync, touches the gap that follows it)."""
-    lo = np.asarray(lo, dtype=np.float64)
-    hi = np.asarray(hi, dtype=np.float64)
+def contains(spans: Spans, times: np.ndarray) -> np.ndarray:
+    """Whether each time lies inside `spans` (NaN times never do)."""
+    times = np.asarray(times, dtype=np.float64)
     if not len(spans):
-        return np.zeros(len(lo), dtype=bool)
-    # Spans are disjoint and sorted, so the last one starting before `hi` reaches furthest right.
-    last = np.searchsorted(spans.starts, hi, side="left") - 1
-    return (last >= 0) & (spans.ends[np.maximum(last, 0)] >= lo)
+        return np.zeros(len(times), dtype=bool)
+    index = np.searchsorted(spans.starts, np.nan_to_num(times, nan=-np.inf), side="right") - 1
+    return (index >= 0) & (times <= spans.ends[np.maximum(index, 0)])
+
+
+def time_at_measure(spans: Spans, measures: np.ndarray) -> np.ndarray:
+    """For each measure m, the earliest time by which `spans` has covered m (the inverse of
+    `covered_until`); infinity where m exceeds the total."""
+    measures = np.asarray(measures, dtype=np.float64)
+    if not len(spans):
+        return np.full(measures.shape, np.inf)
+    lengths = spans.ends - spans.starts
+    cumulative = np.concatenate([[0.0], np.cumsum(lengths)])
+    # The interval in which the running measure reaches m: the first whose end covers m.
+    index = np.searchsorted(cumulative[1:], measures, side="left")
+    inside = index < len(spans)
+    safe = np.minimum(index, len(spans) - 1)
+    return np.where(inside, spans.starts[safe] + np.maximum(measures - cumulative[safe], 0.0), np.inf)

@@ -11,6 +11,9 @@ while the host was inside one of those ranges, found through the launch's correl
 from any thread of the rank counts, because autograd runs backward kernels on its own thread while
 the main thread sits inside `tracetrain/backward`. GPU time launched outside every phase is reported as
 `(no phase)`.
+
+The `tracetrain/` names also tell a trace of tracetrain's own trainer from one of any other program,
+so that advice can name tracetrain's config keys for the one and the plain PyTorch fix for the other.
 """
 
 from __future__ import annotations
@@ -20,17 +23,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from tracetrain.profile.analyze.categories import PHASES, phase_of
-from tracetrain.profile.analyze.intervals import Spans, union
+from tracetrain.profile.analyze.intervals import Spans, contains, union
 from tracetrain.profile.analyze.select import host_rows, main_device, on_device
 from tracetrain.profile.analyze.trace import ANNOTATION, Trace
 
 NO_PHASE = "(no phase)"
+TRACETRAIN_PREFIX = "tracetrain/"  # profile/capture.py names every phase range `tracetrain/<phase>`
 
 
 @dataclass(frozen=True)
 class PhaseRow:
     """One phase: host ranges found, host time and GPU time (µs), and their shares (of the time inside
-    steps, and of all GPU activity time)."""
+    steps, and of all GPU activity time). `from_tracetrain`: some of its ranges carry tracetrain's own
+    names (`tracetrain/<phase>`, written by `profile/capture.py`), so tracetrain ran the step."""
 
     phase: str
     num_ranges: int
@@ -38,18 +43,12 @@ class PhaseRow:
     gpu_us: float
     cpu_share: float
     gpu_share: float
+    from_tracetrain: bool = False
 
 
-def _inside(spans: Spans, times: np.ndarray) -> np.ndarray:
-    """Whether each time lies inside `spans` (NaN times never do)."""
-    if not len(spans):
-        return np.zeros(len(times), dtype=bool)
-    index = np.searchsorted(spans.starts, np.nan_to_num(times, nan=-np.inf), side="right") - 1
-    return (index >= 0) & (times <= spans.ends[np.maximum(index, 0)])
-
-
-def _phase_spans(trace: Trace) -> dict[str, tuple[int, Spans]]:
-    """Phase name -> (number of ranges, union of ranges), in a stable order (known phases first)."""
+def _phase_spans(trace: Trace) -> dict[str, tuple[int, Spans, bool]]:
+    """Phase name -> (number of ranges, union of ranges, whether tracetrain named any of them), in a
+    stable order (known phases first)."""
     rows = host_rows(trace, (ANNOTATION,), lambda name: phase_of(name) is not None)
     by_phase: dict[str, list[int]] = {}
     for row in rows.tolist():
@@ -58,7 +57,8 @@ def _phase_spans(trace: Trace) -> dict[str, tuple[int, Spans]]:
     out = {}
     for phase in order:
         sel = np.asarray(by_phase[phase])
-        out[phase] = (len(sel), union(trace.host.ts[sel], trace.host.ts[sel] + trace.host.dur[sel]))
+        ours = any(trace.names[n].startswith(TRACETRAIN_PREFIX) for n in np.unique(trace.host.name[sel]).tolist())
+        out[phase] = (len(sel), union(trace.host.ts[sel], trace.host.ts[sel] + trace.host.dur[sel]), ours)
     return out
 
 
@@ -72,8 +72,8 @@ def phases(trace: Trace, steps_us: float) -> list[PhaseRow]:
     total_gpu = float(dur.sum())
     attributed = np.zeros(len(gpu), dtype=bool)
     table = []
-    for phase, (num_ranges, spans) in found.items():
-        inside = _inside(spans, launch_ts)
+    for phase, (num_ranges, spans, ours) in found.items():
+        inside = contains(spans, launch_ts)
         attributed |= inside
         gpu_us = float(dur[inside].sum())
         table.append(
@@ -84,6 +84,7 @@ def phases(trace: Trace, steps_us: float) -> list[PhaseRow]:
                 gpu_us=gpu_us,
                 cpu_share=spans.total() / steps_us if steps_us else 0.0,
                 gpu_share=gpu_us / total_gpu if total_gpu else 0.0,
+                from_tracetrain=ours,
             )
         )
     rest = float(dur[~attributed].sum())

@@ -18,7 +18,8 @@ from rich.text import Text
 
 from tracetrain.profile.analyze import fmt, tables
 from tracetrain.profile.analyze.advice import Advice
-from tracetrain.profile.analyze.compare import CompareReport
+from tracetrain.profile.analyze.compare import SAME_SPEED, CompareReport, Headline
+from tracetrain.profile.analyze.operators import OperatorRow
 from tracetrain.profile.analyze.report import RankReport, Report
 from tracetrain.profile.analyze.tables import TextTable
 
@@ -41,10 +42,46 @@ def _rich(table: TextTable) -> Table:
     return out
 
 
+def host_steps_table(rank: RankReport) -> TextTable:
+    """Steps of a trace without GPU activity: their host time only (GPU idle columns would call the
+    whole step idle)."""
+    steps = rank.utilisation.steps
+    rows = [[s.name, fmt.duration(s.duration_us)] for s in steps[: tables.MAX_STEP_ROWS]]
+    more = len(steps) - tables.MAX_STEP_ROWS
+    return TextTable.make(
+        "Steps" + (f" (first {tables.MAX_STEP_ROWS}; {more} more)" if more > 0 else ""), ["step", "time"], rows
+    )
+
+
+def operators_table(rows: list[OperatorRow], title: str, what: str = "operator") -> TextTable:
+    """Host operators (or record_function ranges) by self time: calls, self, share, total, mean."""
+    out = [
+        [
+            r.name,
+            str(r.count),
+            fmt.duration(r.self_us),
+            fmt.percent(r.self_share),
+            fmt.duration(r.total_us),
+            fmt.duration(r.total_us / r.count if r.count else None),
+        ]
+        for r in rows
+    ]
+    return TextTable.make(title, [what, "calls", "self time", "of self", "total", "mean total"], out)
+
+
+def host_tables(rank: RankReport) -> list[TextTable]:
+    """Where the host's time went: operators, then record_function ranges, each by self time."""
+    return [
+        operators_table(rank.host_time.operators, "Top host operators by self time"),
+        operators_table(rank.host_time.ranges, "Top record_function ranges by self time", "range"),
+    ]
+
+
 def rank_tables(rank: RankReport) -> list[TextTable]:
     """The detailed tables of one rank, in reading order (empty tables left out)."""
-    if not rank.has_gpu:  # a CPU-only trace: host step and phase times are all there is
-        return [t for t in (tables.steps_table(rank), tables.phases_table(rank)) if t.rows]
+    if not rank.has_gpu:  # a CPU-only trace: host steps, operators and phases are all there is
+        found = [host_steps_table(rank), *host_tables(rank), tables.phases_table(rank)]
+        return [t for t in found if t.rows]
     found = [
         tables.utilisation_table(rank),
         tables.steps_table(rank),
@@ -79,6 +116,31 @@ def compare_tables(diff: CompareReport) -> list[TextTable]:
     ]
 
 
+def headline_text(headline: Headline) -> str:
+    """One sentence: b faster or slower than a per step, by how much, and the main reason."""
+    a, b = fmt.duration(headline.step_a_us), fmt.duration(headline.step_b_us)
+    if headline.change is None:
+        return f"No step time to compare (a: {a}, b: {b} per step)."
+    if abs(headline.change) < SAME_SPEED:
+        return f"b runs at the speed of a: {a} and {b} per step ({fmt.percent(headline.change)})."
+    if headline.change >= 1:  # "300% slower" reads worse than "4.00x slower"
+        amount, pace = f"{1 + headline.change:.2f}x", "slower"
+    else:
+        amount, pace = fmt.percent(abs(headline.change)), "faster" if headline.change < 0 else "slower"
+    text = f"b is {amount} {pace} than a per step ({a} → {b})"
+    delta = headline.reason_delta_us
+    if headline.reason_name is None or delta is None:
+        return text + "."
+    more = "more" if delta > 0 else "less"
+    if headline.reason_kind == "idle":
+        what = f"{more} GPU idle time on {tables.CAUSE_LABELS[headline.reason_name]}"
+    elif headline.reason_name == "all":
+        what = f"{more} GPU busy time"
+    else:
+        what = f"{more} GPU time in {headline.reason_name} kernels"
+    return f"{text}, mostly {what} ({fmt.signed(delta, 'us')} per step)."
+
+
 def _print_advice(console: Console, advice: list[Advice], title: str) -> None:
     console.print(_text(title, style="bold"))
     if not advice:
@@ -92,6 +154,8 @@ def _print_advice(console: Console, advice: list[Advice], title: str) -> None:
 def render_terminal(report: Report | CompareReport, console: Console | None = None) -> None:
     """Print the report (or comparison) as rich tables."""
     console = console or Console()
+    if isinstance(report, CompareReport):  # the answer first: faster or slower, and why
+        console.print(_text(headline_text(report.headline), style="bold"))
     for note in report.notes:
         console.print(_text(f"note: {note}", style="yellow"))
     if isinstance(report, CompareReport):

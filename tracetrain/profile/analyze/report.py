@@ -24,6 +24,7 @@ from tracetrain.profile.analyze.comm_memory import (
     offload,
 )
 from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
+from tracetrain.profile.analyze.operators import HostTime, host_time
 from tracetrain.profile.analyze.phases import PhaseRow, phases
 from tracetrain.profile.analyze.trace import Trace, read_traces
 from tracetrain.profile.analyze.utilisation import Utilisation, utilisation
@@ -49,6 +50,8 @@ class RankReport:
     offload: OffloadRow
     memory: MemoryTimeline | None
     advice: list[Advice] = field(default_factory=list)
+    # Host operators and ranges by self time, for a trace without GPU activity (empty otherwise).
+    host_time: HostTime = field(default_factory=HostTime)
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ def analyze_trace(trace: Trace) -> RankReport:
         communication=communication(trace, util.steps_us),
         offload=offload(trace),
         memory=memory_timeline(trace, capacity),
+        host_time=HostTime() if has_gpu else host_time(trace),
     )
     # Every rule reads GPU time: a CPU-only trace gets its note and no advice.
     return replace(report, advice=advise(report)) if has_gpu else report

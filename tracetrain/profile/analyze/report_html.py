@@ -7,7 +7,7 @@ from tracetrain.profile.analyze import fmt, svg, tables
 from tracetrain.profile.analyze.advice import Advice
 from tracetrain.profile.analyze.categories import CATEGORIES
 from tracetrain.profile.analyze.compare import CompareReport, DeltaRow
-from tracetrain.profile.analyze.render import compare_tables, rank_tables
+from tracetrain.profile.analyze.render import compare_tables, headline_text, rank_tables
 from tracetrain.profile.analyze.report import RankReport, Report
 from tracetrain.profile.analyze.svg import esc
 from tracetrain.profile.analyze.tables import CAUSE_LABELS, TextTable
@@ -33,7 +33,7 @@ td.n{text-align:right;white-space:nowrap}caption{text-align:left;font-weight:600
 .chart text{font-size:11px;fill:#333}.legend span{margin-right:12px;white-space:nowrap}
 .legend i{display:inline-block;width:11px;height:11px;margin-right:4px;vertical-align:-1px}
 .advice li{margin-bottom:8px}.gain{color:#2a7d2a;font-weight:600}.note{color:#8a6d00}
-code{background:#f4f4f4;padding:0 3px}
+code{background:#f4f4f4;padding:0 3px}.headline{font-size:17px;font-weight:600}
 """
 
 
@@ -81,11 +81,12 @@ def _cards(rank: RankReport) -> str:
 def _timeline(rank: RankReport) -> str:
     util = rank.utilisation
     bins = [(b.start_us, b.busy_fraction, b.idle_fraction) for b in util.timeline]
-    steps = [(s.start_us, s.name) for s in util.steps]
+    steps = [(s.start_us, s.duration_us, s.name) for s in util.steps]
     chart = svg.timeline(bins, STATE_COLORS, steps, util.window_us, "GPU busy and idle over time")
     items = [("busy", STATE_COLORS["busy"])] + [(CAUSE_LABELS[c], STATE_COLORS[c]) for c in IDLE_CAUSES]
     return (
-        "<h2>GPU timeline</h2><p>Each column is a slice of the profiled window; ticks mark steps.</p>"
+        "<h2>GPU timeline</h2><p>Each column is a slice of the profiled window, stacked by what the GPU "
+        "did in it; the lane above shows the steps, the axis the time since the window opened.</p>"
         + chart
         + svg.legend(items)
     )
@@ -109,6 +110,25 @@ def _kernels(rank: RankReport) -> str:
         for k in rank.kernels.top
     ]
     return "<h2>Top kernels</h2>" + svg.hbars(items, fmt.duration, "top kernels by GPU time") if items else ""
+
+
+def _host_time(rank: RankReport) -> str:
+    """A trace without GPU activity: the host operators with the most self time."""
+    items = [
+        (
+            r.name,
+            r.self_us,
+            f"{r.name}\n{r.count} calls, self {fmt.duration(r.self_us)}, total {fmt.duration(r.total_us)}",
+        )
+        for r in rank.host_time.operators
+    ]
+    if not items:
+        return ""
+    return (
+        "<h2>Host operators</h2><p>No GPU activity in this trace: the operators that took the host's time, "
+        "by self time (their time less that of the operators they call).</p>"
+        + svg.hbars(items, fmt.duration, "host operators by self time")
+    )
 
 
 def _phases(rank: RankReport) -> str:
@@ -149,6 +169,8 @@ def _report_page(report: Report) -> str:
     body = [f"<h1>tracetrain trace analysis</h1><p class=meta>{meta}</p>", _notes(report.notes)]
     if rank.has_gpu:
         body += [_cards(rank), _advice(report.advice), _timeline(rank), _categories(rank), _kernels(rank)]
+    else:
+        body.append(_host_time(rank))
     body += [_phases(rank), _memory(rank)]
     extra = ([tables.ranks_table(report)] if len(report.ranks) > 1 else []) + [tables.comm_table(report)]
     body.append("<h2>Tables</h2>" + "".join(_table(t) for t in extra + rank_tables(rank) if t.rows))
@@ -170,7 +192,9 @@ def _delta_chart(rows: list[DeltaRow], title: str) -> str:
 
 def _compare_page(diff: CompareReport) -> str:
     body = [
-        f"<h1>tracetrain comparison</h1><p class=meta>a: {esc(diff.label_a)}<br>b: {esc(diff.label_b)}</p>",
+        "<h1>tracetrain comparison</h1>",
+        f'<p class="headline">{esc(headline_text(diff.headline))}</p>',
+        f"<p class=meta>a: {esc(diff.label_a)}<br>b: {esc(diff.label_b)}</p>",
         _notes(diff.notes),
         _delta_chart(diff.categories, "GPU time per step by category"),
         _delta_chart(diff.idle, "Idle per step by cause"),

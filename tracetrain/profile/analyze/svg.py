@@ -7,6 +7,7 @@ the trace (kernel names), so everything textual goes through `esc`.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Callable, Sequence
 
 WIDTH = 760
@@ -100,39 +101,92 @@ def stacked_bar(segments: Sequence[tuple[str, float, str]], fmt: Callable[[float
     return _svg(28, "".join(parts), label)
 
 
+def nice_step(span: float, max_ticks: int = 8) -> float:
+    """A tick spacing of 1, 2 or 5 times a power of ten that cuts `span` into at most `max_ticks`."""
+    if span <= 0:
+        return 1.0
+    raw = span / max_ticks
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def _time_label(us: float, step_us: float, total_us: float) -> str:
+    """A tick label in the largest of s, ms and µs that `total_us` reaches, with as many decimals as
+    the tick spacing needs (0.5 ms ticks: "1.5 ms")."""
+    unit, scale = next((u, f) for u, f in (("s", 1e6), ("ms", 1e3), ("µs", 1.0)) if total_us >= f or f == 1.0)
+    decimals = max(0, -math.floor(math.log10(step_us / scale) + 1e-9))
+    return f"{us / scale:.{decimals}f} {unit}"
+
+
+def time_axis(total_us: float, left: float, width: float, y: float) -> str:
+    """A horizontal time axis from 0 to `total_us` over [left, left + width] at height `y`: a base
+    line, ticks at a 1-2-5 spacing and their labels below."""
+    step_us = nice_step(total_us)
+    parts = [f'<line x1="{left}" x2="{left + width}" y1="{y}" y2="{y}" stroke="#888"/>']
+    for k in range(int(total_us / step_us + 1e-9) + 1):
+        x = left + width * k * step_us / total_us if total_us else left
+        anchor = "start" if k == 0 else "end" if x > left + width - 20 else "middle"
+        parts.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y}" y2="{y + 4}" stroke="#888"/>'
+            f'<text class="tick" x="{x:.1f}" y="{y + 15}" text-anchor="{anchor}">'
+            f"{esc(_time_label(k * step_us, step_us, total_us))}</text>"
+        )
+    return "".join(parts)
+
+
 def timeline(
     bins: Sequence[tuple[float, float, dict[str, float]]],
     colors: dict[str, str],
-    steps: Sequence[tuple[float, str]],
+    steps: Sequence[tuple[float, float, str]],
     total_us: float,
     label: str,
 ) -> str:
-    """Columns of stacked fractions over time: `bins` are (start µs, busy fraction, idle fractions
-    by cause); `steps` are (start µs, name) boundaries drawn as ticks."""
-    height, parts = 120.0, []
-    width = WIDTH / max(len(bins), 1)
+    """Two lanes over a time axis. "steps": each (start µs, duration µs, name) step as a band, labelled
+    where it is wide enough. "GPU": columns of stacked fractions, `bins` being (start µs, busy
+    fraction, idle fractions by cause). Times are relative to the window start; the axis runs from 0 to
+    `total_us`."""
+    left, lane_gap, steps_h, gpu_h = 64.0, 4.0, 16.0, 100.0
+    width = WIDTH - left - 12
+    gpu_y = steps_h + lane_gap
+    scale = width / total_us if total_us else 0.0
+    parts = [
+        f'<text class="lane" x="{left - 6}" y="{steps_h - 4}" text-anchor="end">steps</text>',
+        f'<text class="lane" x="{left - 6}" y="{gpu_y + gpu_h / 2 + 4}" text-anchor="end">GPU</text>',
+    ]
+    for i, (start, duration, name) in enumerate(steps):
+        x, w = left + start * scale, max(duration * scale, 1.0)
+        short = name.rsplit("#", 1)[-1] if "#" in name else name
+        parts.append(
+            f"<g><title>{esc(f'{name}: {duration / 1e3:.2f} ms')}</title>"
+            f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{steps_h}" fill="{("#d9d9d9", "#bdbdbd")[i % 2]}"/>'
+            + (f'<text x="{x + 3:.1f}" y="{steps_h - 4}">#{esc(short)}</text>' if w > 8 * len(short) + 14 else "")
+            + "</g>"
+        )
+    column = width / max(len(bins), 1)
     for i, (start, busy, idle) in enumerate(bins):
-        y = height
+        x, y = left + i * column, gpu_y + gpu_h
         for name, fraction in [("busy", busy), *idle.items()]:
             if fraction <= 0:
                 continue
-            h = height * min(fraction, 1.0)
+            h = gpu_h * min(fraction, 1.0)
             y -= h
             parts.append(
-                f'<rect x="{i * width:.2f}" y="{y:.2f}" width="{width + 0.3:.2f}" height="{h:.2f}" '
+                f'<rect x="{x:.2f}" y="{y:.2f}" width="{column + 0.3:.2f}" height="{h:.2f}" '
                 f'fill="{colors.get(name, "#999")}"/>'
             )
         parts.append(
-            f'<rect x="{i * width:.2f}" y="0" width="{width:.2f}" height="{height}" fill="none">'
+            f'<rect x="{x:.2f}" y="{gpu_y}" width="{column:.2f}" height="{gpu_h}" fill="none">'
             f"<title>{esc(f't={start / 1e3:.2f} ms busy {100 * busy:.0f}%')}</title></rect>"
         )
-    for start, name in steps:
-        x = WIDTH * start / total_us if total_us else 0.0
+    for start, _, name in steps:  # step boundaries across the GPU lane
+        x = left + start * scale
         parts.append(
-            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="{height + 6}" stroke="#222" '
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{gpu_y}" y2="{gpu_y + gpu_h}" stroke="#222" '
             f'stroke-width="0.7"><title>{esc(name)}</title></line>'
         )
-    return _svg(height + 8, '<g shape-rendering="crispEdges">' + "".join(parts) + "</g>", label)
+    axis = time_axis(total_us, left, width, gpu_y + gpu_h + 2)
+    body = '<g shape-rendering="crispEdges">' + "".join(parts) + "</g>" + axis
+    return _svg(gpu_y + gpu_h + 22, body, label)
 
 
 def line_chart(points: Sequence[tuple[float, float]], fmt_y: Callable[[float], str], label: str) -> str:

@@ -4,16 +4,22 @@ Busy time is the union of kernel, memcpy and memset intervals on the rank's GPU 
 overlap count once) over the profiled wall time: from the first to the last event of the profiled
 window, so the time between iterations counts as well.
 
-Each idle stretch is attributed to one cause (whole-gap rules are applied to each stretch of a gap):
+Each idle stretch is attributed to one cause, in this order:
 
 1. **outside_steps**: idle time outside every `ProfilerStep#N` range (when the trace has no step
    ranges, the whole window is one step);
 2. **data_loader**: idle time during which the host was inside a data-loading range (by time);
-3. **sync**: the rest of a gap that a host synchronisation (`cudaStreamSynchronize`, `.item()`, ...)
-   overlaps or ends in: the GPU queue drained while the host waited, and refills only after it;
-4. **communication**: the rest of a gap that the host spent at least half of inside `c10d::`/`nccl:`
-   calls (a blocking collective or barrier). NCCL kernels themselves are busy GPU time; their part that
-   no compute overlaps is reported as `exposed_comm_us`;
+3. **sync**: the refill after a host synchronisation (`cudaStreamSynchronize`, `.item()`,
+   `cudaMemcpy` to the host, ...): idle time from the sync's start until the GPU runs from its queue
+   again (the first GPU activity after the sync that the host had issued before the work ahead of it
+   finished) or the next sync begins, at most the time the host spent inside the sync plus the launch
+   latency of the first GPU work after it. The sync drains the queue, so the host's work after it
+   (Python, small ops) shows as GPU idle until the host is ahead again; without the sync the host
+   would have done that work earlier by the time it waited, and the next launch would have found work
+   still queued, which bounds what the sync costs. Idle beyond that is the host's own pace (rule 5);
+4. **communication**: the rest (after rule 3) of a gap that the host spent at least half of inside
+   `c10d::`/`nccl:` calls (a blocking collective or barrier). NCCL kernels themselves are busy GPU
+   time; their part that no compute overlaps is reported as `exposed_comm_us`;
 5. **host**: everything else: the host was busy but launched work too slowly (launch-bound, Python
    overhead, small kernels).
 """
@@ -26,7 +32,17 @@ from typing import Final
 import numpy as np
 
 from tracetrain.profile.analyze.categories import CATEGORIES, is_comm_range, is_data_range, is_sync_op, is_sync_runtime
-from tracetrain.profile.analyze.intervals import Spans, complement, intersect, measure_between, subtract, touches, union
+from tracetrain.profile.analyze.intervals import (
+    Spans,
+    complement,
+    contains,
+    covered_until,
+    intersect,
+    measure_between,
+    subtract,
+    time_at_measure,
+    union,
+)
 from tracetrain.profile.analyze.select import gpu_categories, gpu_spans, host_spans, main_device, on_device, step_rows
 from tracetrain.profile.analyze.trace import ANNOTATION, KERNEL, OP, RUNTIME, Trace
 
@@ -70,6 +86,8 @@ class Utilisation:
     steps: list[StepRow]
     steps_us: float  # time inside step ranges (the window when there are none)
     mean_step_us: float
+    launches_per_step: float  # GPU activities (kernels, copies, memsets) started inside steps, per step
+    syncs_per_step: float  # host syncs (merged when nested, as `.item()` around its stream sync) per step
     has_step_ranges: bool
     timeline: list[TimelineBin]
 
@@ -91,6 +109,43 @@ def _select(spans: Spans, mask: np.ndarray) -> Spans:
     return Spans(spans.starts[mask], spans.ends[mask])
 
 
+def _fed_starts(trace: Trace, device: int) -> np.ndarray:
+    """Sorted start times of the GPU activities that the host had launched before the GPU finished the
+    work ahead of them: from such an activity on, the GPU runs from its queue, not at the host's pace."""
+    rows = np.flatnonzero(on_device(trace, device))
+    rows = rows[np.argsort(trace.gpu.ts[rows], kind="stable")]
+    starts, ends = trace.gpu.ts[rows], trace.gpu.ts[rows] + trace.gpu.dur[rows]
+    ahead_ends = np.concatenate([[-np.inf], np.maximum.accumulate(ends)[:-1]])
+    return starts[trace.gpu.launch_ts[rows] < ahead_ends]  # an unknown (NaN) launch is never ahead
+
+
+def _first_launch_latency(trace: Trace, device: int, times: np.ndarray) -> np.ndarray:
+    """For each time, how long the first GPU activity launched after it waited from its launch call to
+    its start (0 where none follows or the launch is unknown)."""
+    rows = np.flatnonzero(on_device(trace, device) & np.isfinite(trace.gpu.launch_ts))
+    if not len(rows):
+        return np.zeros(len(times))
+    rows = rows[np.argsort(trace.gpu.launch_ts[rows], kind="stable")]
+    latency = np.append(np.maximum(trace.gpu.ts[rows] - trace.gpu.launch_ts[rows], 0.0), 0.0)
+    return latency[np.searchsorted(trace.gpu.launch_ts[rows], times, side="left")]
+
+
+def sync_refill(trace: Trace, device: int, idle: Spans) -> Spans:
+    """The part of `idle` that host syncs cost (rule 3 of the module docstring): per sync, from its
+    start until the GPU runs from its queue again or the next sync starts, at most the time the host
+    spent in the sync plus the launch latency of the first work after it (the empty queue exposes it)."""
+    syncs = _sync_spans(trace)
+    if not len(syncs):
+        return Spans(np.zeros(0), np.zeros(0))
+    fed = _fed_starts(trace, device)
+    fed_after = np.append(fed, np.inf)[np.searchsorted(fed, syncs.ends, side="right")]
+    until = np.minimum(fed_after, np.append(syncs.starts[1:], np.inf))
+    cost = syncs.ends - syncs.starts + _first_launch_latency(trace, device, syncs.ends)
+    # Where the idle time after the sync's start adds up to what the sync can cost.
+    spent = time_at_measure(idle, covered_until(idle, syncs.starts) + cost)
+    return intersect(idle, union(syncs.starts, np.minimum(until, spent)))
+
+
 def idle_by_cause(trace: Trace, device: int) -> dict[str, Spans]:
     """Idle time of `device` split into the causes of the module docstring, as interval sets."""
     lo, hi = trace.window
@@ -98,18 +153,18 @@ def idle_by_cause(trace: Trace, device: int) -> dict[str, Spans]:
     steps = _step_spans(trace)
     inside = intersect(idle, steps)
     data_ranges = host_spans(trace, (ANNOTATION,), is_data_range)
-    rest = subtract(inside, data_ranges)
-    # Whole-gap rules look at the idle gap each remaining stretch belongs to.
+    sync = sync_refill(trace, device, subtract(inside, data_ranges))
+    rest = subtract(subtract(inside, data_ranges), sync)
+    # The communication rule looks at the idle gap each remaining stretch belongs to.
     parent = np.searchsorted(idle.starts, rest.starts, side="right") - 1
     gap_lo, gap_hi = idle.starts[parent], idle.ends[parent]
-    is_sync = touches(_sync_spans(trace), gap_lo, gap_hi)
     comm_time = measure_between(host_spans(trace, (OP, ANNOTATION), is_comm_range), gap_lo, gap_hi)
-    is_comm = ~is_sync & (comm_time >= 0.5 * (gap_hi - gap_lo))
+    is_comm = comm_time >= 0.5 * (gap_hi - gap_lo)
     return {
         "data_loader": intersect(inside, data_ranges),
-        "sync": _select(rest, is_sync),
+        "sync": sync,
         "communication": _select(rest, is_comm),
-        "host": _select(rest, ~is_sync & ~is_comm),
+        "host": _select(rest, ~is_comm),
         "outside_steps": subtract(idle, steps),
     }
 
@@ -163,6 +218,7 @@ def utilisation(trace: Trace, num_bins: int = 240) -> Utilisation:
     exposed = subtract(gpu_spans(trace, mask & comm), gpu_spans(trace, mask & ~comm))
     causes = idle_by_cause(trace, device)
     steps = _step_table(trace, busy, causes, device)
+    step_spans = _step_spans(trace)
     window_us = hi - lo
     return Utilisation(
         device=device,
@@ -172,8 +228,10 @@ def utilisation(trace: Trace, num_bins: int = 240) -> Utilisation:
         exposed_comm_us=exposed.total(),
         idle_us={cause: spans.total() for cause, spans in causes.items()},
         steps=steps,
-        steps_us=_step_spans(trace).total(),
+        steps_us=step_spans.total(),
         mean_step_us=float(np.mean([s.duration_us for s in steps])) if steps else window_us,
+        launches_per_step=float(contains(step_spans, trace.gpu.ts[mask]).sum()) / max(len(steps), 1),
+        syncs_per_step=float(contains(step_spans, _sync_spans(trace).starts).sum()) / max(len(steps), 1),
         has_step_ranges=bool(steps),
         timeline=busy_timeline(trace, busy, causes, num_bins),
     )
