@@ -418,3 +418,101 @@ def activation_offload_drill(out_path: str, overrides: list[str]) -> None:
                        "per_rank": [{"bytes": int(c[0]), "tensors": int(c[1]), "one_process_bytes": int(c[2]),
                                      "one_process_tensors": int(c[3])} for c in gathered]}, f)
     tdist.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model states per rank (what the planner's memory model must equal)
+
+def _held_bytes(tensors: list[torch.Tensor | None]) -> dict[str, int]:
+    """Bytes and number of the distinct live storages behind `tensors` (a DTensor: its local shard).
+    Storages FSDP has freed (resized to 0 bytes) are not held."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return {"bytes": sum(seen.values()), "storages": len(seen)}
+
+
+def _model_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """What this rank holds now: parameters (the optimizer's sharded ones and whatever FSDP has
+    registered on the modules: unsharded copies between its all-gather and its reshard), gradients of
+    both, AdamW moments and AdamW's per-parameter step counters."""
+    sharded = [p for g in optimizer.param_groups for p in g["params"]]
+    registered = list(module.parameters())
+    states = list(optimizer.state.values())
+    return {"params": _held_bytes(sharded + registered),
+            "grads": _held_bytes([p.grad for p in sharded + registered]),
+            "moments": _held_bytes([s[k] for s in states for k in ("exp_avg", "exp_avg_sq") if k in s]),
+            "step_counters": _held_bytes([s["step"] for s in states if "step" in s])}
+
+
+class StateCapture:
+    """Optimizer wrapper that records `_model_states` right after each update (before zero_grad)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        self.optimizer, self.module = optimizer, module
+        self.after_step: dict[str, dict[str, int]] = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.after_step = _model_states(self.module, self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def model_states_drill(out_path: str, layouts: list[dict]) -> None:
+    """Per layout {"name", "overrides"}: two real trainer steps of 2 micro-batches each (train_step with
+    the layout's ParallelModel). Each rank records what it holds by storage: at the start of the second
+    micro-batch's forward (between micro-batches), at the end of the last micro-batch's forward, and
+    right after the optimizer update of the second step. Rank 0 writes {name: [rank 0, rank 1]}."""
+    import json
+
+    import torch.distributed as dist
+
+    from tracetrain.parallel import dist as tdist
+
+    torch.set_num_threads(1)
+    info = tdist.init_distributed(120, "cpu")
+    results: dict[str, list[dict]] = {}
+    for layout in layouts:
+        cfg = tiny_config(layout["overrides"])
+        par = apply_layout(cfg, build_tiny(cfg), info.world_size)
+        optimizer = StateCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
+        record: dict[str, dict[str, dict[str, int]]] = {}
+        calls = [0]
+
+        def before_forward(module: nn.Module, args: object) -> None:
+            calls[0] += 1
+            if calls[0] % 2 == 0:  # the second micro-batch of a step: the first one's backward is done
+                record["between_micro_batches"] = _model_states(module, optimizer.optimizer)
+
+        def after_forward(module: nn.Module, args: object, output: object) -> None:
+            if calls[0] % 2 == 0:
+                record["forward_end"] = _model_states(module, optimizer.optimizer)
+
+        # Prepended: runs before FSDP's own pre-forward hook (which would gather the root's weights).
+        par.module.register_forward_pre_hook(before_forward, prepend=True)
+        par.module.register_forward_hook(after_forward)
+        ctx = step_context(cfg)
+        for seed in range(2):
+            run_step(par, optimizer, global_batches(cfg, 4, 2, seed=seed), ctx)  # type: ignore[arg-type]
+        record["after_step"] = optimizer.after_step
+        gathered: list[object] = [None] * info.world_size
+        dist.all_gather_object(gathered, record)
+        results[layout["name"]] = gathered  # type: ignore[assignment]
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    tdist.shutdown()

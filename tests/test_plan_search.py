@@ -17,7 +17,8 @@ def test_search_returns_only_fitting_rows_fastest_first() -> None:
     assert 0 < len(rows) <= 6
     assert all(r.fits and r.memory.required_bytes <= r.memory.capacity_bytes for r in rows)
     speeds = [r.tokens_per_s for r in rows]
-    assert speeds == sorted(speeds, reverse=True) or max(speeds) / min(speeds) < 1.006
+    # fastest first, but rows within ~0.5% of each other may swap (the simpler one first)
+    assert all(later < earlier * 1.006 for earlier, later in zip(speeds, speeds[1:]))
     for r in rows:
         i = r.input
         assert i.dp_replicate * i.dp_shard * i.tp * i.pp * i.cp == 8
@@ -25,10 +26,13 @@ def test_search_returns_only_fitting_rows_fastest_first() -> None:
 
 
 def test_search_drops_layouts_that_cannot_fit() -> None:
-    """Full fine-tuning of a 70B model: 16 bytes/param x 70.6B = 1.1 TB never fits on 8 x 80 GB."""
+    """Full fine-tuning of a 70B model: 16 bytes/param x 70.6B = 1.1 TB never fits on 8 x 80 GB, nor in
+    one node's 1 TiB of host memory (FSDP CPU offload); the trainer refuses optimizer offload with
+    several ranks, so the search offers nothing."""
     base = PlanInput(model=get_preset("llama3-70b"), micro_batch=1, grad_accum=8, seq_len=4096, gpu="h100-sxm")
-    rows = search(base.replace(), gpus=8, top=5)
-    assert all(r.input.optimizer_offload for r in rows)  # only offloading the optimizer can help
+    assert search(base.replace(), gpus=8, top=5) == []
+    roomy = search(base.replace(host_memory_gib=2048.0), gpus=8, top=5)
+    assert roomy and all(r.input.fsdp_cpu_offload for r in roomy)  # only the sharded CPU offload can help
     single = plan(base)
     assert not single.fits and single.advice[0].startswith("does not fit")
 
@@ -36,7 +40,7 @@ def test_search_drops_layouts_that_cannot_fit() -> None:
 def test_layouts_respect_heads_and_layers() -> None:
     args = get_preset("llama3.2-3b")  # 24 heads, 8 kv heads, 28 layers
     for lay in layouts(PlanInput(model=args), 8):
-        assert args.n_kv_heads % lay["tp"] == 0 and args.n_layers % lay["pp"] == 0
+        assert args.n_kv_heads % lay["tp"] == 0 and lay["pp"] <= args.n_layers  # uneven splits allowed
         assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] * lay["cp"] == 8
 
 
@@ -69,3 +73,27 @@ def test_advice_mentions_the_loss_buffers_for_large_vocabularies() -> None:
     assert any("cross-entropy" in a for a in p.advice)
     assert p.memory.breakdown["logits / loss"] == pytest.approx(12 * 128256 * 4 * 2048)
     assert p.memory.spare_bytes > 80 * GIB
+
+
+def test_search_tries_every_data_parallel_flavour_and_pipeline_schedule() -> None:
+    from tracetrain.plan.search import candidates
+
+    base = PlanInput(model=get_preset("llama3-8b"), micro_batch=1, grad_accum=32, seq_len=4096, gpu="h100-sxm")
+    tried = candidates(base, 8)  # 32 rows per step: accumulation over 8 ranks, where ZeRO-1 differs from 2
+    flavours = {(i.zero_stage, i.dp_shard * i.cp > 1) for i in tried if i.dp_shard * i.dp_replicate == 8}
+    assert {(1, True), (2, True), (3, True)} <= flavours  # ZeRO-1, ZeRO-2, ZeRO-3 over 8
+    assert any(i.dp_replicate == 8 and i.dp_shard == 1 for i in tried)  # plain DDP
+    assert {i.pp_schedule for i in tried if i.pp > 1} == {"gpipe", "1f1b", "interleaved_1f1b"}
+    assert not any(i.optimizer_offload for i in tried)  # the trainer refuses it with several ranks
+    assert any(i.fsdp_cpu_offload for i in tried)
+    tied = PlanInput(model=get_preset("llama3.2-1b"))  # the trainer refuses pipelines of tied embeddings
+    assert all(i.pp == 1 for i in candidates(tied, 8))
+
+
+def test_search_ranks_zero2_first_where_it_is_fastest() -> None:
+    # 13B over 16 GPUs: ZeRO-2 keeps bf16 weights gathered through the step (no second all-gather in
+    # backward) and fits, so it outruns ZeRO-3; the reason names the flavour.
+    base = PlanInput(model=get_preset("llama2-13b"), micro_batch=1, grad_accum=32, seq_len=4096, gpu="h100-sxm")
+    rows = search(base, gpus=16, top=3)
+    assert rows[0].input.zero_stage == 2 and not rows[0].input.zero3
+    assert "ZeRO-2 over 16" in rows[0].reason

@@ -319,9 +319,18 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
     )
     from tracetrain.validate import validate_run
 
+    for flag, value, least in (
+        ("--gpus", a.gpus, 1),
+        ("--top", a.top, 1),
+        ("--gpus-per-node", a.gpus_per_node, 1),
+        ("--gpu-memory-gib", a.gpu_memory_gib, 0),
+        ("--host-memory-gib", a.host_memory_gib, 0),
+    ):
+        if value is not None and (value < least if least else not value > 0):
+            raise TracetrainError(f"{flag} {value}: must be {f'at least {least}' if least else 'above 0'}")
     cfg = load_config(a.config, overrides)
     validate_run(cfg, model_args_from_config(cfg))  # plan only runs that train would accept
-    inp = plan_input_from_config(cfg, num_gpus=a.gpus, gpu=a.gpu)
+    inp = plan_input_from_config(cfg, num_gpus=a.gpus, gpu=a.gpu)  # PlanInputError: one line, as the others
     changes = {
         k: v
         for k, v in (

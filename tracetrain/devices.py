@@ -22,6 +22,10 @@ class DeviceSpec:
 DEVICES: list[tuple[str, DeviceSpec]] = [
     # Memory: H100 SXM and H200 as read by nvidia-smi on the machines used here (81,559 and 143,771 MiB);
     # the others from their marketed size in GiB, which their drivers report approximately.
+    # GH200 Grace Hopper (NVIDIA datasheet): the same Hopper GPU as H100 SXM, with 96 GB HBM3 at 4 TB/s
+    # or 144 GB HBM3e at 4.9 TB/s; the driver names the latter "GH200 144G HBM3e", the former after its
+    # 480 GB of CPU memory ("GH200 480GB").
+    ("GH200 144G", DeviceSpec("GH200 144GB HBM3e", 989.4, 1978.9, 66.9, 144.0 * 1e9 / 2**30, 4.9)),
     ("GH200", DeviceSpec("GH200", 989.4, 1978.9, 66.9, 95.0, 4.0)),
     ("H200", DeviceSpec("H200 SXM", 989.4, 1978.9, 66.9, 143771 / 1024, 4.8)),
     ("H100 PCIe", DeviceSpec("H100 PCIe", 756.0, 1513.0, 51.2, 79.6, 2.0)),

@@ -98,8 +98,9 @@ def numerics(inp: PlanInput) -> Numerics:
     full = inp.mode == "full"
     autocast = inp.precision != "fp32"
     if full:
-        # FSDP mixed precision and optimizer offload hand the forward bf16 weights; else fp32 params.
-        low = autocast and ((inp.dp_shard > 1 and inp.zero_stage == 3) or inp.optimizer_offload)
+        # FSDP mixed precision (any data-parallel layout, every ZeRO stage) and optimizer offload hand
+        # the forward bf16 weights; else fp32 params.
+        low = inp.fsdp_mixed_precision or (autocast and inp.optimizer_offload)
         w = 2 if low or inp.param_dtype == "bf16" else 4
     else:
         w = 2 if inp.lora_base_dtype == "bf16" else 4

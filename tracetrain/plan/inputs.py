@@ -16,6 +16,7 @@ from typing import Literal
 
 from tracetrain.config import Config
 from tracetrain.devices import DEVICES, DeviceSpec
+from tracetrain.errors import TracetrainError
 from tracetrain.models.llama import ModelArgs
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -31,9 +32,41 @@ GPU_NAMES: dict[str, str] = {
     "h100-nvl": "H100 NVL",
     "h200": "H200",
     "gh200": "GH200",
+    "gh200-96g": "GH200",
+    "gh200-144g": "GH200 144G",
     "a100": "A100",
     "l40s": "L40S",
 }
+
+
+# Checked by PlanInput.validate_numbers: counts at least 1.
+LAYOUT_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+COUNT_FIELDS: tuple[str, ...] = (
+    "num_gpus",
+    "micro_batch",
+    "grad_accum",
+    "seq_len",
+    "gpus_per_node",
+    "recompute_every",
+    "pp_virtual_stages",
+    "lora_rank",
+)
+# Sizes and hardware overrides: above 0 when given.
+POSITIVE_FIELDS: tuple[str, ...] = (
+    "gpu_memory_gib",
+    "peak_tflops",
+    "hbm_tb_s",
+    "intra_node_gb_s",
+    "inter_node_gb_s",
+    "host_gb_s",
+    "host_memory_gib",
+    "cpu_adam_gb_s",
+)
+
+
+class PlanInputError(TracetrainError, ValueError):
+    """A run the planner cannot answer for (a bad count, an unknown GPU, a layout that does not add up):
+    one line naming the field, the value and what is allowed; the CLI prints it without a traceback."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +74,11 @@ class Links:
     """Achievable per-GPU, per-direction bandwidths in GB/s (1e9 bytes/s), from vendor datasheets.
 
     `intra_node`: GPU-to-GPU inside a node (NVLink 4 on H100/H200 SXM: 900 GB/s bidirectional = 450 per
-    direction). `inter_node`: one 400 Gb/s InfiniBand NDR NIC per GPU = 50 GB/s. `host`: GPU <-> pinned
-    CPU memory (PCIe Gen5 x16 ~55 GB/s measured per direction; NVLink-C2C on GH200 450).
+    direction). `inter_node`: one 400 Gb/s InfiniBand NDR NIC per GPU = 50 GB/s each way (DGX H100 /
+    HGX H200: eight single-port ConnectX-7 400 Gb/s NICs per 8-GPU node; collective_time.py lets a group
+    with several ranks on a node use all their NICs). `host`: GPU <-> pinned CPU memory (PCIe Gen5 x16
+    ~55 GB/s measured per direction; GH200: NVLink-C2C, 900 GB/s bidirectional = 450 each way, NVIDIA's
+    GH200 datasheet).
     """
 
     intra_node_gb_s: float
@@ -53,6 +89,7 @@ class Links:
 LINKS: dict[str, Links] = {
     "H100": Links(450.0, 50.0, 55.0),
     "H200": Links(450.0, 50.0, 55.0),
+    "GH200 144G": Links(450.0, 50.0, 450.0),
     "GH200": Links(450.0, 50.0, 450.0),
     "H100 NVL": Links(300.0, 50.0, 55.0),  # NVLink bridge pairs; PCIe between pairs
     "H100 PCIe": Links(55.0, 50.0, 55.0),  # no NVLink: peers talk over PCIe Gen5
@@ -66,7 +103,7 @@ def device_spec(gpu: str) -> tuple[DeviceSpec, Links]:
     key = GPU_NAMES.get(gpu.lower())
     candidates = [(k, s) for k, s in DEVICES if (key == k if key else k.lower() in gpu.lower())]
     if not candidates:
-        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_NAMES)}")
+        raise PlanInputError(f"unknown GPU {gpu!r}; known: {', '.join(GPU_NAMES)}")
     k, spec = candidates[0]
     return spec, LINKS[k]
 
@@ -97,6 +134,7 @@ class PlanInput:
     cpu_adam_gb_s: float = 150.0  # CPU memory bandwidth an offloaded AdamW gets, per node
     # numerics
     precision: Precision = "bf16"  # autocast dtype of the compute; fp32 = no autocast
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # train.fp8's scaling, with precision fp8
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # storage of trainable weights (tracetrain full FT: fp32)
     mode: Literal["full", "lora"] = "full"
     lora_rank: int = 16
@@ -144,6 +182,29 @@ class PlanInput:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def data_parallel(self) -> bool:
+        """parallel/data_parallel.py wraps the model in FSDP units: a data- or context-parallel axis > 1."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    @property
+    def fsdp_mixed_precision(self) -> bool:
+        """FSDP gathers bf16 copies of the weights (spec.fsdp_param_dtype is bf16 for bf16 compute, FP8
+        GEMMs included); otherwise it gathers them in their stored dtype and autocast casts them."""
+        return self.data_parallel and self.precision in ("bf16", "fp8")
+
+    @property
+    def zero3(self) -> bool:
+        """Weights resharded after each unit's forward (ZeRO-3); ZeRO-1/2 and pure replication
+        (dp_shard * cp = 1) keep every unit's gathered weights from its forward to its last backward."""
+        return self.dp_shard * self.cp > 1 and self.zero_stage == 3
+
+    @property
+    def defers_reduce_scatter(self) -> bool:
+        """ZeRO-1 and pure replication accumulate unsharded gradients and reduce once per step
+        (data_parallel.grad_sync_for); ZeRO-2/3 reduce-scatter every micro-batch."""
+        return self.data_parallel and (self.dp_shard * self.cp == 1 or self.zero_stage == 1)
+
+    @property
     def gpus_on_node(self) -> int:
         """GPUs of this run sharing one node's CPU memory and bandwidth."""
         return min(self.num_gpus, self.gpus_per_node)
@@ -164,38 +225,64 @@ class PlanInput:
         return self.micro_batch * self.num_microbatches * self.dp
 
     def validate(self) -> None:
-        """Raise ValueError naming the field, the value and what is allowed."""
+        """Raise PlanInputError (a ValueError) naming the field, the value and what is allowed."""
+        self.validate_numbers()
         m = self.model
         layout = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if layout != self.num_gpus:
-            raise ValueError(f"layout dp_replicate*dp_shard*tp*pp*cp = {layout} but num_gpus = {self.num_gpus}")
+            raise PlanInputError(f"layout dp_replicate*dp_shard*tp*pp*cp = {layout} but num_gpus = {self.num_gpus}")
         if m.n_heads % self.tp or m.n_kv_heads % self.tp:
-            raise ValueError(f"tp = {self.tp} must divide n_heads {m.n_heads} and n_kv_heads {m.n_kv_heads}")
-        if self.pp > m.n_layers or m.n_layers % (self.pp * self.pp_virtual_stages):
-            raise ValueError(
-                f"pp = {self.pp} x virtual stages {self.pp_virtual_stages} must divide n_layers {m.n_layers}"
+            raise PlanInputError(f"tp = {self.tp} must divide n_heads {m.n_heads} and n_kv_heads {m.n_kv_heads}")
+        stages = self.pp * (self.pp_virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1)
+        if stages > m.n_layers:  # uneven splits are fine: parallel/pipeline.py puts the extra blocks first
+            raise PlanInputError(
+                f"pp = {self.pp} x virtual stages {self.pp_virtual_stages} = {stages} pipeline stages need at "
+                f"least that many layers (n_layers = {m.n_layers})"
             )
         if self.seq_len % (2 * self.cp) and self.cp > 1:
-            raise ValueError(f"seq_len {self.seq_len} must be divisible by 2*cp = {2 * self.cp} (load-balanced ring)")
+            raise PlanInputError(
+                f"seq_len {self.seq_len} must be divisible by 2*cp = {2 * self.cp} (load-balanced ring)"
+            )
         if self.num_experts and (self.num_experts % self.ep or self.top_k > self.num_experts):
-            raise ValueError(f"ep = {self.ep} must divide num_experts {self.num_experts}, top_k <= num_experts")
+            raise PlanInputError(f"ep = {self.ep} must divide num_experts {self.num_experts}, top_k <= num_experts")
         if not self.num_experts and self.ep > 1:
-            raise ValueError("ep > 1 needs num_experts > 0 (a MoE model)")
+            raise PlanInputError("ep > 1 needs num_experts > 0 (a MoE model)")
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(f"ep = {self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp}")
+            raise PlanInputError(f"ep = {self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp}")
         if self.fsdp_cpu_offload and (self.zero_stage != 3 or self.optimizer_offload):
-            raise ValueError("fsdp_cpu_offload needs zero_stage 3 and excludes optimizer_offload")
+            raise PlanInputError("fsdp_cpu_offload needs zero_stage 3 and excludes optimizer_offload")
         if self.fused_ce_chunk < 0:
-            raise ValueError(f"fused_ce_chunk = {self.fused_ce_chunk} must be >= 0 (0 = off)")
-        for name in ("micro_batch", "grad_accum", "seq_len", "recompute_every", "lora_rank", "pp_virtual_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
+            raise PlanInputError(f"fused_ce_chunk = {self.fused_ce_chunk} must be >= 0 (0 = off)")
         if self.pp_schedule == "interleaved_1f1b" and self.pp_virtual_stages < 2 and self.pp > 1:
-            raise ValueError("pp_schedule 'interleaved_1f1b' needs pp_virtual_stages >= 2")
+            raise PlanInputError("pp_schedule 'interleaved_1f1b' needs pp_virtual_stages >= 2")
         if self.pp > 1 and self.num_microbatches < self.pp and self.pp_schedule != "gpipe":
-            raise ValueError(
+            raise PlanInputError(
                 f"pipeline micro-batches {self.num_microbatches} < pp {self.pp}: the schedule "
                 "cannot fill the pipeline (raise grad_accum or pp_microbatches)"
+            )
+
+    def validate_numbers(self) -> None:
+        """The checks that do not depend on the layout: counts at least 1, sizes and hardware overrides
+        above 0, a GPU the tables know that can run the asked precision, and only what the trainer
+        accepts with several ranks (validate.py)."""
+        for name in COUNT_FIELDS + LAYOUT_AXES:
+            if getattr(self, name) < 1:
+                raise PlanInputError(f"{name} = {getattr(self, name)}: must be at least 1")
+        for name in POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise PlanInputError(f"{name} = {value}: must be above 0")
+        spec, _ = device_spec(self.gpu)
+        if self.precision == "fp8" and not spec.fp8_tflops and not self.peak_tflops:
+            raise PlanInputError(
+                f"train.fp8 needs FP8 tensor cores (Ada, Hopper); {spec.name} has none: plan it with "
+                "train.fp8 = 'none' or on h100-sxm, h200, l40s"
+            )
+        if self.num_gpus > 1 and (self.optimizer_offload or self.unified_memory == "model"):
+            key = "optimizer_offload" if self.optimizer_offload else "unified_memory = 'model'"
+            raise PlanInputError(
+                f"{key} runs on one GPU only (the trainer refuses it with several ranks); "
+                "use fsdp_cpu_offload for sharded CPU offload"
             )
 
     def hardware(self) -> Hardware:
@@ -209,7 +296,7 @@ class PlanInput:
         )
         return Hardware(
             name=spec.name,
-            memory_bytes=(self.gpu_memory_gib or spec.memory_gib) * 2**30,
+            memory_bytes=(self.gpu_memory_gib if self.gpu_memory_gib is not None else spec.memory_gib) * 2**30,
             peak_flops=peak * 1e12,
             bf16_flops=(
                 self.peak_tflops if self.peak_tflops and self.precision in ("bf16", "fp16") else spec.bf16_tflops
@@ -266,7 +353,10 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
     if math.prod(layout.values()) == 1:
         layout["dp_shard"] = num_gpus
     elif num_gpus not in (1, math.prod(layout.values())):
-        raise ValueError(f"num_gpus = {num_gpus} but the config's [parallel] layout uses {math.prod(layout.values())}")
+        raise PlanInputError(
+            f"--gpus {num_gpus} but the config's [parallel] layout (dp_replicate x dp_shard x tp x pp x cp) "
+            f"uses {math.prod(layout.values())} GPUs; pass --gpus {math.prod(layout.values())} or change the layout"
+        )
     interleaved = par.pp_schedule == "interleaved_1f1b"
     micro_batch, grad_accum, pp_micro = t.micro_batch_size, t.grad_accum_steps, 0
     if par.pp > 1:
@@ -275,7 +365,7 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
         pp_micro = par.pp_microbatches or par.pp
         rows = micro_batch * grad_accum
         if rows % pp_micro:
-            raise ValueError(
+            raise PlanInputError(
                 f"each step's {rows} rows per rank (train.micro_batch_size * train.grad_accum_steps) "
                 f"must split into parallel.pp_microbatches = {pp_micro} pipeline micro-batches"
             )
@@ -288,6 +378,7 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
         num_gpus=math.prod(layout.values()),
         gpu=gpu,
         precision=precision,
+        fp8_recipe="rowwise" if t.fp8 == "rowwise" else "tensorwise",
         mode=t.mode,
         lora_rank=cfg.lora.rank,
         lora_targets=tuple(resolve_targets(cfg.lora.targets)),

@@ -1,8 +1,10 @@
 """Per-GPU memory of a training step: what each item holds, in bytes, at each phase of the step, and
 the peak, which is the largest phase and not the sum of every item's maximum.
 
-Static items (P = parameters on this GPU after tp/pp/ep, see params.py; fsdp = dp_shard * cp;
-ZeRO stage z shards optimizer states (z >= 1), gradients (z >= 2) and weights (z = 3) over fsdp):
+Static items (P = parameters on this GPU after tp/pp/ep, see params.py; fsdp = dp_shard * cp). The
+trainer builds every data-parallel flavour on FSDP2, so every ZeRO stage shards weights, gradients and
+AdamW states over fsdp; the stages differ in the gathered copies they keep (FSDP buffers below). Measured
+by storage on gloo for ZeRO-1/2/3 and DDP: tests/test_plan_zero_measured.py.
   weights            4P for tracetrain's fp32 full-FT params; LoRA: frozen base at its dtype (2 for bf16)
                      + 4 per fp32 adapter (+ 2 per block weight under fp8: its two E4M3 copies); with optimizer offload the GPU keeps 2-byte bf16 weights
   gradients          4 per trainable param; optimizer offload (tracetrain.memory.optimizer_offload)
@@ -12,11 +14,16 @@ ZeRO stage z shards optimizer states (z >= 1), gradients (z >= 2) and weights (z
                      moments)
   AdamW temporaries  0 for the fused kernel; foreach keeps one fp32 temporary per param (sqrt(exp_avg_sq))
   autocast copies    2 per weight that autocast casts (params.cast_params): alive from the forward until
-                     each layer's backward; 0 with FSDP mixed precision (bf16 shards are gathered instead)
-  FSDP buffers       (ZeRO-3) two blocks' gathered bf16 weights (current + prefetch; all blocks when
-                     reshard_after_forward is off), one block's unsharded fp32 grads before
-                     reduce-scatter, the gathered lm_head near the loss. fsdp_cpu_offload moves the
-                     shards (weights, grads, AdamW states: 16 bytes per trainable param) to the host
+                     each layer's backward; 0 with FSDP mixed precision (any data-parallel layout with
+                     bf16 compute: bf16 weights are gathered instead)
+  FSDP buffers       gathered weights are bf16 under FSDP mixed precision (bf16 compute), else the
+                     stored dtype. ZeRO-3: two blocks' gathered weights (current + prefetch; all blocks
+                     when reshard_after_forward is off), one block's unsharded fp32 grads before
+                     reduce-scatter, the gathered lm_head near the loss. ZeRO-1/2 and DDP (no reshard
+                     after forward): every unit's gathered weights from the first forward to the last
+                     backward; ZeRO-1 and DDP also accumulate unsharded fp32 gradients between
+                     micro-batches (reduced once per step). fsdp_cpu_offload moves the shards
+                     (weights, grads, AdamW states: 16 bytes per trainable param) to the host
 Per-micro-batch items (activations.py, bytes per token x tokens T = micro_batch * seq_len / cp, divided
 by tp as each item's split says): block activations x blocks x micro-batches in flight, outside-block
 items, the loss buffers.
@@ -30,9 +37,9 @@ Phases (the peak is the largest; every one is affine in T, which the HTML slider
   backward end      static + all gradients (+ a tied embedding's dense gradient before it is added)
   optimizer step    static + all gradients + optimizer temporaries
 With the fused lm_head + cross-entropy (fused_ce, tp = pp = 1) the two loss phases hold its buffers
-instead (activations.fused_ce_items). Pipeline + ZeRO-3 adds "pipeline backward end": the stage's
-gathered bf16 weights and unsharded fp32 gradients, which torch.distributed.pipelining keeps until the
-step's single reduce-scatter.
+instead (activations.fused_ce_items). Pipeline + FSDP (any ZeRO stage) adds "pipeline backward end":
+the stage's gathered weights and unsharded fp32 gradients, which torch.distributed.pipelining keeps
+until the step's single reduce-scatter.
 Gradients exist at the forward only from the second micro-batch of a step on (zero_grad sets them to
 None), which is why a single-micro-batch step peaks at backward start with no gradients at all.
 
@@ -114,9 +121,10 @@ def in_flight(inp: PlanInput, stage: int) -> float:
 
 def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str, Affine], dict[str, Affine]]:
     """GPU items that do not depend on the batch, and the host copies optimizer offload keeps."""
+    # FSDP2 (parallel/data_parallel.py) shards every parameter over dp_shard * cp whatever the ZeRO stage;
+    # stages 1 and 2 differ from 3 in the gathered copies they keep (stage_model), not in the shards.
     fsdp = inp.dp_shard * inp.cp
-    z = inp.zero_stage if fsdp > 1 else 0
-    sh_p, sh_g, sh_o = (fsdp if z == 3 else 1), (fsdp if z >= 2 else 1), (fsdp if z >= 1 else 1)
+    sh_p = sh_g = sh_o = fsdp
     train = sp.total if inp.mode == "full" else sp.adapters
     if inp.ep > 1 and inp.mode == "full":
         # Experts are already split over ep, which borrowed its ranks from dp_shard: data parallelism
@@ -176,7 +184,7 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
         "selective": act.shard(act.selective_items(args, nm, moe), tp, sp_on),
         "full": act.shard(act.full_recompute_items(args, nm), tp, sp_on),
     }[inp.recompute]
-    n = inp.model.n_layers // inp.pp
+    n = stage_params(inp, stage).num_blocks
     n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)
     per_mb = kept * n_ckpt + blk_none * (n - n_ckpt)
     if first and n_ckpt == 0 and inp.mode == "lora":
@@ -211,10 +219,10 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
 
     # Autocast weight copies: all of them during the forward, those that saved tensors keep afterwards.
     cast_block, cast_outside = cast_params(inp, sp, autocast=nm.autocast, weight_bytes=nm.w)
-    zero3 = inp.dp_shard * inp.cp > 1 and inp.zero_stage == 3
-    if zero3:  # FSDP mixed precision gathers bf16 weights: autocast has nothing to cast
+    zero3 = inp.zero3
+    if inp.fsdp_mixed_precision:  # FSDP gathers bf16 weights: autocast has nothing to cast
         cast_block = cast_outside = 0.0
-        if inp.ep > 1 and expert_shards(inp) == 1 and nm.autocast and inp.mode == "full":
+        if inp.ep > 1 and expert_shards(inp) == 1 and inp.mode == "full":
             # ...but experts FSDP ignores stay float32: each expert matmul saves its bf16 cast
             cast_block = sp.experts
     if inp.fused_ce:  # the fused head casts lm_head's weight itself, outside autocast's cache
@@ -245,29 +253,42 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
         items["log-probs in flight"] = Affine(0.0, act.loss_saved_per_token(args) * (k - 1) / loss_div)
     else:
         items["log-probs in flight"] = Affine()
+    # FSDP's gathered copies: bf16 under mixed precision, else the stored dtype (the shards x fsdp).
+    fsdp, train = inp.dp_shard * inp.cp, (sp.total if inp.mode == "full" else sp.adapters)
+    gather_bytes = 2.0 if inp.fsdp_mixed_precision else nm.w
     if zero3:
-        head_gather = args.vocab_size * args.dim / inp.tp * 2 if last else 0.0
-        # Gathered bf16 blocks: the current one and a prefetched one; without resharding after forward
+        head_gather = args.vocab_size * args.dim / inp.tp * gather_bytes if last else 0.0
+        # Gathered blocks: the current one and a prefetched one; without resharding after forward
         # every block stays gathered until its backward.
-        gathered = (2 if inp.reshard_after_forward else n) * sp.block * 2
+        gathered = (2 if inp.reshard_after_forward else n) * sp.block * gather_bytes
         items["FSDP gathered weights"] = Affine(gathered)
         items["FSDP gathered weights + grads"] = Affine(gathered + sp.block * 4 + head_gather)
+    elif inp.data_parallel:
+        # ZeRO-1/2 and replication (reshard_after_forward off): each unit's gathered weights live from
+        # its forward to its backward of the step's last micro-batch (kept between micro-batches), and
+        # one block's unsharded fp32 gradients wait for the reduce-scatter (or all-reduce) in backward.
+        unsharded = items["weights"].const * fsdp if not inp.fsdp_mixed_precision else sp.total * 2.0
+        items["FSDP unsharded weights"] = Affine(unsharded)
+        items["FSDP unsharded weights + grads"] = Affine(unsharded + sp.block * 4)
+    if inp.defers_reduce_scatter and inp.pp == 1:
+        # ZeRO-1 / replication with accumulation: every micro-batch but the last adds to unsharded
+        # gradients (fp32 under mixed precision: FSDP's to_accumulated_grad_if_needed), reduced once.
+        items["FSDP unsharded grads (accumulating)"] = Affine(train * (4 if inp.fsdp_mixed_precision else nm.w))
     # Tied embeddings: lm_head's grad is .grad already when the embedding's dense grad arrives to be
     # added (untied, AccumulateGrad just adopts it).
     tied = first and last and args.tie_embeddings and inp.mode == "full"
     emb_grad = args.vocab_size * args.dim / inp.tp * 4 if tied else 0.0
     items["embedding grad (dense)"] = Affine(emb_grad)
     items["NCCL buffers"] = Affine(NCCL_BUFFERS_BYTES if inp.num_gpus > 1 else 0.0)
-    if zero3 and inp.pp > 1:
+    if inp.data_parallel and inp.pp > 1:
         # torch.distributed.pipelining runs every micro-batch's backward of an FSDP stage with
-        # reshard_after_backward and gradient sync off (stage.backward_maybe_with_nosync): the stage's
-        # bf16 weights stay gathered and FSDP accumulates unsharded float32 gradients
+        # reshard_after_backward and gradient sync off (stage.backward_maybe_with_nosync), whatever the
+        # ZeRO stage: the stage's weights stay gathered and FSDP accumulates unsharded float32 gradients
         # (to_accumulated_grad_if_needed) until one reduce-scatter after the last micro-batch.
-        train = sp.total if inp.mode == "full" else sp.adapters
         items["FSDP unsharded grads (pipeline)"] = Affine(train * 4)
-        items["FSDP unsharded weights + grads (pipeline)"] = Affine(sp.total * 2 + train * 4)
+        items["FSDP unsharded weights + grads (pipeline)"] = Affine(sp.total * gather_bytes + train * 4)
         items["activations, one micro-batch done"] = items["activations"] * ((k - 1) / k)
-    phases = _phases(inp, last, zero3)
+    phases = _phases(inp, last)
     managed: dict[str, Affine] = {}
     if inp.unified_memory != "none":
         for name in ["AdamW states"] + (["weights"] if inp.unified_memory == "model" else []):
@@ -275,15 +296,21 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     return MemoryModel(stage, items, phases, cpu, managed)
 
 
-def _phases(inp: PlanInput, last: bool, zero3: bool) -> dict[str, list[str]]:
+def _phases(inp: PlanInput, last: bool) -> dict[str, list[str]]:
     """Which items each phase of the step holds (module docstring)."""
     static = ["weights", "AdamW states", "NCCL buffers"]
-    pipelined_fsdp = zero3 and inp.pp > 1
+    pipelined_fsdp = inp.data_parallel and inp.pp > 1
     early = static + (["gradients"] if inp.num_microbatches > 1 else [])
     if pipelined_fsdp:  # sharded gradients appear only at the step's single reduce-scatter
         early = static + ["FSDP unsharded grads (pipeline)"]
-    fs_fwd = ["FSDP gathered weights"] if zero3 else []
-    fs_bwd = ["FSDP gathered weights + grads"] if zero3 else []
+    elif inp.defers_reduce_scatter and inp.num_microbatches > 1:  # ZeRO-1 / replication
+        early = static + ["FSDP unsharded grads (accumulating)"]
+    fs_fwd, fs_bwd, fs_end = [], [], []
+    if inp.zero3:
+        fs_fwd, fs_bwd = ["FSDP gathered weights"], ["FSDP gathered weights + grads"]
+        fs_end = fs_bwd
+    elif inp.data_parallel:  # kept gathered from the first forward; resharded by the last backward
+        fs_fwd, fs_bwd = ["FSDP unsharded weights"], ["FSDP unsharded weights + grads"]
     kept = ["autocast copies (kept)", "activations", "log-probs in flight"]
     phases = {"forward end": early + fs_fwd + ["autocast copies (all)", "activations", "log-probs in flight"]}
     if last and inp.fused_ce:
@@ -301,7 +328,7 @@ def _phases(inp: PlanInput, last: bool, zero3: bool) -> dict[str, list[str]]:
         ]
     if inp.recompute != "none":
         phases["recompute"] = early + fs_bwd + kept + ["autocast copies (1 block)", "recompute working set"]
-    phases["backward end"] = static + fs_bwd + ["gradients", "embedding grad (dense)"]
+    phases["backward end"] = static + fs_end + ["gradients", "embedding grad (dense)"]
     phases["optimizer step"] = static + ["gradients", "AdamW temporaries"]
     return phases
 
@@ -383,6 +410,9 @@ DISPLAY = {
     "FSDP unsharded grads (pipeline)": "FSDP buffers",
     "FSDP unsharded weights + grads (pipeline)": "FSDP buffers",
     "FSDP gathered weights + grads": "FSDP buffers",
+    "FSDP unsharded weights": "FSDP buffers",
+    "FSDP unsharded weights + grads": "FSDP buffers",
+    "FSDP unsharded grads (accumulating)": "gradients",
 }
 
 

@@ -4,8 +4,11 @@ many of those weights autocast copies to bf16. Counts (not bytes); `memory.py` t
 Tensor parallelism (Megatron/torchtitan plan): q/k/v/gate/up column-wise, o/down row-wise, the
 embedding and lm_head by vocabulary; RMSNorm weights are replicated. So a block holds
 (block_params - 2d) / tp + 2d parameters per rank, the embedding and head V*d/tp each.
-Pipeline parallelism: L/pp blocks per stage, the embedding on the first stage, final norm and
-lm_head on the last (tied embeddings: the last stage holds its own copy of the tied matrix).
+Pipeline parallelism: the blocks split as parallel/pipeline.py `split_layers` splits them (pp, or
+pp x virtual stages with interleaving, contiguous runs as even as possible, the extra blocks on the
+earliest stages: 126 layers over 8 stages = 6 x 16 + 2 x 15), a rank holding its stages s = rank + i pp;
+the embedding on the first stage, final norm and lm_head on the last (tied embeddings: the last stage
+holds its own copy of the tied matrix). Stage 0 therefore holds the most blocks.
 MoE (models/moe.py): a block's MLP becomes `num_experts` SwiGLU experts of ffn_dim plus a d x E
 router; experts are split over ep (and tp) ranks. Expert parallelism borrows its ranks from dp_shard
 (parallel/expert_parallel.py), so data parallelism shards each expert over the remaining
@@ -18,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tracetrain.models.accounting import block_params, lora_params, num_params
+from tracetrain.parallel.pipeline import split_layers
 from tracetrain.plan.inputs import PlanInput
 
 
@@ -80,7 +84,7 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
     if last:
         separate = not a.tie_embeddings or inp.pp > 1
         head = (vd if separate else 0.0) + d
-    num_blocks = a.n_layers // inp.pp
+    num_blocks = blocks_on_rank(inp, stage)
     adapters = 0.0
     if inp.mode == "lora":
         adapters = lora_params(a, inp.lora_rank, list(inp.lora_targets)) * num_blocks / a.n_layers
@@ -95,6 +99,13 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
         (d * d + 2 * d * kv) / tp if first else 0.0,
         experts,
     )
+
+
+def blocks_on_rank(inp: PlanInput, rank: int) -> int:
+    """Transformer blocks pipeline rank `rank` holds (all of them without a pipeline)."""
+    v = inp.pp_virtual_stages if inp.pp_schedule == "interleaved_1f1b" else 1
+    layers = split_layers(inp.model.n_layers, inp.pp * v)
+    return sum(len(layers[rank + i * inp.pp]) for i in range(v))
 
 
 def expert_shards(inp: PlanInput) -> int:

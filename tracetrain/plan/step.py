@@ -49,6 +49,7 @@ def _comm_per_microbatch(
     tokens = inp.micro_batch * inp.seq_len / inp.cp
     sp = stage_params(inp, stage)
     n = sp.num_blocks
+    train = sp.total if inp.mode == "full" else sp.adapters
     act_bytes = tokens * a.dim * nm.c
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
@@ -57,13 +58,7 @@ def _comm_per_microbatch(
         t = passes * n * 2 * comm.all_reduce_s(act_bytes, inp.tp, comm.bandwidth(inp, hw, ("tp",)))
         total["TP"] = exposed["TP"] = t
     if inp.cp > 1:
-        kv = 2 * tokens * a.n_kv_heads * a.head_dim / inp.tp * nm.c
-        bw = comm.bandwidth(inp, hw, ("cp",))
-        fwd, bwd = n * (inp.cp - 1) * kv / bw, n * (inp.cp - 1) * 2 * kv / bw
-        total["CP"] = fwd + bwd
-        exposed["CP"] = max(0.0, fwd - mb.forward.get("attention", 0.0)) + max(
-            0.0, bwd - mb.backward.get("attention", 0.0)
-        )
+        _cp_ring(inp, hw, nm, mb, tokens, n, exposed, total)
     if inp.ep > 1:
         t = (
             2
@@ -73,25 +68,97 @@ def _comm_per_microbatch(
         )
         total["EP"] = exposed["EP"] = t
     fsdp = inp.dp_shard * inp.cp
-    if inp.zero_stage == 3 and (fsdp > 1 or inp.fsdp_cpu_offload):
-        bw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
-        train = sp.total if inp.mode == "full" else sp.adapters
-        ag = comm.all_gather_s(sp.total * 2, fsdp, bw)
-        rs = comm.all_gather_s(train * 4, fsdp, bw)
-        ag_bwd = ag if inp.reshard_after_forward else 0.0
-        if inp.fsdp_cpu_offload:  # shards come from, and grads go to, host memory in each pass
-            host = hw.host_bytes_s
-            ag += sp.total * 4 / fsdp / host
-            ag_bwd += sp.total * 4 / fsdp / host if inp.reshard_after_forward else 0.0
-            rs += train * 4 / fsdp / host
-        total["FSDP"] = ag + ag_bwd + rs
-        exposed["FSDP"] = max(0.0, ag - mb.forward_s) + max(0.0, ag_bwd + rs - mb.backward_s)
+    if inp.zero_stage == 3 and (fsdp > 1 or inp.fsdp_cpu_offload) and (inp.pp == 1 or inp.fsdp_cpu_offload):
+        _fsdp_per_microbatch(inp, hw, mb, sp.total, train, n, exposed, total)
     if inp.pp > 1:
         t = 2 * comm.all_to_all_s(
             2 * act_bytes / (inp.tp if inp.sequence_parallel else 1), 2, comm.bandwidth(inp, hw, ("pp",))
         )
         total["PP send/recv"] = exposed["PP send/recv"] = t
     return exposed, total
+
+
+def hidden_cost(comm_s: float, compute_s: float, hbm_bytes: float, hw: Hardware) -> float:
+    """Exposed seconds of `comm_s` of communication issued behind `compute_s` of independent compute:
+    what the compute cannot cover, plus the HBM traffic the NCCL kernels add while they overlap it
+    (`hbm_bytes`, charged at memory speed for the overlapped share: the copies they make through HBM
+    and the SMs they hold slow the kernels they run beside)."""
+    if comm_s <= 0:
+        return 0.0
+    hidden = min(comm_s, compute_s)
+    return max(0.0, comm_s - compute_s) + hidden / comm_s * hbm_bytes / (hw.hbm_bytes_s * HBM_EFFICIENCY)
+
+
+def _fsdp_per_microbatch(
+    inp: PlanInput,
+    hw: Hardware,
+    mb: MicroBatchTime,
+    params: float,
+    train: float,
+    num_blocks: int,
+    exposed: dict[str, float],
+    total: dict[str, float],
+) -> None:
+    """ZeRO-3 (FSDP2) per micro-batch: bf16 all-gather in forward (and again in backward with
+    reshard_after_forward), fp32 reduce-scatter in backward, one call per block. Each overlaps the
+    compute of its pass (hidden_cost) except the first gather of each pass and the last reduce-scatter,
+    which have nothing to hide behind; every call adds its latency. FSDP2's copy-out of the gathered
+    buffer (read + write 2 bytes per parameter) and copy-in of the bf16 grads into the fp32 reduce-scatter
+    buffer (read 2, write 4) are memory-bound passes on the GPU."""
+    fsdp = inp.dp_shard * inp.cp
+    bw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
+    units = num_blocks + 1  # one FSDP unit per block and the root (embedding, norm, head)
+    latency = (units - 1) * comm.COLLECTIVE_LATENCY_S if fsdp > 1 else 0.0  # all_gather_s counts one call
+    ag = comm.all_gather_s(params * 2, fsdp, bw) + latency
+    rs = comm.all_gather_s(train * 4, fsdp, bw) + latency
+    again = inp.reshard_after_forward
+    ag_bwd = ag if again else 0.0
+    # HBM bytes the NCCL kernels move per byte on the wire: gathers read and write it (2), reductions
+    # also read the local partial (3).
+    hbm_fwd = 2 * comm.wire_bytes(params * 2, fsdp)
+    hbm_bwd = hbm_fwd * again + 3 * comm.wire_bytes(train * 4, fsdp)
+    if inp.fsdp_cpu_offload:  # shards come from, and grads go to, host memory in each pass
+        host = hw.host_bytes_s
+        ag += params * 4 / fsdp / host
+        ag_bwd += params * 4 / fsdp / host if again else 0.0
+        rs += train * 4 / fsdp / host
+    total["FSDP"] = ag + ag_bwd + rs
+    calls = units * (2 + again) if fsdp > 1 else 0
+    edges = (ag + ag_bwd + rs) / units  # first gather of each pass, last reduce-scatter
+    exposed["FSDP"] = (
+        hidden_cost(ag, mb.forward_s, hbm_fwd, hw)
+        + hidden_cost(ag_bwd + rs, mb.backward_s, hbm_bwd, hw)
+        + edges
+        + calls * comm.COLLECTIVE_LATENCY_S
+    )
+    if fsdp > 1:
+        copies = (4 * params * (1 + again) + 6 * train) / (hw.hbm_bytes_s * HBM_EFFICIENCY)
+        exposed["FSDP copy-in/out"] = copies
+
+
+def _cp_ring(
+    inp: PlanInput,
+    hw: Hardware,
+    nm: Numerics,
+    mb: MicroBatchTime,
+    tokens: float,
+    num_blocks: int,
+    exposed: dict[str, float],
+    total: dict[str, float],
+) -> None:
+    """Ring attention over cp ranks, per block: cp - 1 steps, each passing this rank's K/V chunk on
+    while it computes attention against the chunk it holds; backward passes K/V and their fp32 gradient
+    accumulators. A step's transfer hides only behind that step's share (1/cp) of the block's attention,
+    the rest is exposed, and each step waits on its send/recv (latency)."""
+    a = inp.model
+    kv = 2 * tokens * a.n_kv_heads * a.head_dim / inp.tp * nm.c
+    bw = comm.bandwidth(inp, hw, ("cp",))
+    steps = num_blocks * (inp.cp - 1)
+    fwd, bwd = kv / bw, (kv + 2 * kv * 4 / nm.c) / bw  # one step's transfer
+    att_f = mb.forward.get("attention", 0.0) / (num_blocks * inp.cp)
+    att_b = mb.backward.get("attention", 0.0) / (num_blocks * inp.cp)
+    total["CP"] = steps * (fwd + bwd)
+    exposed["CP"] = steps * (max(0.0, fwd - att_f) + max(0.0, bwd - att_b) + 2 * comm.COLLECTIVE_LATENCY_S)
 
 
 def plan_time(inp: PlanInput) -> StepTime:
@@ -108,7 +175,7 @@ def plan_time(inp: PlanInput) -> StepTime:
     exposed, comm_total = _comm_per_microbatch(inp, hw, nm, mb, stage)
     comm_total = {k: v * m for k, v in comm_total.items()}
     for k, v in exposed.items():
-        _add(breakdown, f"{k} comm (exposed)", v * m)
+        _add(breakdown, k if "copy" in k else f"{k} comm (exposed)", v * m)
     _per_step(inp, hw, mb, stage, breakdown, comm_total)
     if inp.pp > 1:
         v = inp.pp_virtual_stages if inp.pp_schedule == "interleaved_1f1b" else 1
@@ -170,14 +237,27 @@ def _per_step(
         breakdown["grad accumulation"] = accum / bw
         breakdown["optimizer"] = opt_local * tr.adamw_bytes_per_param(inp.fused_adamw) / bw
     if inp.dp_replicate > 1:
-        t = comm.all_reduce_s(grads_local * 4, inp.dp_replicate, comm.bandwidth(inp, hw, ("dp_replicate",)))
+        n = inp.dp_replicate
+        t = comm.all_reduce_s(grads_local * 4, n, comm.bandwidth(inp, hw, ("dp_replicate",)))
         comm_total["DP all-reduce"] = t
-        breakdown["DP comm (exposed)"] = max(0.0, t - DP_OVERLAP * mb.backward_s)
-    if fsdp > 1 and z in (1, 2):
+        hbm = 5 * comm.wire_bytes(grads_local * 4, n)  # reduce-scatter (3 per wire byte) + all-gather (2)
+        breakdown["DP comm (exposed)"] = hidden_cost(t, DP_OVERLAP * mb.backward_s, hbm, hw)
+    pipelined = inp.pp > 1 and not inp.fsdp_cpu_offload
+    if fsdp > 1 and (z in (1, 2) or pipelined):
+        # As memory.py holds them: ZeRO-1/2 gather the weights once per step (kept to the last backward)
+        # and ZeRO-2 reduce-scatters every micro-batch, ZeRO-1 once. Under a pipeline every stage defers
+        # the reduce-scatter to one after the schedule (nothing left to hide it behind), and ZeRO-3
+        # gathers again for each micro-batch's backward (its forward resharded them).
         fbw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
-        rs, ag = comm.all_gather_s(train * 4, fsdp, fbw), comm.all_gather_s(train * 4, fsdp, fbw)
-        comm_total["ZeRO reduce-scatter + all-gather"] = rs + ag
-        breakdown["ZeRO comm (exposed)"] = max(0.0, rs - DP_OVERLAP * mb.backward_s) + ag
+        reduces = m if z == 2 and inp.pp == 1 else 1
+        gathers = m if z == 3 and inp.reshard_after_forward else 1
+        rs = reduces * comm.all_gather_s(train * 4, fsdp, fbw)
+        ag = gathers * comm.all_gather_s(sp.total * (2 if inp.fsdp_mixed_precision else 4), fsdp, fbw)
+        comm_total["ZeRO reduce-scatter + all-gather" if z < 3 else "FSDP"] = rs + ag
+        hbm = 3 * comm.wire_bytes(train * 4, fsdp) * reduces
+        rs_exposed = rs if pipelined else hidden_cost(rs, DP_OVERLAP * mb.backward_s * reduces, hbm, hw)
+        ag_exposed = hidden_cost(ag, mb.backward_s * m, 0.0, hw) if z == 3 else ag
+        breakdown["ZeRO comm (exposed)" if z < 3 else "FSDP comm (exposed)"] = rs_exposed + ag_exposed
     if inp.activation_offload != "none" or inp.unified_memory != "none":
         tokens, seq = tokens_per_microbatch(inp), inp.seq_len
         model = memory_model(inp, tokens, seq)

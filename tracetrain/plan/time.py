@@ -18,19 +18,28 @@ memory-bound traffic.py's bytes / (HBM bandwidth * HBM_EFFICIENCY) + KERNEL_FIXE
 per step     autocast weight casts, weight-grad casts and accumulation, AdamW, grad clipping (bytes
              per parameter, traffic.py), over the same bandwidth.
 communication (ring collectives; bus bytes = 2(n-1)/n x size for all-reduce, (n-1)/n for all-gather and
-             reduce-scatter; bandwidth from `Links` x NCCL_EFFICIENCY, inter-node when a group spans nodes,
-             mesh order [pp, dp_replicate, dp_shard, cp, tp] outermost first, as torchtitan):
-  DP (replicate)   all-reduce of the fp32 grads once per step, overlapped with the last micro-batch's
-                   backward: only what exceeds DP_OVERLAP x that backward is exposed
+             reduce-scatter; bandwidth from `Links` x NCCL_EFFICIENCY, hierarchical across nodes (NVLink
+             inside, k NICs of the group's k ranks per node across: collective_time.py), mesh order
+             [pp, dp_replicate, dp_shard, cp, tp] outermost first, as torchtitan). Overlap is partial:
+             communication behind compute costs max(0, comm - compute) plus the HBM traffic its NCCL
+             kernels make meanwhile (2 bytes per wire byte for gathers, 3 for reductions) at memory speed
+             (step.hidden_cost); every call adds COLLECTIVE_LATENCY_S:
+  DP (replicate)   all-reduce of the fp32 grads once per step, behind DP_OVERLAP x the last backward
   FSDP (ZeRO-3)    all-gather bf16 weights in forward and again in backward, reduce-scatter fp32 grads,
-                   per micro-batch, each overlapped with the compute of its pass
-  ZeRO-1/2         reduce-scatter grads (overlapped with backward) + all-gather updated weights (exposed)
+                   per micro-batch and block, each behind the compute of its pass; the first gather of
+                   each pass and the last reduce-scatter are exposed, and FSDP2's copy-out (4 bytes per
+                   parameter and gather) and copy-in (6 per trained parameter) are memory-bound passes
+  ZeRO-1/2         reduce-scatter grads (behind backward) + all-gather updated weights (exposed)
   TP               per block and pass: 2 all-reduces (or all-gather + reduce-scatter with SP, same bytes)
                    of T x d activations, not overlapped (no async TP)
   PP               send/recv of T x d activations per micro-batch and stage boundary, plus the bubble:
                    the busy time is stretched by 1 / (1 - (pp - 1) / (v m + pp - 1)) (v = 1 unless interleaved)
-  CP               ring pass of K/V (forward) and K/V + their grads (backward), overlapped with attention
+  CP               ring of cp - 1 steps per block: K/V forward, K/V + fp32 dK/dV backward, each step
+                   behind its own 1/cp of the block's attention; attention at the half-chunk's length
   EP               all-to-all dispatch and combine of T x top_k x d per MoE block and pass, exposed
+fp8          LoRA (kernels/fp8.py, bases quantised once): block GEMMs at the FP8 peak. Full fine-tuning
+             (torchao): bf16 peak x FP8_TORCHAO_SPEEDUP[recipe], from torchao's published tensorwise
+             and rowwise runs. The lm_head stays bf16 in both.
 offload      optimizer: bf16 grads to the host and their fp32 accumulation on the CPU (overlapped with
              backward), CPU AdamW at the node's cpu_adam_gb_s shared by its GPUs over ~30 bytes per
              param, bf16 weights back chunk by chunk behind the update (mostly hidden);
@@ -82,6 +91,15 @@ KERNEL_FIXED_S = 2.5e-6
 KERNEL_GAP_S = 2.0e-6
 # Share of a backward pass that DP gradient communication can hide under (buckets start late).
 DP_OVERLAP = 0.8
+# FP8 full fine-tuning through torchao (Float8Linear: weights, activations and gradients quantised
+# every step): speed of the blocks' GEMMs, quantisation included, over the same GEMMs in bf16. Not the
+# datasheet's 2x: from torchao's published end-to-end table (docs/source/workflows/training.md,
+# "NVIDIA H100": Llama3-8B, 8 x H100, FSDP2, compile, batch 1 x 8192, per-op SAC), bf16 6,150 tokens/s,
+# tensorwise (float8 all-gather) 7,689.5, rowwise 6,768: the step saved, 20.0% and 9.1%, divided by the
+# GEMM share this planner gives that run in bf16 (0.575) is the GEMM time saved (35% and 16%). LoRA's
+# frozen bases (kernels/fp8.py, quantised once) keep the FP8 peak: measured there, rowwise and
+# tensorwise run alike (docs/planner.md, FP8).
+FP8_TORCHAO_SPEEDUP: dict[str, float] = {"tensorwise": 1 / (1 - 0.200 / 0.575), "rowwise": 1 / (1 - 0.091 / 0.575)}
 # Bytes a CPU AdamW step touches per fp32 parameter: read p, g, m, v; write p, m, v; bf16 copy out.
 CPU_ADAM_BYTES_PER_PARAM = 30.0
 # Bytes the offload worker touches per parameter and micro-batch to accumulate a bf16 grad into fp32.
@@ -97,7 +115,7 @@ def gemm_efficiency(m: float, n: float, k: float) -> float:
     return GEMM_MAX_EFFICIENCY * s
 
 
-def attention_efficiency(head_dim: int, seq_len: int, backward: bool) -> float:
+def attention_efficiency(head_dim: int, seq_len: float, backward: bool) -> float:
     """Fraction of peak the flash kernels reach (see the constants above)."""
     base = ATTENTION_BWD_EFFICIENCY if backward else ATTENTION_FWD_EFFICIENCY
     return base * head_dim / (head_dim + ATTENTION_HALF_HEAD_DIM) * seq_len / (seq_len + ATTENTION_HALF_SEQ)
@@ -139,11 +157,22 @@ def block_gemms(inp: PlanInput, tokens: float) -> list[Gemm]:
     return out
 
 
-def gemm_time(g: Gemm, hw: Hardware, width: int) -> tuple[float, float, float]:
-    """(forward seconds, backward seconds, FLOPs of both) of one GEMM."""
+def block_gemm_peak(inp: PlanInput, hw: Hardware) -> float:
+    """FLOP/s the blocks' GEMMs run at before gemm_efficiency: the precision's peak, except FP8 full
+    fine-tuning (torchao's dynamic scaling), whose speed over bf16 is the published end-to-end factor
+    of its recipe (FP8_TORCHAO_SPEEDUP)."""
+    if inp.precision == "fp8" and inp.mode == "full":
+        return hw.bf16_flops * FP8_TORCHAO_SPEEDUP[inp.fp8_recipe]
+    return hw.peak_flops
+
+
+def gemm_time(g: Gemm, hw: Hardware, width: int, peak_flops: float | None = None) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, FLOPs of both) of one GEMM at `peak_flops` (default: the
+    precision's peak)."""
+    peak = peak_flops or hw.peak_flops
 
     def one(m: float, n: float, k: float) -> float:
-        compute = 2 * m * n * k / (hw.peak_flops * gemm_efficiency(m, n, k))
+        compute = 2 * m * n * k / (peak * gemm_efficiency(m, n, k))
         memory = (m * k + k * n + m * n) * width / (hw.hbm_bytes_s * HBM_EFFICIENCY)
         return max(compute, memory)
 
@@ -182,13 +211,14 @@ def microbatch_time(inp: PlanInput, hw: Hardware, nm: Numerics, stage: int) -> M
     t = MicroBatchTime()
     n = sp.num_blocks
     n_ckpt = math.ceil(n / inp.recompute_every) if inp.recompute == "full" else 0
+    peak = block_gemm_peak(inp, hw)
     for g in block_gemms(inp, tokens):
-        fwd, bwd, _ = gemm_time(g, hw, nm.c)
+        fwd, bwd, _ = gemm_time(g, hw, nm.c, peak)
         _add(t.forward, "GEMM", fwd * n)
         _add(t.backward, "GEMM", bwd * n + fwd * n_ckpt)
     if last:
         head = Gemm("lm_head", tokens, a.vocab_size / inp.tp, a.dim, inp.mode == "full")
-        fwd, bwd, _ = gemm_time(head, hw, nm.c)
+        fwd, bwd, _ = gemm_time(head, hw, nm.c, hw.bf16_flops if inp.precision == "fp8" else None)
         _add(t.forward, "GEMM", fwd)
         _add(t.backward, "GEMM", bwd)
     fwd_a, bwd_a = attention_time(inp, hw, nm, tokens, n)
@@ -239,9 +269,12 @@ def attention_time(inp: PlanInput, hw: Hardware, nm: Numerics, tokens: float, nu
     peak = hw.bf16_flops if nm.c == 2 else hw.peak_flops
     if act.attention_backend(a, nm, inp.attention) != "math":
         fwd_rel, bwd_rel = (FLEX_FWD_RELATIVE, FLEX_BWD_RELATIVE) if inp.attention == "flex" else (1.0, 1.0)
+        # Ring attention (cp > 1) runs one kernel per ring step over half-chunks of s / (2 cp) tokens
+        # (load-balanced causal split): each runs at that length's efficiency.
+        seq = inp.seq_len if inp.cp == 1 else inp.seq_len / (2 * inp.cp)
         return (
-            flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, False) * fwd_rel),
-            2 * flops / (peak * attention_efficiency(a.head_dim, inp.seq_len, True) * bwd_rel),
+            flops / (peak * attention_efficiency(a.head_dim, seq, False) * fwd_rel),
+            2 * flops / (peak * attention_efficiency(a.head_dim, seq, True) * bwd_rel),
         )
     scores = num_blocks * tokens * inp.seq_len * a.n_heads / inp.tp
     square = 2 * flops / (peak * GEMM_MAX_EFFICIENCY)
