@@ -2,7 +2,7 @@
 
     tok = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)  # 'auto': the checkpoint's own tokenizer
     check_vocab(tok, model_args.vocab_size)
-    train_ds, eval_ds, stats = build_datasets(cfg.data, tok)
+    train_ds, eval_ds, stats = build_datasets(cfg.data, tok)  # text: memory-mapped rows (cache_dir=...)
     loader = build_loader(train_ds, cfg.train.micro_batch_size, cfg.data, seed=cfg.data.seed)
     batch = next(loader)  # input_ids, labels (already shifted), position_ids, document_ids: (B, S) int64
     state = loader.state_dict()  # save with the checkpoint; loader.load_state_dict(state) to resume
@@ -19,9 +19,11 @@ from tracetrain.data.instruction import encode_prompt, exact_match, format_promp
 from tracetrain.data.loader import StatefulLoader, build_datasets, build_loader, iter_batches, tokenize_rows
 from tracetrain.data.packing import IGNORE_INDEX, PAD_DOCUMENT, DataStats, PackedDataset, TokenizedExample
 from tracetrain.data.synthetic import generate_examples
+from tracetrain.data.token_cache import DATA_CACHE_DIR
 from tracetrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, load_tokenizer
 
 __all__ = [
+    "DATA_CACHE_DIR",
     "IGNORE_INDEX",
     "PAD_DOCUMENT",
     "ByteTokenizer",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
@@ -40,6 +41,19 @@ def is_record_file(path: str) -> bool:
     return Path(path).is_dir() or Path(path).suffix.lower() in (".jsonl", ".json", ".parquet")
 
 
+@dataclass
+class ReadPosition:
+    """How far a reader has got through a data file, for progress: `done` of `total` `unit`s
+    ("bytes" for JSONL and plain text, "rows" for the others; total None when unknown), and the rows
+    used and skipped as bad so far."""
+
+    done: int = 0
+    total: int | None = None
+    unit: str = "rows"
+    rows: int = 0
+    bad: int = 0
+
+
 def read_rows(
     path: str, key: str, parse: Callable[[dict[str, Any]], T], skip_bad_lines: bool
 ) -> tuple[list[tuple[str, T]], int]:
@@ -48,38 +62,56 @@ def read_rows(
     `parse` gets a dict and raises DataError with the reason (without the location) for a bad row.
     Raises DataError when no row is usable.
     """
-    out: list[tuple[str, T]] = []
-    bad = 0
-    for where, value in _raw_rows(path, key):
+    position = ReadPosition()
+    out = list(iter_rows(path, key, parse, skip_bad_lines, position))
+    return out, position.bad
+
+
+def iter_rows(
+    path: str, key: str, parse: Callable[[dict[str, Any]], T], skip_bad_lines: bool, position: ReadPosition
+) -> Iterator[tuple[str, T]]:
+    """`read_rows` one row at a time, for files larger than memory; `position` follows the reading.
+
+    Raises DataError (once every row is read) when no row was usable.
+    """
+    for where, value in _raw_rows(path, key, position):
         try:
             if isinstance(value, DataError):
                 raise value
             if not isinstance(value, dict):
                 raise DataError(f"not a JSON object (got {type(value).__name__})")
-            out.append((where, parse(value)))
+            parsed = parse(value)
         except DataError as e:
             if not skip_bad_lines:
                 raise DataError(f"{where}: {e}") from None
-            bad += 1
-    if not out:
-        what = f"all {bad} rows are bad" if bad else "the file has no rows"
+            position.bad += 1
+            continue
+        position.rows += 1
+        yield where, parsed
+    if not position.rows:
+        what = f"all {position.bad} rows are bad" if position.bad else "the file has no rows"
         raise DataError(f"{path}: no usable examples ({what}; config key '{key}')")
-    return out, bad
 
 
-def _raw_rows(path: str, key: str) -> Iterator[RawRow]:
+def _raw_rows(path: str, key: str, position: ReadPosition) -> Iterator[RawRow]:
     """Every row of `path`, in the format its name (and, for .json, its first character) says."""
     p = Path(path)
     if p.is_dir():
-        return _dataset_folder_rows(p, key)
+        return _counted(_dataset_folder_rows(p, key), position)
     if not p.is_file():
         raise DataError(f"data file {path} does not exist (config key '{key}')")
     suffix = p.suffix.lower()
     if suffix == ".parquet":
-        return _parquet_rows(p)
+        return _parquet_rows(p, position)
     if suffix == ".json" and _first_char(p) == "[":
-        return _json_array_rows(p)
-    return _jsonl_rows(path, key)
+        return _counted(_json_array_rows(p), position)
+    return _jsonl_rows(path, key, position)
+
+
+def _counted(rows: Iterator[RawRow], position: ReadPosition) -> Iterator[RawRow]:
+    for row in rows:
+        position.done += 1
+        yield row
 
 
 def _first_char(path: Path) -> str:
@@ -99,14 +131,26 @@ def _loads(text: str) -> Any:
         return DataError("JSON nested too deeply to read")
 
 
-def _jsonl_rows(path: str, key: str) -> Iterator[RawRow]:
-    with open_data_file(path, key) as f:
-        try:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{path}:{line_no}", _loads(line)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start} of a chunk)") from None
+def _jsonl_rows(path: str, key: str, position: ReadPosition) -> Iterator[RawRow]:
+    """Lines read as bytes and decoded one at a time: the position is exact, and so is a bad line's number."""
+    open_data_file(path, key).close()  # the one error for a missing file
+    position.total, position.unit = Path(path).stat().st_size, "bytes"
+    line_no = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            line_no += 1
+            position.done += len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not valid UTF-8 text ({e.reason} at byte {e.start})") from None
+            if "\r" in line:  # old Mac line ends: numbered as Python's text mode (universal newlines) does
+                for i, part in enumerate(line.replace("\r\n", "\n").replace("\r", "\n").split("\n")):
+                    if part.strip():
+                        yield f"{path}:{line_no + i}", _loads(part)
+                line_no += line.replace("\r\n", "\n").count("\r")
+            elif line.strip():
+                yield f"{path}:{line_no}", _loads(line)
 
 
 def _json_array_rows(path: Path) -> Iterator[RawRow]:
@@ -187,13 +231,15 @@ def _table_rows(batches: Iterator[Any], where: str, start: int = 0) -> Iterator[
             index += 1
 
 
-def _parquet_rows(path: Path) -> Iterator[RawRow]:
+def _parquet_rows(path: Path, position: ReadPosition) -> Iterator[RawRow]:
     pa = _pyarrow()
     try:
-        batches = pa.parquet.ParquetFile(path).iter_batches()
+        file = pa.parquet.ParquetFile(path)
+        batches = file.iter_batches()
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
-    return _table_rows(batches, str(path))
+    position.total = file.metadata.num_rows
+    return _counted(_table_rows(batches, str(path)), position)
 
 
 def _dataset_folder_rows(folder: Path, key: str) -> Iterator[RawRow]:

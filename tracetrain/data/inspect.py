@@ -29,13 +29,11 @@ from tracetrain.config import Config
 from tracetrain.data.loader import build_datasets, tokenize_rows
 from tracetrain.data.packing import IGNORE_INDEX, PAD_DOCUMENT, TokenizedExample
 from tracetrain.data.tokenizer import Tokenizer, load_tokenizer
+from tracetrain.progress import Progress, live_progress
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
 NUM_BINS = 10
 BAR_WIDTH = 40
-
-# progress(what, done, total): called while building; total is None when unknown (a spinner).
-Progress = Callable[[str, int, int | None], None]
 
 
 @dataclass(frozen=True)
@@ -151,7 +149,7 @@ def inspect_data(cfg: Config, num_examples: int = 0, progress: Progress | None =
     tok = _tokenizer(cfg)
     if progress:
         progress("building data", 0, None)
-    train_ds, eval_ds, data_stats = build_datasets(cfg.data, tok)
+    train_ds, eval_ds, data_stats = build_datasets(cfg.data, tok, progress=progress)
     train_rows, eval_rows = _rows_of(train_ds, progress), _rows_of(eval_ds, progress)
     seq_len = cfg.data.seq_len
     train, eval_ = _split_stats(train_rows), _split_stats(eval_rows)
@@ -256,20 +254,7 @@ def render_terminal(report: DataReport, console: Any) -> None:
 
 @contextlib.contextmanager
 def console_progress(console: Any) -> Iterator[Progress | None]:
-    """A spinner with the elapsed time, and a count where one is known, on `console` while the data builds
-    (nothing when it is not a terminal). Transient: it leaves no trace in the output."""
-    if not console.is_terminal:
-        yield None
-        return
-    from rich.progress import Progress as RichProgress
-    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with RichProgress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
-    ) as bar:
-        task = bar.add_task("building data", total=None)
-
-        def update(what: str, done: int, total: int | None) -> None:
-            bar.update(task, description=f"{what} {done:,}/{total:,}" if total else what)
-
-        yield update
+    """A bar with counts, elapsed time and time remaining on `console` while the data builds (nothing when
+    it is not a terminal). Transient: it leaves no trace in the output."""
+    with live_progress(console, True, "building data") as progress:
+        yield progress

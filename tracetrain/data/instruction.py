@@ -67,7 +67,7 @@ def format_prompt(template: str, instruction: str, context: str = "") -> str:
     raise ValueError(f"unknown template {template!r}")  # config validation rules this out
 
 
-def _string_fields(row: dict[str, Any], required: list[str], optional: list[str]) -> dict[str, str]:
+def string_fields(row: dict[str, Any], required: list[str], optional: list[str]) -> dict[str, str]:
     """The named string fields of one row; DataError with the reason (the caller adds the location).
 
     An optional field that is absent or null reads as ''.
@@ -91,7 +91,7 @@ def read_records(
 ) -> tuple[list[tuple[str, dict[str, str]]], int]:
     """String fields of every row of a data file (JSONL, JSON array, Parquet, datasets folder) ->
     ([(where, fields)], bad rows skipped). A bad row raises DataError `<where>: ...` unless `skip_bad_lines`."""
-    return read_rows(path, key, lambda row: _string_fields(row, required, optional), skip_bad_lines)
+    return read_rows(path, key, lambda row: string_fields(row, required, optional), skip_bad_lines)
 
 
 def read_instruction_file(path: str, key: str, data: DataSection) -> tuple[list[Example], int]:

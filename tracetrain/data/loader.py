@@ -12,6 +12,7 @@ run `num_workers * prefetch_factor` batches ahead, and those are simply produced
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,9 +23,10 @@ from tracetrain.data.chat import build_chat_datasets, iter_chat_examples
 from tracetrain.data.instruction import build_instruction_datasets, read_located_examples, tokenize_example
 from tracetrain.data.packing import DataStats, PackedDataset, TokenizedExample
 from tracetrain.data.synthetic import build_synthetic_datasets, generate_examples
-from tracetrain.data.text import build_text_datasets, read_documents
+from tracetrain.data.text import build_text_datasets, iter_documents
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
+from tracetrain.progress import Progress
 
 Batch = dict[str, torch.Tensor]  # each (batch, seq_len) int64
 
@@ -32,12 +34,19 @@ _BUILDERS: dict[str, Callable[[DataSection, Tokenizer], tuple[PackedDataset, Pac
     "synthetic": build_synthetic_datasets,
     "instruction": build_instruction_datasets,
     "chat": build_chat_datasets,
-    "text": build_text_datasets,
 }
 
 
-def build_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
-    """(train, eval, stats) for `data.kind`; the eval split may have zero rows."""
+def build_datasets(
+    data: DataSection, tok: Tokenizer, *, cache_dir: str | Path | None = None, progress: Progress | None = None
+) -> tuple[PackedDataset, PackedDataset, DataStats]:
+    """(train, eval, stats) for `data.kind`; the eval split may have zero rows.
+
+    A text corpus is tokenised to memory-mapped row files in `cache_dir` (reused while the data,
+    tokenizer and settings are unchanged; temporary files when None), reporting to `progress`.
+    """
+    if data.kind == "text":
+        return build_text_datasets(data, tok, cache_dir, progress)
     return _BUILDERS[data.kind](data, tok)
 
 
@@ -59,7 +68,7 @@ def tokenize_rows(data: DataSection, tok: Tokenizer, path: str = "") -> Iterator
             yield TokenizedExample(f"synthetic: {i}", ex[0] + ex[1], *tokenize_example(ex, tok, data.train_on_prompt))
     else:
         bos = [tok.bos_id] if tok.add_bos else []
-        for i, doc in enumerate(read_documents(path, "data.path", data.skip_bad_lines, data.text_field)[0]):
+        for i, doc in enumerate(iter_documents(path, "data.path", data.skip_bad_lines, data.text_field)):
             ids = bos + tok.encode(doc) + [tok.eos_id]
             yield TokenizedExample(f"{path}: document {i}", doc, ids, [False] + [True] * (len(ids) - 1))
 

@@ -14,14 +14,15 @@ token never learns to predict the first token of the next, unrelated document.
 Two ways to fill rows:
 - `pack_documents`: whole documents (instruction examples), greedily packed or one per row; a document
   never straddles two rows, so every example is seen with its full prompt.
-- `chunk_stream`: a contiguous token stream (a text corpus) cut every `seq_len` tokens; a document may
-  continue into the next row, and its label at the cut still points at its true next token.
+- `stream_rows`: a contiguous token stream (a text corpus, memory-mapped) cut every `seq_len` tokens; a
+  document may continue into the next row, and its label at the cut still points at its true next token.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -173,21 +174,48 @@ def pack_documents(docs: list[Document], seq_len: int, pad_id: int, pack: bool) 
     return _finish_rows(ids, labels, doc)
 
 
-def chunk_stream(
-    ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, seq_len: int, pad_id: int
+def stream_row_spans(seg_starts: np.ndarray, seg_ends: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, length) of every row when segments [start, end) of a stream are each cut into
+    `seq_len` rows, in order; the last row of a segment may be shorter (it is padded)."""
+    lengths = seg_ends - seg_starts
+    rows_per_seg = -(-lengths // seq_len)
+    seg = np.repeat(np.arange(len(lengths)), rows_per_seg)
+    first_row = np.cumsum(rows_per_seg) - rows_per_seg
+    starts = seg_starts[seg] + (np.arange(len(seg)) - first_row[seg]) * seq_len
+    return starts, np.minimum(seq_len, seg_ends[seg] - starts)
+
+
+def stream_rows(
+    tokens: Any,
+    doc_ends: np.ndarray,
+    hi: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    seq_len: int,
+    pad_id: int,
 ) -> dict[str, torch.Tensor]:
-    """A token stream (with shifted labels and a document index per token) cut into `seq_len` rows.
+    """Rows (first token `starts`, `lengths`) of a token stream cut into `seq_len` rows, as the four tensors.
 
-    The last, partial row is padded. A label at a cut keeps pointing at the document's next token
-    (the first token of the next row): the prediction is still made from this row's context.
+    `tokens` is the stream (an array, or a file sliced like one: only the rows' span is read), `doc_ends` the end offset of every
+    document in it, `hi` the end of the part being cut (train or held-out): a token's label is the next
+    token of its document, -100 at a document's end and at `hi`. So a label at a row cut keeps pointing
+    at the document's next token (the first of the next row): the prediction is still made from this
+    row's context. Rows must be consecutive in the stream; padding fills each row to `seq_len`.
     """
-    num_rows = -(-len(ids) // seq_len)
-    pad = num_rows * seq_len - len(ids)
-
-    def padded(a: np.ndarray, fill: int) -> np.ndarray:
-        return np.concatenate([a, np.full(pad, fill, dtype=np.int64)]).reshape(num_rows, seq_len)
-
-    return _finish_rows(padded(ids, pad_id), padded(labels, IGNORE_INDEX), padded(doc, PAD_DOCUMENT))
+    lo, end = int(starts[0]), int(starts[-1] + lengths[-1])
+    span = np.asarray(tokens[lo : min(end + 1, hi)], dtype=np.int64)  # one more token: the last label
+    pos = np.arange(lo, end)
+    doc = np.searchsorted(doc_ends, pos, side="right")  # global document index of each token
+    nxt = np.append(span[1:], IGNORE_INDEX) if len(span) == end - lo else span[1:]
+    labels = np.where(pos + 1 < np.minimum(doc_ends[doc], hi), nxt, IGNORE_INDEX)
+    col = np.arange(seq_len)
+    valid = col < lengths[:, None]  # (rows, seq)
+    index = np.where(valid, starts[:, None] - lo + col, 0)
+    return _finish_rows(
+        np.where(valid, span[index], pad_id),
+        np.where(valid, labels[index], IGNORE_INDEX),
+        np.where(valid, doc[index], PAD_DOCUMENT),
+    )
 
 
 def empty_rows(seq_len: int) -> dict[str, torch.Tensor]:

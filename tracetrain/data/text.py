@@ -8,108 +8,287 @@ Each document becomes [BOS] + tokens + EOS; the documents are concatenated into 
 
 The held-out split is the *last* `eval_fraction` of the stream (no shuffle: neighbouring text is
 correlated, so a random split would leak), unless `eval_path` names a separate file.
+
+The corpus never has to fit in memory: documents are read a chunk at a time, tokenised a batch at a
+time into a flat int32 token file, and cut into rows a block at a time into row files (`token_cache.py`),
+which the dataset then reads through memory maps. Host memory stays about one batch of documents
+(the largest document, if larger) plus one block of rows, whatever the corpus size. Progress reports
+bytes read of the file, tokens so far and their rate.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
-import torch
 
 from tracetrain.config import DataSection
-from tracetrain.data.files import is_record_file, open_data_file
-from tracetrain.data.instruction import read_records
-from tracetrain.data.packing import IGNORE_INDEX, DataStats, PackedDataset, chunk_stream, empty_rows, fill_row_stats
+from tracetrain.data.files import ReadPosition, is_record_file, iter_rows, open_data_file
+from tracetrain.data.instruction import string_fields
+from tracetrain.data.packing import IGNORE_INDEX, DataStats, PackedDataset, stream_row_spans, stream_rows
+from tracetrain.data.token_cache import content_digest, entry_key, open_or_build, row_writers
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
+from tracetrain.progress import Progress, Rate, throttled
 
 SEPARATOR = "<|endoftext|>"
 _SEPARATOR_LINE = re.compile(r"^[ \t]*<\|endoftext\|>[ \t]*(?:\r?\n|$)", re.MULTILINE)
+_READ_CHARS = 1 << 20  # text read per chunk
+_BATCH_CHARS = 1 << 20  # text tokenised per call (a larger document is one call on its own)
+_BLOCK_TOKENS = 1 << 19  # tokens cut into rows per block (bounds the row-building temporaries)
 
 
-def read_documents(path: str, key: str, skip_bad_lines: bool, text_field: str = "text") -> tuple[list[str], int]:
-    """(documents, bad rows skipped); whitespace-only documents are left out.
+def iter_documents(
+    path: str, key: str, skip_bad_lines: bool, text_field: str = "text", position: ReadPosition | None = None
+) -> Iterator[str]:
+    """The documents of a corpus, one at a time, in file order; whitespace-only documents are left out.
 
     A data file of rows (JSONL, JSON, Parquet, datasets folder: see files.py) gives one document per
-    row, from `text_field`; any other file is plain UTF-8 text.
+    row, from `text_field`; any other file is plain UTF-8 text. `position` follows the reading (and
+    counts bad rows skipped).
     """
+    position = position if position is not None else ReadPosition()
     if is_record_file(path):
-        records, bad = read_records(path, key, [text_field], [], skip_bad_lines)
-        docs = [r[text_field] for _, r in records]
+        parse = lambda row: string_fields(row, [text_field], [])[text_field]  # noqa: E731
+        docs: Iterator[str] = (doc for _, doc in iter_rows(path, key, parse, skip_bad_lines, position))
     else:
-        with open_data_file(path, key) as f:
+        docs = _text_file_documents(path, key, position)
+    return (d for d in docs if d.strip())
+
+
+def _text_file_documents(path: str, key: str, position: ReadPosition) -> Iterator[str]:
+    """A text file split at `<|endoftext|>` lines, read a chunk at a time. Line ends are read as Python's
+    text mode reads them (\\r\\n and \\r become \\n). Only whole lines are split, so a separator line never
+    straddles two chunks."""
+    with open_data_file(path, key) as f:
+        position.total, position.unit = Path(path).stat().st_size, "bytes"
+        carry, doc_parts = "", []  # carry: text after the last line end; doc_parts: the document so far
+        while True:
             try:
-                text = f.read()
+                text = f.read(_READ_CHARS)
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start})") from None
-        docs, bad = _SEPARATOR_LINE.split(text), 0
-    docs = [d for d in docs if d.strip()]
-    if not docs:
+                raise DataError(f"{path}: not valid UTF-8 text ({e.reason} at byte {_first_bad_byte(path)})") from None
+            position.done = f.buffer.tell()
+            buffer = carry + text
+            cut = len(buffer) if not text else buffer.rfind("\n") + 1
+            pieces = _SEPARATOR_LINE.split(buffer[:cut])
+            carry = buffer[cut:]
+            doc_parts.append(pieces[0])
+            for piece in pieces[1:]:
+                yield "".join(doc_parts)
+                doc_parts = [piece]
+            if not text:
+                yield "".join(doc_parts)
+                return
+
+
+def _first_bad_byte(path: str) -> int:
+    """Offset of the first byte that is not valid UTF-8 (for the error message; the file is known bad)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(_READ_CHARS)
+            held = len(decoder.getstate()[0])  # bytes of a character begun in the previous chunk
+            try:
+                decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                return offset - held + e.start
+            if not raw:
+                return offset
+            offset += len(raw)
+
+
+class TokenFile:
+    """A flat int32 token file read by slices (`tokens[a:b]`), with plain reads rather than a map, so that
+    reading it through does not grow the process's resident memory."""
+
+    def __init__(self, path: Path, num_tokens: int) -> None:
+        self.path, self.num_tokens = path, num_tokens
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        lo, hi, _ = s.indices(self.num_tokens)
+        return np.fromfile(self.path, np.int32, count=max(0, hi - lo), offset=4 * lo)
+
+
+@dataclass
+class TokenStream:
+    """A corpus tokenised into a flat int32 file: every document as [BOS] ids EOS, back to back."""
+
+    tokens: TokenFile  # (num_tokens,) int32
+    doc_ends: np.ndarray  # (num_docs,) int64: end offset of each document in `tokens`
+    bad_rows: int
+
+
+def tokenize_to_file(
+    path: str, key: str, data: DataSection, tok: Tokenizer, out: Path, progress: Progress | None
+) -> TokenStream:
+    """Every document of `path`, tokenised a batch at a time, appended to `out`; documents that reach
+    no batch limit are tokenised together (one call into the tokenizer per ~1 MB of text)."""
+    position = ReadPosition()
+    docs = iter_documents(path, key, data.skip_bad_lines, data.text_field, position)
+    lengths = array("q")  # tokens per document, BOS and EOS included
+    rate, name = Rate(), Path(path).name
+    report = throttled(progress)
+    with open(out, "wb") as f:
+        batch: list[str] = []
+        size = 0
+        for doc in _then_none(docs):
+            if doc is not None:
+                batch.append(doc)
+                size += len(doc)
+            if batch and (doc is None or size >= _BATCH_CHARS):
+                lengths.extend(_write_batch(f, batch, tok))
+                batch, size = [], 0
+                if report:
+                    num_tokens = f.tell() // 4
+                    what = f"tokenizing {name}: {num_tokens:,} tokens, {rate.per_s(num_tokens):,.0f} tok/s"
+                    report(what, position.done, position.total, position.unit)
+    if not lengths:
         raise DataError(f"{path}: no text to train on (config key '{key}')")
-    return docs, bad
+    doc_ends = np.cumsum(np.frombuffer(lengths, dtype=np.int64))
+    return TokenStream(TokenFile(out, int(doc_ends[-1])), doc_ends, position.bad)
 
 
-def token_stream(docs: list[str], tok: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Documents -> (ids, shifted labels, document index), each of shape (total_tokens,).
+def _then_none(docs: Iterator[str]) -> Iterator[str | None]:
+    """The documents, then None: the signal to tokenise the last batch."""
+    yield from docs
+    yield None
 
-    Every token but the first is a target, so labels[t] = ids[t+1] within a document; a document's EOS
-    gets -100 (the next token belongs to another document). BOS starts a document where `tok.add_bos`.
-    """
-    encoded = tok.encode_batch(docs)
+
+def _write_batch(f: Any, docs: list[str], tok: Tokenizer) -> list[int]:
+    """Tokenise `docs` in one call and append them to `f` as [BOS] ids EOS; returns each one's length."""
+    encoded = tok.encode_batch_arrays(docs)
     lengths = np.array([len(e) + 1 + tok.add_bos for e in encoded], dtype=np.int64)
-    ids = np.empty(int(lengths.sum()), dtype=np.int64)
+    ids = np.empty(int(lengths.sum()), dtype=np.int32)
     ends = np.cumsum(lengths)
-    starts = ends - lengths
-    for start, end, e in zip(starts, ends, encoded):
+    for end, e in zip(ends, encoded):
         if tok.add_bos:
-            ids[start] = tok.bos_id
+            ids[end - len(e) - 2] = tok.bos_id
         ids[end - len(e) - 1 : end - 1] = e
         ids[end - 1] = tok.eos_id
-    labels = np.empty_like(ids)
-    labels[:-1] = ids[1:]
-    labels[ends - 1] = IGNORE_INDEX
-    doc = np.repeat(np.arange(len(docs), dtype=np.int64), lengths)
-    return ids, labels, doc
+    f.write(ids.tobytes())
+    return lengths.tolist()
 
 
-def _rows(
-    ids: np.ndarray, labels: np.ndarray, doc: np.ndarray, data: DataSection, pad_id: int
-) -> dict[str, torch.Tensor]:
-    """A stream (or part of one) -> row tensors; with pack=False every document starts a new row."""
-    if len(ids) == 0:
-        return empty_rows(data.seq_len)
-    labels = labels.copy()
-    labels[-1] = IGNORE_INDEX  # a part's last token may not predict across the train/eval cut
+def _row_spans(stream: TokenStream, lo: int, hi: int, data: DataSection) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, length) of every row of tokens lo..hi-1: pack=True cuts them as one stream every
+    seq_len tokens; pack=False starts a new row at every document (its part in lo..hi)."""
+    if hi <= lo:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     if data.pack:
-        return chunk_stream(ids, labels, doc, data.seq_len, pad_id)
-    cuts = np.flatnonzero(doc[1:] != doc[:-1]) + 1
-    parts = [
-        chunk_stream(i, lab, d, data.seq_len, pad_id)
-        for i, lab, d in zip(np.split(ids, cuts), np.split(labels, cuts), np.split(doc, cuts))
-    ]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        return stream_row_spans(np.array([lo]), np.array([hi]), data.seq_len)
+    first, last = np.searchsorted(stream.doc_ends, [lo, hi - 1], side="right")
+    doc_starts = np.concatenate([[0], stream.doc_ends[:-1]])
+    seg_starts = np.maximum(doc_starts[first : last + 1], lo)
+    return stream_row_spans(seg_starts, np.minimum(stream.doc_ends[first : last + 1], hi), data.seq_len)
 
 
-def build_text_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
-    """`data.kind = "text"`: a corpus -> train and eval datasets of `seq_len` rows plus stats."""
-    stats = DataStats()
-    docs, stats.bad_lines_skipped = read_documents(data.path, "data.path", data.skip_bad_lines, data.text_field)
-    ids, labels, doc = token_stream(docs, tok)
+def _cut_rows(
+    stream: TokenStream,
+    hi: int,
+    spans: tuple[np.ndarray, np.ndarray],
+    data: DataSection,
+    pad_id: int,
+    out: dict[str, BinaryIO],
+    progress: Progress | None,
+) -> int:
+    """The rows `spans` (all ending by `hi`) written into `out` a block at a time; returns the tokens
+    with a loss."""
+    starts, lengths = spans
+    rows_per_block = max(1, _BLOCK_TOKENS // data.seq_len)
+    num_targets = 0
+    report = throttled(progress)
+    for r in range(0, len(starts), rows_per_block):
+        s = slice(r, r + rows_per_block)
+        block = stream_rows(stream.tokens, stream.doc_ends, hi, starts[s], lengths[s], data.seq_len, pad_id)
+        for key, rows in block.items():
+            out[key].write(rows.numpy().astype(np.int32).tobytes())
+        num_targets += int((block["labels"] != IGNORE_INDEX).sum())
+        if report:
+            report("cutting rows", min(r + rows_per_block, len(starts)), len(starts), "rows")
+    return num_targets
+
+
+def _num_docs_in(doc_ends: np.ndarray, lo: int, hi: int) -> int:
+    """Documents with at least one token in lo..hi-1."""
+    if hi <= lo:
+        return 0
+    first, last = np.searchsorted(doc_ends, [lo, hi - 1], side="right")
+    return int(last - first + 1)
+
+
+def _build_rows(data: DataSection, tok: Tokenizer, folder: Path, progress: Progress | None) -> dict[str, Any]:
+    """Tokenise the corpus (and the held-out file) into `folder` and cut both splits into row arrays there."""
+    stats = DataStats(seq_len=data.seq_len)
+    stream = tokenize_to_file(data.path, "data.path", data, tok, folder / "tokens.i32", progress)
+    num_tokens = len(stream.tokens)
+    stats.bad_lines_skipped, stats.examples_read = stream.bad_rows, len(stream.doc_ends)
     if data.eval_path:
-        eval_docs, bad = read_documents(data.eval_path, "data.eval_path", data.skip_bad_lines, data.text_field)
-        stats.bad_lines_skipped += bad
-        eval_stream = token_stream(eval_docs, tok)
-        stats.examples_read = len(docs) + len(eval_docs)
+        eval_stream = tokenize_to_file(data.eval_path, "data.eval_path", data, tok, folder / "eval.i32", progress)
+        stats.bad_lines_skipped += eval_stream.bad_rows
+        stats.examples_read += len(eval_stream.doc_ends)
+        parts = {"train": (stream, 0, num_tokens), "eval": (eval_stream, 0, len(eval_stream.tokens))}
     else:
-        cut = len(ids) - round(len(ids) * data.eval_fraction)
-        eval_stream = ids[cut:], labels[cut:], doc[cut:]
-        ids, labels, doc = ids[:cut], labels[:cut], doc[:cut]
-        stats.examples_read = len(docs)
-    train = PackedDataset(_rows(ids, labels, doc, data, tok.pad_id), name="train")
-    eval_ = PackedDataset(_rows(*eval_stream, data, tok.pad_id), name="eval")
-    # Documents that straddle the cut count on both sides.
-    stats.train_examples = len(np.unique(doc))
-    stats.eval_examples = len(np.unique(eval_stream[2]))
-    fill_row_stats(stats, train, eval_)
-    return train, eval_, stats
+        cut = num_tokens - round(num_tokens * data.eval_fraction)
+        parts = {"train": (stream, 0, cut), "eval": (stream, cut, num_tokens)}
+    rows, targets = {}, {}
+    for split, (part, lo, hi) in parts.items():
+        spans = _row_spans(part, lo, hi, data)
+        rows[split] = len(spans[0])
+        with row_writers(folder, split) as out:
+            targets[split] = _cut_rows(part, hi, spans, data, tok.pad_id, out, progress)
+    # Documents that straddle the train/eval cut count on both sides.
+    stats.train_examples = _num_docs_in(stream.doc_ends, *parts["train"][1:])
+    stats.eval_examples = _num_docs_in(parts["eval"][0].doc_ends, *parts["eval"][1:])
+    stats.train_sequences, stats.eval_sequences = rows["train"], rows["eval"]
+    stats.train_tokens = parts["train"][2] - parts["train"][1]
+    stats.train_target_tokens = targets["train"]
+    for name in ("tokens.i32", "eval.i32"):
+        (folder / name).unlink(missing_ok=True)  # the rows hold everything; the maps stay valid
+    return {"rows": rows, "seq_len": data.seq_len, "stats": stats.as_dict()}
+
+
+def _entry_key(data: DataSection, tok: Tokenizer, progress: Progress | None) -> str:
+    """What the rows depend on: both files' bytes, the tokenizer, and the settings that shape rows."""
+    return entry_key(
+        {
+            "kind": "text",
+            "path": content_digest(data.path, progress),
+            "records": is_record_file(data.path),  # the same bytes read as rows or as plain text
+            "eval_path": content_digest(data.eval_path, progress) if data.eval_path else "",
+            "eval_records": is_record_file(data.eval_path) if data.eval_path else False,
+            "eval_fraction": data.eval_fraction,
+            "text_field": data.text_field,
+            "skip_bad_lines": data.skip_bad_lines,
+            "seq_len": data.seq_len,
+            "pack": data.pack,
+            "tokenizer": tok.fingerprint(),
+        }
+    )
+
+
+def build_text_datasets(
+    data: DataSection, tok: Tokenizer, cache_dir: str | Path | None = None, progress: Progress | None = None
+) -> tuple[PackedDataset, PackedDataset, DataStats]:
+    """`data.kind = "text"`: a corpus -> train and eval datasets of `seq_len` rows plus stats.
+
+    The rows live in memory-mapped files: an entry of `cache_dir` (reused when the data, tokenizer and
+    settings are unchanged), or, without one, temporary files deleted once mapped.
+    """
+    for key, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if path and not Path(path).exists():
+            raise DataError(f"data file {path} does not exist (config key '{key}')")
+    key = _entry_key(data, tok, progress) if cache_dir is not None else ""
+    splits, meta, _ = open_or_build(cache_dir, key, lambda folder: _build_rows(data, tok, folder, progress))
+    stats = DataStats(**meta["stats"])
+    return PackedDataset(splits["train"], name="train"), PackedDataset(splits["eval"], name="eval"), stats

@@ -26,10 +26,13 @@ Special tokens of a Hugging Face tokenizer are read, never guessed from their sp
 
 from __future__ import annotations
 
+import hashlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tracetrain.errors import DataError
 
@@ -73,6 +76,14 @@ class Tokenizer(ABC):
         """`encode` over many texts; subclasses override it where a batched path is faster."""
         return [self.encode(t) for t in texts]
 
+    def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode_batch` as int32 arrays: a corpus is tokenised this way, without a Python int per token."""
+        return [np.asarray(ids, dtype=np.int32) for ids in self.encode_batch(texts)]
+
+    def fingerprint(self) -> str:
+        """Identifies what this tokenizer produces (vocabulary, merges, special ids), for caches of tokens."""
+        return f"{type(self).__name__}:{self.name}:{self.vocab_size}:{self.bos_id}:{self.eos_id}:{self.pad_id}:{self.add_bos}"
+
     def special_tokens(self) -> dict[str, str]:
         """Template variables bos_token, eos_token, ... -> their text (only those the tokenizer has)."""
         return {}
@@ -102,6 +113,9 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         ids: list[int] = []
@@ -248,6 +262,12 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # One call into Rust tokenises the whole list in parallel threads.
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def fingerprint(self) -> str:
+        # The whole tokenizer.json as loaded (vocabulary, merges, normalizer, ...), plus the special ids read
+        # from the folder's config files.
+        digest = hashlib.blake2b(self._tok.to_str().encode(), digest_size=16).hexdigest()
+        return f"{super().fingerprint()}:{digest}"
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

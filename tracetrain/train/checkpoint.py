@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tracetrain.errors import CheckpointError
+from tracetrain.progress import Progress
 from tracetrain.safe_load import load_pt, read_safetensors
 from tracetrain.train.manifest import (
     check_free_space,
@@ -132,20 +133,27 @@ def save_checkpoint(
     *,
     lora: bool,
     keep_last: int,
+    progress: Progress | None = None,
 ) -> Path:
-    """Write a checkpoint atomically and prune older ones; returns the checkpoint folder."""
+    """Write a checkpoint atomically and prune older ones; returns the checkpoint folder. `progress` hears
+    the bytes of tensors written, file by file, then the sealing (checksums, fsync, rename)."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     remove_stale(root)
     final = root / f"step_{state.step:08d}"
     weights = {k: v.contiguous().cpu() for k, v in trainable_state_dict(model, lora).items()}
     optimizer_state = optimizer.state_dict()
-    check_free_space(root, final.name, tensor_bytes(weights) + tensor_bytes(optimizer_state) + SAVE_MARGIN_BYTES)
+    weights_bytes, total_bytes = tensor_bytes(weights), tensor_bytes(weights) + tensor_bytes(optimizer_state)
+    check_free_space(root, final.name, total_bytes + SAVE_MARGIN_BYTES)
+    report = progress or (lambda what, done, total, unit="": None)
     with staging(temp_dir_for(final), final.name) as tmp:
+        report("saving checkpoint: model.safetensors", 0, total_bytes, "bytes")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "lora": str(lora)})
+        report("saving checkpoint: optimizer.pt", weights_bytes, total_bytes, "bytes")
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(trainer_state_dict(state), tmp / "trainer_state.pt")
         (tmp / "config.toml").write_text(config_toml)
+        report("saving checkpoint: sealing (checksums, fsync)", total_bytes, total_bytes, "bytes")
         for f in tmp.iterdir():
             fsync_path(f)
         write_manifest(tmp, state.step)  # last: its presence means every other file is complete

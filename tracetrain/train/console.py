@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tracetrain.models.accounting import num_params
+from tracetrain.progress import Progress as ReportProgress
+from tracetrain.progress import live_progress
 from tracetrain.train.metrics import format_line
 
 
@@ -42,12 +44,13 @@ class Reporter:
         self.show_bar = progress and self.console.is_terminal
 
     @contextlib.contextmanager
-    def status(self, what: str) -> Iterator[None]:
-        if self.show_bar:
-            with self.console.status(what):
-                yield
-        else:
-            yield
+    def status(self, what: str) -> Iterator[ReportProgress | None]:
+        """A transient line saying `what` while the block runs, with the elapsed time; the block may report
+        counts through the yielded callback (`progress(what, done, total, unit)`: a bar, count and time
+        remaining). Nothing is shown, and None is yielded, with logging.progress = false, off a terminal
+        and on ranks other than 0."""
+        with live_progress(self.console, self.show_bar, what) as progress:
+            yield progress
 
     @contextlib.contextmanager
     def progress(self, total: int, start: int) -> Iterator[_Bar]:

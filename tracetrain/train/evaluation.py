@@ -12,15 +12,18 @@ from torch import nn
 from tracetrain.config import Config
 from tracetrain.data import encode_prompt, exact_match, iter_batches
 from tracetrain.models.generate import generate
+from tracetrain.progress import Progress, ReportingList
 from tracetrain.train.step import StepContext, evaluate
 
 
-def run_eval(model: nn.Module, eval_ds: Any, cfg: Config, ctx: StepContext) -> dict[str, float]:
-    """Loss / perplexity over the first `train.eval_batches` held-out batches."""
+def run_eval(
+    model: nn.Module, eval_ds: Any, cfg: Config, ctx: StepContext, progress: Progress | None = None
+) -> dict[str, float]:
+    """Loss / perplexity over the first `train.eval_batches` held-out batches (each reported to `progress`)."""
     batches = list(itertools.islice(iter_batches(eval_ds, cfg.train.micro_batch_size), cfg.train.eval_batches))
     if not batches:
         return {}
-    return evaluate(model, batches, ctx)
+    return evaluate(model, ReportingList(batches, progress, "evaluating", "batches"), ctx)
 
 
 def exact_match_eval(
@@ -32,6 +35,7 @@ def exact_match_eval(
     run_dir: Path | None,
     batch_size: int = 32,
     samples_path: Path | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, float]:
     """Greedy answers to held-out prompts, scored by exact match (GSM8K-style `#### N` references: the final
     number); answers written to `samples_path`, else to run_dir/samples.jsonl when a run_dir is given."""
@@ -58,6 +62,8 @@ def exact_match_eval(
             ok = exact_match(prediction, reference, cfg.data.kind)
             correct += ok
             samples.append({"prompt": prompt, "reference": reference, "prediction": prediction, "correct": ok})
+        if progress:
+            progress("generating answers", len(samples), len(examples), "examples")
     samples_path = samples_path or (run_dir / "samples.jsonl" if run_dir is not None else None)
     if samples_path is not None:
         with open(samples_path, "w") as f:
@@ -68,7 +74,8 @@ def exact_match_eval(
 def final_evaluation(
     model: nn.Module, tokenizer: Any, eval_ds: Any, cfg: Config, ctx: StepContext, run_dir: Path | None, reporter: Any
 ) -> dict[str, Any]:
-    with reporter.status("final evaluation"):
-        result: dict[str, Any] = dict(run_eval(model, eval_ds, cfg, ctx))
-        result.update(exact_match_eval(model, tokenizer, getattr(eval_ds, "examples", []), cfg, ctx, run_dir))
+    with reporter.status("final evaluation") as progress:
+        result: dict[str, Any] = dict(run_eval(model, eval_ds, cfg, ctx, progress))
+        examples = getattr(eval_ds, "examples", [])
+        result.update(exact_match_eval(model, tokenizer, examples, cfg, ctx, run_dir, progress=progress))
     return result

@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 
 from tracetrain.config import Config, to_toml
-from tracetrain.data import build_datasets, build_loader, check_vocab, load_tokenizer
+from tracetrain.data import DATA_CACHE_DIR, build_datasets, build_loader, check_vocab, load_tokenizer
 from tracetrain.devices import peak_flops
 from tracetrain.errors import TracetrainError
 from tracetrain.models.accounting import training_flops_per_token
@@ -259,8 +259,11 @@ class _Run:
     def _build_data(self) -> None:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)  # 'auto': init_from's own
-        with self.reporter.status("reading and packing data"):
-            self.train_ds, self.eval_ds, stats = build_datasets(cfg.data, self.tokenizer)
+        with self.reporter.status("reading and packing data") as progress:
+            cache = Path(cfg.train.output_dir) / DATA_CACHE_DIR  # a text corpus's memory-mapped rows, reused
+            self.train_ds, self.eval_ds, stats = build_datasets(
+                cfg.data, self.tokenizer, cache_dir=cache, progress=progress
+            )
         self.data_stats = stats
         self.data_fingerprint = data_fingerprint(self.train_ds)  # stored in checkpoints, compared on resume
         self.reporter.data_stats(stats)
@@ -431,7 +434,7 @@ class _Run:
             counters=counters,
             data_fingerprint=self.data_fingerprint,
         )
-        with self.reporter.status(f"saving checkpoint at step {step}"), self.prof.phase("checkpoint"):
+        with self.reporter.status(f"saving checkpoint at step {step}") as progress, self.prof.phase("checkpoint"):
             if self.dist.is_distributed:  # every rank writes its shards (DCP), atomically as one folder
                 from tracetrain.train.sharded_checkpoint import save_sharded
 
@@ -453,6 +456,7 @@ class _Run:
                 self.config_toml,
                 lora=self.adapters_only,
                 keep_last=self.cfg.checkpoint.keep_last,
+                progress=progress,
             )
 
     def _refuse_non_finite_weights(self, step: int) -> None:
@@ -523,8 +527,8 @@ class _Run:
     def evaluate(self, done: int) -> None:
         if not self.can_evaluate():
             return
-        with self.prof.phase("eval"):
-            values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx)
+        with self.prof.phase("eval"), self.reporter.status("evaluating") as progress:
+            values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx, progress)
         self.metrics.log_eval(done, values)
         self.reporter.eval_line(done, values)
         self.callbacks("on_eval", done, dict(values))
