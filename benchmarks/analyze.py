@@ -13,7 +13,8 @@ the 1-minute load average is recorded next to them); peak RSS as the child's own
 (`VmHWM` of /proc/self/status, read as it ends; not `ru_maxrss`, which on Linux carries the parent's
 high-water mark over fork+exec, and this parent has just built a large trace). HTA is stopped when its
 RSS passes 16 GiB or it runs longer than 10 minutes, and that is recorded with the highest RSS seen.
-Traces are written to /tmp and deleted afterwards.
+Traces are written to /tmp and deleted afterwards. The installed orjson (tracetrain's optional faster
+reader, `pip install tracetrain[analyze-fast]`) and HTA versions are recorded with the machine.
 
     python benchmarks/analyze.py            # ~100 MB, ~300 MB, ~1 GB; HTA on the first two
     python benchmarks/analyze.py --sizes-mb 100 --no-hta
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.metadata
 import json
 import os
 import platform
@@ -211,7 +213,16 @@ def _machine() -> dict[str, Any]:
     env = environment()
     return {"cores": os.cpu_count(), "ram_gib": round(mem_kb / 2**20, 1),
             "cpu": cpu.group(1).strip() if cpu else platform.machine(), "python": platform.python_version(),
-            "torch": env["torch"], "tracetrain_commit": env["commit"], "date": env["date"]}
+            "torch": env["torch"], "tracetrain_commit": env["commit"], "date": env["date"],
+            "orjson": _version("orjson"), "hta": _version("HolisticTraceAnalysis")}
+
+
+def _version(package: str) -> str | None:
+    """The installed version (orjson speeds up tracetrain's reader; HTA is the peer), None if absent."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _row(size: dict[str, Any], tool: str, run: dict[str, Any]) -> str:

@@ -4,6 +4,13 @@ Shares are of the summed duration of all GPU activities on the rank's main GPU (
 memsets; overlapping streams are summed here, unlike utilisation's busy time). Categories follow the
 rules table in `categories.py`. Copy bandwidth is bytes over copy time; a copy from or to pageable
 host memory is staged by the driver through a pinned buffer, so it is slower and blocks the host.
+
+Each top kernel names the CPU operator that launched it: the kernel's correlation id finds its runtime
+launch (`cudaLaunchKernel`, or the `ac2g` flow when that event is missing), and the innermost `cpu_op`
+open on that thread at that moment is the operator (`link.py`; the same op whose `External id` the
+kernel carries). A kernel launched by several operators names the one with most of its GPU time and
+that operator's share of it, counting only launches found in the trace (the first kernels of a window
+were often launched before the profiler started recording the host).
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from tracetrain.profile.analyze.trace import Trace
 
 @dataclass(frozen=True)
 class KernelRow:
-    """One kernel name: launches, total and mean time (µs), share of GPU time."""
+    """One kernel name: launches, total and mean time (µs), share of GPU time, and the CPU operator
+    that launched it (`launched_by`, None when no launch was found; `launched_by_share` of the
+    kernel's time with a known launch came from that operator)."""
 
     name: str
     full_name: str
@@ -28,6 +37,8 @@ class KernelRow:
     total_us: float
     mean_us: float
     share: float
+    launched_by: str | None
+    launched_by_share: float
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,24 @@ class KernelBreakdown:
     memcpy: list[MemcpyRow]
 
 
+def _launcher(trace: Trace, rows: np.ndarray) -> tuple[str | None, float]:
+    """The operator that launched most of the GPU time of `rows` (one kernel name), and its share of
+    the time whose launch is in the trace (kernels launched before the profiled window have none)."""
+    ops = trace.gpu.op[rows]
+    known = ops >= 0
+    if not known.any():
+        return None, 0.0
+    op_names, inverse = np.unique(trace.host.name[ops[known]], return_inverse=True)
+    durations = trace.gpu.dur[rows][known]
+    if durations.sum() > 0:
+        time = np.bincount(inverse, weights=durations, minlength=len(op_names))
+        best = int(np.argmax(time))
+        return trace.names[op_names[best]], float(time[best] / durations.sum())
+    count = np.bincount(inverse, minlength=len(op_names))  # zero-length kernels: count launches
+    best = int(np.argmax(count))
+    return trace.names[op_names[best]], float(count[best] / len(durations))
+
+
 def _top_kernels(trace: Trace, rows: np.ndarray, codes: np.ndarray, total: float, top_n: int) -> list[KernelRow]:
     names, inverse = np.unique(trace.gpu.name[rows], return_inverse=True)
     time = np.bincount(inverse, weights=trace.gpu.dur[rows], minlength=len(names))
@@ -72,18 +101,23 @@ def _top_kernels(trace: Trace, rows: np.ndarray, codes: np.ndarray, total: float
     first = np.zeros(len(names), dtype=np.int64)
     first[inverse] = np.arange(len(rows))  # some row of each name, for its category
     order = np.argsort(-time, kind="stable")[:top_n]
-    return [
-        KernelRow(
-            name=short_kernel_name(trace.names[names[i]]),
-            full_name=trace.names[names[i]],
-            category=CATEGORIES[codes[rows[first[i]]]],
-            count=int(count[i]),
-            total_us=float(time[i]),
-            mean_us=float(time[i] / count[i]),
-            share=float(time[i] / total) if total > 0 else 0.0,
+    table = []
+    for i in order.tolist():
+        launched_by, launched_by_share = _launcher(trace, rows[inverse == i])
+        table.append(
+            KernelRow(
+                name=short_kernel_name(trace.names[names[i]]),
+                full_name=trace.names[names[i]],
+                category=CATEGORIES[codes[rows[first[i]]]],
+                count=int(count[i]),
+                total_us=float(time[i]),
+                mean_us=float(time[i] / count[i]),
+                share=float(time[i] / total) if total > 0 else 0.0,
+                launched_by=launched_by,
+                launched_by_share=launched_by_share,
+            )
         )
-        for i in order.tolist()
-    ]
+    return table
 
 
 def _category_table(trace: Trace, rows: np.ndarray, codes: np.ndarray, total: float) -> list[CategoryRow]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tracetrain.profile.analyze import fmt
 from tracetrain.profile.analyze.bound import BoundRow
 from tracetrain.profile.analyze.compare import DeltaRow
+from tracetrain.profile.analyze.kernels import KernelRow
 from tracetrain.profile.analyze.report import RankReport, Report
 from tracetrain.profile.analyze.utilisation import IDLE_CAUSES
 
@@ -128,16 +129,33 @@ def categories_table(rank: RankReport) -> TextTable:
     )
 
 
+def _launched_by(kernel: KernelRow) -> str:
+    """The launching operator, with its share of the kernel's time when other operators launch it too."""
+    if kernel.launched_by is None:
+        return "—"
+    if kernel.launched_by_share < 0.995:
+        return f"{kernel.launched_by} ({fmt.percent(kernel.launched_by_share, 0)})"
+    return kernel.launched_by
+
+
 def kernels_table(rank: RankReport) -> TextTable:
     rows = [
-        [k.name, k.category, str(k.count), fmt.duration(k.total_us), fmt.duration(k.mean_us), fmt.percent(k.share)]
+        [
+            k.name,
+            _launched_by(k),
+            k.category,
+            str(k.count),
+            fmt.duration(k.total_us),
+            fmt.duration(k.mean_us),
+            fmt.percent(k.share),
+        ]
         for k in rank.kernels.top
     ]
     return TextTable(
         "Top kernels",
-        ["kernel", "category", "count", "total", "mean", "share"],
+        ["kernel", "launched by", "category", "count", "total", "mean", "share"],
         rows,
-        [False, False, True, True, True, True],
+        [False, False, False, True, True, True, True],
     )
 
 

@@ -26,13 +26,15 @@ An Nsight Systems SQLite export (told by its header, not its name) is read by `n
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import gzip
 import json
 import math
 import re
 import zlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ import numpy as np
 
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.categories import is_range_name
-from tracetrain.profile.analyze.jsonstream import read_trace_document
+from tracetrain.profile.analyze.jsonstream import orjson, read_trace_document
 from tracetrain.profile.analyze.link import link_launches
 
 # Host event kinds and GPU event kinds (the `kind` column).
@@ -132,19 +134,24 @@ class Trace:
 
 
 class _Rows:
-    """Typed columns being filled; `add` takes one value per column, in the spec's order."""
+    """Typed columns being filled; `add` takes one value per column, in the spec's order. The hot
+    path appends through `appends` (one bound `array.append` per column) instead."""
 
     def __init__(self, spec: dict[str, str]) -> None:
         self.columns = {key: array(typecode) for key, typecode in spec.items()}
-        self._appends = [column.append for column in self.columns.values()]
+        self.appends: list[Callable[[Any], None]] = [column.append for column in self.columns.values()]
 
     def add(self, *values: Any) -> None:
-        for append, value in zip(self._appends, values):
+        for append, value in zip(self.appends, values):
             append(value)
 
 
 class _Builder:
-    """Accumulates compact rows while the document streams past."""
+    """Accumulates compact rows while the document streams past.
+
+    This runs once per event (millions on a long run), so it is written for speed: numbers that are
+    already `float`/`int` skip the conversion helpers, per-name and per-thread facts are computed
+    once and cached, and recorded shapes are interned by a cheap key (see `_shape`)."""
 
     def __init__(self) -> None:
         self.names: dict[str, int] = {}
@@ -156,6 +163,9 @@ class _Builder:
         self.num_python = 0
         self.num_invalid = 0  # events dropped for a negative, NaN or missing duration
         self.range_names: dict[int, bool] = {}  # name index -> is_range_name(name)
+        self.unified_names: dict[str, bool] = {}  # GPU activity name -> unified-memory activity
+        self.thread_keys: dict[tuple[int, int], int] = {}  # (pid, tid), both ints -> thread index
+        self.shape_keys: dict[bytes | str, int] = {}  # cheap key of [Input Dims, Input type] -> shape index
 
     def _intern(self, table: dict[str, int], key: str) -> int:
         index = table.get(key)
@@ -164,7 +174,7 @@ class _Builder:
         return index
 
     def add(self, event: Any) -> None:
-        if not isinstance(event, dict):
+        if type(event) is not dict:  # both decoders give plain dicts; anything else is not an event
             return
         phase = event.get("ph")
         if phase == "X":
@@ -172,7 +182,7 @@ class _Builder:
         elif phase == "s" and event.get("cat") == "ac2g":
             self.flows.add(_int(event.get("id")), _float(event.get("ts")), self._thread(event))
         elif phase == "i" and event.get("name") == "[memory]":
-            args = event.get("args") or {}
+            args = _args(event)
             self.memory.add(
                 _float(event.get("ts")),
                 _int(args.get("Total Allocated"), 0),
@@ -182,41 +192,49 @@ class _Builder:
 
     def _add_complete(self, event: dict[str, Any]) -> None:
         cat = event.get("cat", "")
-        group, kind = _CATEGORIES.get(cat) or _CATEGORIES.get(str(cat).lower(), ("", 0))
-        name = str(event.get("name", ""))
-        args = event.get("args") or {}
+        found = _CATEGORIES.get(cat) if type(cat) is str else None
+        group, kind = found or _CATEGORIES.get(str(cat).lower(), ("", 0))
         dur = _float(event.get("dur"))
         if group and not 0 <= dur < math.inf:  # NaN, negative or infinite: no interval to measure
             self.num_invalid += 1
             return
+        name = event.get("name", "")
+        if type(name) is not str:
+            name = str(name)
         if group == "host":
-            name_index = self._intern(self.names, name)
-            if kind == OP and self._is_range(name_index, name):
-                kind = ANNOTATION
-            self.host.add(
-                _float(event.get("ts")),
-                dur,
-                kind,
-                name_index,
-                self._thread(event),
-                _int(args.get("correlation")),
-                self._shape(kind, args),
-            )
-        elif group == "gpu" and not _UNIFIED_NAME.search(name):
-            self.gpu.add(
-                _float(event.get("ts")),
-                dur,
-                kind,
-                self._intern(self.names, name),
-                _int(args.get("device", event.get("pid")), 0),
-                _int(args.get("stream", event.get("tid"))),
-                _int(args.get("correlation")),
-                _int(args.get("bytes")),
-            )
-        elif group == "gpu" or _UNIFIED_CAT.search(str(cat)) or _UNIFIED_NAME.search(name):
-            self.unified.add(_float(event.get("ts")), dur, _int(args.get("bytes")))
+            self._add_host(event, kind, name, dur)
+        elif group == "gpu" and not self._is_unified(name):
+            args = _args(event)
+            ts_, dur_, kind_, name_, device_, stream_, corr_, bytes_ = self.gpu.appends
+            ts_(_float(event.get("ts")))
+            dur_(dur)
+            kind_(kind)
+            name_(self._intern(self.names, name))
+            device_(_int(args.get("device", event.get("pid")), 0))
+            stream_(_int(args.get("stream", event.get("tid"))))
+            corr_(_int(args.get("correlation")))
+            bytes_(_int(args.get("bytes")))
+        elif group == "gpu" or _UNIFIED_CAT.search(str(cat)) or self._is_unified(name):
+            self.unified.add(_float(event.get("ts")), dur, _int(_args(event).get("bytes")))
         elif cat == "python_function":
             self.num_python += 1
+
+    def _add_host(self, event: dict[str, Any], kind: int, name: str, dur: float) -> None:
+        name_index = self.names.get(name)
+        if name_index is None:
+            name_index = self.names[name] = len(self.names)
+        if kind == OP and self._is_range(name_index, name):
+            kind = ANNOTATION
+        args = _args(event)
+        ts_, dur_, kind_, name_, thread_, corr_, shape_ = self.host.appends
+        ts_(_float(event.get("ts")))
+        dur_(dur)
+        kind_(kind)
+        name_(name_index)
+        thread_(self._thread(event))
+        corr_(_int(args.get("correlation")))
+        dims = args.get("Input Dims") if kind == OP else None
+        shape_(-1 if dims is None else self._shape([dims, args.get("Input type", [])]))
 
     def _is_range(self, name_index: int, name: str) -> bool:
         """Whether an operator event is really a record_function range (2021 schemas), once per name."""
@@ -225,17 +243,54 @@ class _Builder:
             found = self.range_names[name_index] = is_range_name(name)
         return found
 
-    def _thread(self, event: dict[str, Any]) -> int:
-        return self._intern(self.threads, f"{event.get('pid')}/{event.get('tid')}")
+    def _is_unified(self, name: str) -> bool:
+        """Whether a GPU activity's name says unified memory (a page fault, a migration), once per name."""
+        found = self.unified_names.get(name)
+        if found is None:
+            found = self.unified_names[name] = bool(_UNIFIED_NAME.search(name))
+        return found
 
-    def _shape(self, kind: int, args: dict[str, Any]) -> int:
-        dims = args.get("Input Dims")
-        if kind != OP or dims is None:
-            return -1
-        return self._intern(self.shapes, json.dumps([dims, args.get("Input type", [])]))
+    def _thread(self, event: dict[str, Any]) -> int:
+        pid, tid = event.get("pid"), event.get("tid")
+        if type(pid) is not int or type(tid) is not int:  # the label tells 1 from 1.0 and "1"
+            return self._intern(self.threads, f"{pid}/{tid}")
+        index = self.thread_keys.get((pid, tid))
+        if index is None:
+            index = self.thread_keys[pid, tid] = self._intern(self.threads, f"{pid}/{tid}")
+        return index
+
+    def _shape(self, value: list[Any]) -> int:
+        """Index of `[Input Dims, Input type]` in `shapes`, which holds its `json.dumps` text.
+
+        Encoding every op's shapes with `json.dumps` was a tenth of the parse; orjson's encoding is
+        ten times cheaper and, for what the decoders return, equal exactly when the values are equal,
+        except that it writes NaN as `null` (NaN reaches here only from the standard decoder) and
+        refuses integers beyond 64 bits. Keys with `null` or refused ones fall back to the text
+        itself; the two kinds of key are `bytes` and `str`, so they never collide."""
+        key: bytes | str | None = None
+        if orjson is not None:
+            # orjson.JSONEncodeError (a TypeError): an integer beyond 64 bits, a lone surrogate.
+            with contextlib.suppress(TypeError):
+                key = orjson.dumps(value)
+            if key is not None and b"null" in key:
+                key = None
+        text = None
+        if key is None:
+            key = text = json.dumps(value)
+        index = self.shape_keys.get(key)
+        if index is None:
+            index = self.shape_keys[key] = self._intern(self.shapes, text or json.dumps(value))
+        return index
+
+
+def _args(event: dict[str, Any]) -> dict[str, Any]:
+    args = event.get("args")
+    return args if type(args) is dict else {}
 
 
 def _float(value: Any) -> float:
+    if type(value) is float:
+        return value
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -244,6 +299,10 @@ def _float(value: Any) -> float:
 
 def _int(value: Any, default: int = -1) -> int:
     """An integer field, or `default` when missing, malformed or outside int64 (traces are untrusted)."""
+    if type(value) is int and -(2**63) <= value < 2**63:
+        return value
+    if value is None:
+        return default
     try:
         number = int(value)
     except (TypeError, ValueError, OverflowError):
@@ -274,12 +333,19 @@ def _read(path: Path) -> tuple[_Builder, dict[str, Any]]:
     if not path.is_file():
         raise TracetrainError(f"trace file not found: {path}")
     builder = _Builder()
+    # Decoding makes millions of short-lived dicts and lists that never form reference cycles; the
+    # cyclic collector would walk them again and again (about a seventh of the parse), so it waits.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with _open_text(path) as text:
             others = read_trace_document(text, builder.add)
     except (ValueError, OSError, EOFError, zlib.error) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise TracetrainError(f"{path}: not a readable JSON trace ({reason})") from None
+    finally:
+        if collecting:
+            gc.enable()
     if "traceEvents" not in others:
         raise TracetrainError(f"{path}: no 'traceEvents' list; is this a PyTorch profiler trace?")
     return builder, others
