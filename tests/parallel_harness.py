@@ -244,6 +244,8 @@ def failure_drill(mode: str, run_dir: str, timeout_s: int) -> None:
             watchdog.beat(f"step {step}")
             if info.rank == 1 and step == 2:
                 log.info(f"injecting a {mode} at step {step}")
+                # CLOCK_MONOTONIC is one clock for every process on the machine: the test measures from here.
+                (Path(run_dir) / "injected_at").write_text(repr(time.monotonic()))
                 if mode == "raise":
                     raise ValueError("injected failure")
                 if mode == "hang":
