@@ -1,17 +1,13 @@
-"""End-to-end CLI runs beyond `train`: profile, eval, generate, export; fp16; TensorBoard; README sync."""
+"""End-to-end CLI runs beyond `train`: profile, eval, generate, export; fp16; TensorBoard."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tracetrain.config import reference_markdown
 from tracetrain.train.step import StepContext, train_step
 
 from test_train import SMALL, _model_and_opt, _rows, read_metrics, run_cli
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +101,3 @@ def test_fp16_run_resumes_with_scaler_state(tmp_path):
             "--train.run_name=h", "--train.eval_generate=0")
     state = torch.load(tmp_path / "h" / "checkpoints" / "step_00000006" / "trainer_state.pt", weights_only=True)
     assert state["counters"]["scaler"]["scale"] > 0
-
-
-def test_readme_config_reference_is_current():
-    readme = (REPO / "README.md").read_text()
-    assert reference_markdown().strip() in readme, "regenerate with: tracetrain config --reference"
