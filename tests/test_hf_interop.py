@@ -156,6 +156,23 @@ def test_export_sharded_and_overwrite(tmp_path: Path) -> None:
     assert_same_logits(hf_model, model.eval())
 
 
+def test_export_reports_progress_in_bytes_per_shard(tmp_path: Path) -> None:
+    """`tracetrain export` shows a bar from these calls: bytes written so far, of the total, per shard."""
+    from tracetrain.models.hf import write_hf_weights
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100)
+    model = Transformer(args)
+    calls: list[tuple[str, int, int | None, str]] = []
+    write_hf_weights(model, args, tmp_path, torch.float32, 64 * 1024, lambda *c: calls.append(c))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    done = [c[1] for c in calls]
+    assert done == sorted(done) and len(set(done)) == len(done)  # strictly growing, once per tensor
+    assert len(calls) == len(index["weight_map"]) and {c[3] for c in calls} == {"bytes"}
+    assert done[-1] == calls[-1][2] == index["metadata"]["total_size"]
+    assert {c[0] for c in calls} == {f"exporting weights: shard {i + 1} of {len(files)}" for i in range(len(files))}
+
+
 def test_bf16_export_dtype(tmp_path: Path) -> None:
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100)
     export_hf(Transformer(args), args, tmp_path / "out")

@@ -186,7 +186,12 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
         print(f"PEFT adapter written to {a.peft}")
     if a.hf:
         dtype = EXPORT_DTYPES[a.dtype] if a.dtype else None
-        notes += export_run_hf(loaded, a.hf, dtype, a.overwrite, max_shard_bytes)
+        from rich.console import Console
+
+        from tracetrain.progress import live_progress
+
+        with live_progress(Console(stderr=True)) as progress:  # a bar on a terminal, nothing in a pipe
+            notes += export_run_hf(loaded, a.hf, dtype, a.overwrite, max_shard_bytes, progress)
         print(f"Hugging Face model (adapters merged) written to {a.hf}")
     for note in dict.fromkeys(notes):
         print(note)

@@ -28,7 +28,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -36,6 +36,9 @@ from tracetrain import __version__
 from tracetrain.errors import CheckpointError, ConfigError
 from tracetrain.models.hf import _read_json, hf_config_dict, write_hf_weights, write_peft_adapter
 from tracetrain.models.lora import lora_state_dict
+
+if TYPE_CHECKING:
+    from tracetrain.progress import Progress
 
 MANIFEST = "tracetrain_export.json"
 EXPORT_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -313,10 +316,12 @@ def export_run_hf(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 10**9,
+    progress: Progress | None = None,
 ) -> list[str]:
     """A trained run (`inference.load_trained`) as a transformers checkpoint folder, adapters merged.
 
-    Returns notes for the user (e.g. no tokenizer files for the byte tokenizer).
+    Returns notes for the user (e.g. no tokenizer files for the byte tokenizer). `progress` hears the
+    weight bytes written (tracetrain/progress.py).
     """
     cfg, tok, model = loaded.cfg, loaded.tokenizer, loaded.model
     dtype = dtype or default_export_dtype(cfg)
@@ -326,7 +331,7 @@ def export_run_hf(
         gen = generation_config_dict(tok, cfg.model.init_from)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         notes = write_tokenizer_files(cfg, tok, tmp)
-        write_hf_weights(model, model.args, tmp, dtype, max_shard_bytes)
+        write_hf_weights(model, model.args, tmp, dtype, max_shard_bytes, progress)
         (tmp / "README.md").write_text(model_card(cfg, loaded.checkpoint, dtype, "hf", _tokenizer_note(tok)))
     return notes
 

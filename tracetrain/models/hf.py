@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -37,6 +37,9 @@ from tracetrain.models.lora import (
     resolve_targets,
 )
 from tracetrain.safe_load import open_safetensors
+
+if TYPE_CHECKING:
+    from tracetrain.progress import Progress
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -338,12 +341,18 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
 
 @torch.no_grad()
 def write_hf_weights(
-    model: nn.Module, args: ModelArgs, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int
+    model: nn.Module,
+    args: ModelArgs,
+    out_dir: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    progress: Progress | None = None,
 ) -> None:
     """`model.safetensors`, or shards + `model.safetensors.index.json`, into the existing folder `out_dir`.
 
     LoRA adapters are merged into the written weights without changing `model`. Shards are built one
-    at a time, so peak host memory is about one shard, not the whole model.
+    at a time, so peak host memory is about one shard, not the whole model. `progress` hears the bytes
+    converted and written so far, per tensor (tracetrain/progress.py).
     """
     state = {k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
     if args.tie_embeddings:
@@ -351,13 +360,20 @@ def write_hf_weights(
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards({k: v.numel() * itemsize for k, v in state.items()}, max_shard_bytes)
     weight_map: dict[str, str] = {}
+    total = sum(v.numel() * itemsize for v in state.values())
+    done = 0
     for i, keys in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {_hf_name(k): _export_tensor(model, k, state[k], dtype) for k in keys}
+        what = f"exporting weights: shard {i + 1} of {len(shards)}"  # one bar (and ETA) for all shards
+        tensors = {}
+        for k in keys:
+            tensors[_hf_name(k)] = _export_tensor(model, k, state[k], dtype)
+            done += state[k].numel() * itemsize
+            if progress:
+                progress(what, done, total, "bytes")
         save_file(tensors, out_dir / file, metadata={"format": "pt"})  # transformers checks "format"
         weight_map.update(dict.fromkeys(tensors, file))
     if len(shards) > 1:
-        total = sum(v.numel() * itemsize for v in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
