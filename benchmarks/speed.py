@@ -68,6 +68,7 @@ VARIANTS = {
     # train.fp8 (kernels/fp8.py) on top of `compile`: LoRA bases quantised once; full FT through torchao.
     "compile_fp8": dict(attention="flex", kernels=(), compile=True, fused_ce=True, fp8="tensorwise"),
     "compile_fp8_rowwise": dict(attention="flex", kernels=(), compile=True, fused_ce=True, fp8="rowwise"),
+    "compile_sdpa_fp8_rowwise": dict(attention="sdpa", kernels=(), compile=True, fused_ce=True, fp8="rowwise"),
     # With the opt-in fused FP8 feed-forward (kernels/fp8_mlp.py: gate|up in one GEMM, SwiGLU + quantisation
     # in single-pass Triton row kernels); slower than the default three FP8 linears on the H100 (cb02d8e).
     "compile_fp8_fused": dict(attention="flex", kernels=(), compile=True, fused_ce=True, fp8="tensorwise",
