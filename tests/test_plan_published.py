@@ -13,6 +13,7 @@ import pytest
 from tracetrain.models.presets import get_preset
 from tracetrain.plan import PlanInput, plan
 from tracetrain.plan import collective_time as comm
+from tracetrain.plan import time as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from plan_vs_published import ROWS, Published
@@ -89,3 +90,39 @@ def test_gh200_profiles_for_offload_and_unified_memory() -> None:
     for opts in ({"optimizer_offload": True}, {"unified_memory": "optimizer"}):
         h100, gh200 = plan(base.replace(gpu="h100-sxm", **opts)), plan(base.replace(gpu="gh200", **opts))
         assert gh200.step_s < h100.step_s
+
+
+@pytest.mark.parametrize(
+    ("seq", "cudnn_fwd", "cudnn_bwd", "fa2_fwd", "fa2_bwd"),
+    [(2048, 484, 465, 298, 291), (8192, 529, 518, 333, 318), (16384, 539, 516, 335, 322)],
+)
+def test_attention_efficiency_matches_the_flashattention3_papers_h100_figures(
+    seq: int, cudnn_fwd: float, cudnn_bwd: float, fa2_fwd: float, fa2_bwd: float
+) -> None:
+    """Shah et al. 2024 (arXiv:2407.08608), H100 SXM, head dim 128, TFLOP/s: fig. 5 causal forward
+    (causal FLOPs at half the square, as accounting.py counts them), fig. 6 backward (at 2.5x the
+    forward FLOPs; the plan counts backward as 2x). The plan's curve is cuDNN's, FA2 at a fixed share."""
+    peak = PlanInput(model=get_preset("llama3-8b")).hardware().bf16_flops / 1e12
+    fwd, bwd = T.attention_efficiency(128, seq, False) * peak, T.attention_efficiency(128, seq, True) * peak * 2.5 / 2
+    assert fwd == pytest.approx(cudnn_fwd, rel=0.10) and bwd == pytest.approx(cudnn_bwd, rel=0.10)
+    fa2 = T.SDPA_FA2_RELATIVE
+    assert fwd * fa2 == pytest.approx(fa2_fwd, rel=0.10) and bwd * fa2 == pytest.approx(fa2_bwd, rel=0.10)
+
+
+def test_fa2_slows_attention_only() -> None:
+    base = PlanInput(model=get_preset("llama3-8b"), seq_len=32768, recompute="full", num_gpus=8, dp_shard=8)
+    cudnn, fa2 = plan(base).time.breakdown, plan(base.replace(sdpa_kernel="fa2")).time.breakdown
+    assert fa2["attention"] == pytest.approx(cudnn["attention"] / T.SDPA_FA2_RELATIVE)
+    assert fa2["GEMM"] == cudnn["GEMM"] and fa2["memory-bound"] == cudnn["memory-bound"]
+
+
+def test_cp_is_planned_as_the_trainers_all_gather_not_a_ring() -> None:
+    """parallel/context_parallel.py gathers the whole sequence's K/V before each block's attention and
+    reduce-scatters their gradients, with no compute to hide behind: all of it is exposed, it grows with
+    the gathered sequence, and full recomputation gathers once more (3 collectives per block, not 2)."""
+    base = PlanInput(model=get_preset("llama3-8b"), seq_len=32768, num_gpus=4, cp=4)
+    none, full = plan(base), plan(base.replace(recompute="full"))
+    assert none.time.breakdown["CP comm (exposed)"] == pytest.approx(none.time.comm_total["CP"])
+    assert full.time.comm_total["CP"] == pytest.approx(1.5 * none.time.comm_total["CP"])
+    longer = plan(base.replace(seq_len=65536)).time.comm_total["CP"]
+    assert longer == pytest.approx(2 * none.time.comm_total["CP"], rel=0.05)  # + per-call latency

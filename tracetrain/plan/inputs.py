@@ -146,6 +146,7 @@ class PlanInput:
     compile: bool = False  # train.compile: each block a torch.compile'd graph
     fused_kernels: bool = False  # train.fused_kernels: Triton RMSNorm / RoPE / SwiGLU ops
     attention: Literal["sdpa", "flex"] = "sdpa"  # train.attention (flex: FlexAttention)
+    sdpa_kernel: Literal["cudnn", "fa2"] = "cudnn"  # SDPA's kernel on Hopper: cuDNN (torch >= 2.11), FA2 (earlier)
     fused_ce_chunk: int = 0  # train.fused_ce: tokens per chunk of the fused lm_head +
     # cross-entropy, 0 = full logits; like the trainer, only with tp = pp = 1
     # memory options (MemorySection)

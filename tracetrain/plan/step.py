@@ -4,6 +4,7 @@ Formulas and overlap rules are in time.py's docstring."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tracetrain.plan import collective_time as comm
@@ -58,7 +59,7 @@ def _comm_per_microbatch(
         t = passes * n * 2 * comm.all_reduce_s(act_bytes, inp.tp, comm.bandwidth(inp, hw, ("tp",)))
         total["TP"] = exposed["TP"] = t
     if inp.cp > 1:
-        _cp_ring(inp, hw, nm, mb, tokens, n, exposed, total)
+        _cp_all_gather(inp, hw, nm, tokens, n, exposed, total)
     if inp.ep > 1:
         t = (
             2
@@ -136,29 +137,26 @@ def _fsdp_per_microbatch(
         exposed["FSDP copy-in/out"] = copies
 
 
-def _cp_ring(
+def _cp_all_gather(
     inp: PlanInput,
     hw: Hardware,
     nm: Numerics,
-    mb: MicroBatchTime,
     tokens: float,
     num_blocks: int,
     exposed: dict[str, float],
     total: dict[str, float],
 ) -> None:
-    """Ring attention over cp ranks, per block: cp - 1 steps, each passing this rank's K/V chunk on
-    while it computes attention against the chunk it holds; backward passes K/V and their fp32 gradient
-    accumulators. A step's transfer hides only behind that step's share (1/cp) of the block's attention,
-    the rest is exposed, and each step waits on its send/recv (latency)."""
+    """Context parallelism as parallel/context_parallel.py runs it (not a ring): each block's forward
+    all-gathers the keys and values of the whole sequence (n_kv_heads, compute dtype) before its two
+    attention calls, again in a recomputed forward, and the backward reduce-scatters their gradients.
+    Nothing is issued behind compute, so all of it is exposed."""
     a = inp.model
-    kv = 2 * tokens * a.n_kv_heads * a.head_dim / inp.tp * nm.c
+    kv_bytes = 2 * tokens * inp.cp * a.n_kv_heads * a.head_dim / inp.tp * nm.c  # whole sequence
     bw = comm.bandwidth(inp, hw, ("cp",))
-    steps = num_blocks * (inp.cp - 1)
-    fwd, bwd = kv / bw, (kv + 2 * kv * 4 / nm.c) / bw  # one step's transfer
-    att_f = mb.forward.get("attention", 0.0) / (num_blocks * inp.cp)
-    att_b = mb.backward.get("attention", 0.0) / (num_blocks * inp.cp)
-    total["CP"] = steps * (fwd + bwd)
-    exposed["CP"] = steps * (max(0.0, fwd - att_f) + max(0.0, bwd - att_b) + 2 * comm.COLLECTIVE_LATENCY_S)
+    n_ckpt = math.ceil(num_blocks / inp.recompute_every) if inp.recompute == "full" else 0
+    gathers = num_blocks + n_ckpt
+    t = (gathers + num_blocks) * comm.all_gather_s(kv_bytes, inp.cp, bw)
+    total["CP"] = exposed["CP"] = t
 
 
 def plan_time(inp: PlanInput) -> StepTime:

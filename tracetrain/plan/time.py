@@ -6,9 +6,11 @@ compute      every GEMM of the step by shape (m, n, k): forward; backward dgrad 
              blocks' forward. time = 2mnk / (peak * gemm_efficiency(m, n, k)), never less than its
              bytes at HBM speed (LoRA's rank-r matmuls are bandwidth-bound). The FLOPs sum to
              accounting.training_flops_per_token (tested).
-attention    accounting.attention_forward_flops per token; backward 2x forward, each at
-             attention_efficiency(head_dim, seq_len). fp32 with GQA runs SDPA's math path (score matrix).
-             FlexAttention (train.attention = flex) at FLEX_*_RELATIVE of flash.
+attention    accounting.attention_forward_flops per token (causal: half the square); backward 2x
+             forward, each at attention_efficiency(head_dim, seq_len), cuDNN's fused kernel counted the
+             same way; FlashAttention-2 (sdpa_kernel = "fa2", torch before 2.11) at SDPA_FA2_RELATIVE of it.
+             fp32 with GQA runs SDPA's math path (score matrix). FlexAttention (train.attention = flex)
+             at FLEX_*_RELATIVE of flash. Full recomputation runs the forward again.
 speed path   train.compile: traffic.compiled_block (Inductor's fused regions) instead of the eager op
              walk; train.fused_kernels: the Triton norm / RoPE / SwiGLU ops (traffic.kernels_block);
              train.fused_ce: the loss's memory-bound work is the chunked row kernel plus the head's
@@ -34,8 +36,9 @@ communication (ring collectives; bus bytes = 2(n-1)/n x size for all-reduce, (n-
                    of T x d activations, not overlapped (no async TP)
   PP               send/recv of T x d activations per micro-batch and stage boundary, plus the bubble:
                    the busy time is stretched by 1 / (1 - (pp - 1) / (v m + pp - 1)) (v = 1 unless interleaved)
-  CP               ring of cp - 1 steps per block: K/V forward, K/V + fp32 dK/dV backward, each step
-                   behind its own 1/cp of the block's attention; attention at the half-chunk's length
+  CP               all-gather of the whole sequence's K/V per block and forward (recomputed ones too),
+                   reduce-scatter of their gradients in backward, exposed (parallel/context_parallel.py
+                   is not a ring); attention at the query chunk's length s / (2 cp)
   EP               all-to-all dispatch and combine of T x top_k x d per MoE block and pass, exposed
 fp8          LoRA (kernels/fp8.py, bases quantised once): block GEMMs at the FP8 peak. Full fine-tuning
              (torchao): bf16 peak x FP8_TORCHAO_SPEEDUP[recipe], from torchao's published tensorwise
@@ -77,6 +80,17 @@ ATTENTION_FWD_EFFICIENCY = 0.79
 ATTENTION_BWD_EFFICIENCY = 0.59
 ATTENTION_HALF_HEAD_DIM = 48.0
 ATTENTION_HALF_SEQ = 512.0
+# The curve above is cuDNN's fused attention, the kernel SDPA runs on Hopper with torch 2.11 (its
+# `check_prefer_cudnn_attention` puts cuDNN first on sm90 once the bundled cuDNN is newer than 9.15;
+# pytorch/pytorch#138522 had made it opt-in after the 2.5 bugs): on an H100 the trainer's default SDPA and
+# forced cuDNN run alike (benchmarks/speed_checks.check_attention: 0.274 vs 0.277 ms forward, 4 x 32 heads
+# x 2048 x 128). It matches the FlashAttention-3 paper's H100 SXM cuDNN figures (Shah et al. 2024,
+# arXiv:2407.08608, fig. 5, causal forward, hd 128: 484 / 529 / 539 TFLOP/s at 2k / 8k / 16k; fig. 6
+# backward: 465 / 518 / 516 at 2.5x the forward FLOPs), to within 10% (tests/test_plan_published.py). Earlier
+# torch (and torchtitan's and torchao's published H100 runs of Dec 2024 and early 2025) ran
+# FlashAttention-2, which the same figures put at 0.62 of cuDNN in both passes from 2k tokens on
+# (forward 298 / 333 / 335, backward 291 / 318 / 322): `PlanInput.sdpa_kernel = "fa2"`.
+SDPA_FA2_RELATIVE = 0.62
 # FlexAttention's speed relative to flash SDPA on a causal mask without documents, measured on an H100
 # (benchmarks/speed.py --attention, 7B shapes: forward 0.274 vs 0.427 ms, backward 0.876 vs 1.078 ms).
 # With packed documents flex skips the masked blocks: the plan, which does not know the document
@@ -96,10 +110,10 @@ DP_OVERLAP = 0.8
 # datasheet's 2x: from torchao's published end-to-end table (docs/source/workflows/training.md,
 # "NVIDIA H100": Llama3-8B, 8 x H100, FSDP2, compile, batch 1 x 8192, per-op SAC), bf16 6,150 tokens/s,
 # tensorwise (float8 all-gather) 7,689.5, rowwise 6,768: the step saved, 20.0% and 9.1%, divided by the
-# GEMM share this planner gives that run in bf16 (0.575) is the GEMM time saved (35% and 16%). LoRA's
-# frozen bases (kernels/fp8.py, quantised once) keep the FP8 peak: measured there, rowwise and
-# tensorwise run alike (docs/planner.md, FP8).
-FP8_TORCHAO_SPEEDUP: dict[str, float] = {"tensorwise": 1 / (1 - 0.200 / 0.575), "rowwise": 1 / (1 - 0.091 / 0.575)}
+# GEMM share this planner gives that run in bf16 on its FlashAttention-2 (0.529) is the GEMM time saved
+# (38% and 17%). LoRA's frozen bases (kernels/fp8.py, quantised once) keep the FP8 peak: measured there,
+# rowwise and tensorwise run alike (docs/planner.md, FP8).
+FP8_TORCHAO_SPEEDUP: dict[str, float] = {"tensorwise": 1 / (1 - 0.200 / 0.529), "rowwise": 1 / (1 - 0.091 / 0.529)}
 # Bytes a CPU AdamW step touches per fp32 parameter: read p, g, m, v; write p, m, v; bf16 copy out.
 CPU_ADAM_BYTES_PER_PARAM = 30.0
 # Bytes the offload worker touches per parameter and micro-batch to accumulate a bf16 grad into fp32.
@@ -268,9 +282,12 @@ def attention_time(inp: PlanInput, hw: Hardware, nm: Numerics, tokens: float, nu
     flops = attention_forward_flops(a, inp.seq_len) / a.n_layers * num_blocks * tokens / inp.tp
     peak = hw.bf16_flops if nm.c == 2 else hw.peak_flops
     if act.attention_backend(a, nm, inp.attention) != "math":
-        fwd_rel, bwd_rel = (FLEX_FWD_RELATIVE, FLEX_BWD_RELATIVE) if inp.attention == "flex" else (1.0, 1.0)
-        # Ring attention (cp > 1) runs one kernel per ring step over half-chunks of s / (2 cp) tokens
-        # (load-balanced causal split): each runs at that length's efficiency.
+        if inp.attention == "flex":
+            fwd_rel, bwd_rel = FLEX_FWD_RELATIVE, FLEX_BWD_RELATIVE
+        else:
+            fwd_rel = bwd_rel = SDPA_FA2_RELATIVE if inp.sdpa_kernel == "fa2" else 1.0
+        # Under CP each rank attends two query chunks of s / (2 cp) tokens to the keys before them
+        # (parallel/context_parallel.py): each call runs at its query chunk's length's efficiency.
         seq = inp.seq_len if inp.cp == 1 else inp.seq_len / (2 * inp.cp)
         return (
             flops / (peak * attention_efficiency(a.head_dim, seq, False) * fwd_rel),
