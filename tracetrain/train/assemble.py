@@ -389,6 +389,16 @@ TRANSFORMS: tuple[Transform, ...] = (
 )
 
 
+def reapply_after_load(a: Assembly) -> bool:
+    """Rows whose result loading a checkpoint undoes, applied again; True if any was. `Optimizer.load_state_dict`
+    replaces the managed Adam moments with plain device tensors: without this a resumed run would hold its
+    optimizer states in the GPU memory that `memory.unified_memory` was set to spare."""
+    if a.spec.cfg.memory.unified_memory == "optimizer":
+        _unified_memory(a)
+        return True
+    return False
+
+
 def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None) -> Assembly:
     """Apply every row of TRANSFORMS that applies to `spec`, in order; stop after row `until` if given.
 

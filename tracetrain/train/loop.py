@@ -31,7 +31,7 @@ from tracetrain.devices import peak_flops
 from tracetrain.errors import TracetrainError
 from tracetrain.models.accounting import training_flops_per_token
 from tracetrain.profile.capture import ProfileCapture
-from tracetrain.train.assemble import run_step_context
+from tracetrain.train.assemble import reapply_after_load, run_step_context
 from tracetrain.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -386,12 +386,7 @@ class _Run:
             state = train_state_from_dict(raw)
         else:
             state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
-        if self.cfg.memory.unified_memory == "optimizer":
-            from tracetrain.memory.unified import apply_unified_memory
-
-            # Loading replaced the managed Adam moments with plain device tensors: move them back, or a
-            # resumed run would hold its optimizer states in GPU memory the plan said it would not need.
-            apply_unified_memory(self.optimizer, "optimizer", coherent_memory=self.cfg.memory.coherent_memory)
+        if reapply_after_load(self.assembly):
             self.note_managed()
         self.scheduler.load_state_dict(state.scheduler)
         if self.scaler is not None and state.counters.get("scaler"):
