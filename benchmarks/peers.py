@@ -39,6 +39,8 @@ OURS = {
     "7b-lora-all:fp8": ("7b-lora-all", "compile_sdpa_fp8_rowwise", "llama2-7b-lora-all-linear"),
     "1b-full": ("1b-full", "compile_sdpa", "llama3.2-1b-full"),
     "1b-full:flex": ("1b-full", "compile", "llama3.2-1b-full"),
+    "8b-full": ("8b-full", "compile_sdpa", "llama3-8b-full-ac"),
+    "8b-full-b1": ("8b-full-b1", "compile_sdpa", "llama3-8b-full-ac-b1"),
 }
 UNSLOTH_CASES = {"qkvo": "llama2-7b-lora", "all-linear": "llama2-7b-lora-all-linear"}
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--ours", default="7b-lora,1b-full", help=f"comma-separated: {', '.join(OURS)}")
     ap.add_argument("--unsloth", default="qkvo", help="comma-separated: qkvo, all-linear ('' = none)")
     ap.add_argument("--torchtitan", action="store_true", help="torchtitan 1B on one GPU (--no-cudagraphs)")
+    ap.add_argument("--torchtitan-8b", default="", help="torchtitan 8B with full activation checkpointing at "
+                    "these batch sizes, comma-separated (one H200: the fp32 states alone are 128 GB)")
     ap.add_argument("--peersite", default="/tmp/peersite")
     ap.add_argument("--peers-dir", default=".peers")
     ap.add_argument("--data", default=".carry/shared/data/tinyshakespeare.txt", help="text file for torchtitan")
@@ -97,7 +101,16 @@ def main() -> None:
              "device": torch.cuda.get_device_name(0)}
     rows: list[dict] = []
     for name in [n for n in a.ours.split(",") if n]:
-        row = {**ours(name, a.warmup, a.steps), **stamp}
+        try:
+            row = {**ours(name, a.warmup, a.steps), **stamp}
+        except Exception as e:  # recorded (an 8B that does not fit is a result too); the peers still run
+            kind = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+            rows.append({"system": "tracetrain", "case": OURS[name][2], "error": f"{kind}: {str(e)[:300]}", **stamp})
+            print(f"{name}: {rows[-1]['error']}", flush=True)
+            from speed_checks import free
+
+            free()
+            continue
         rows.append(row)
         print(f"{row['system']:16} {row['case']:28} {row['tokens_per_s']:9,.0f} tok/s  {row['peak_gib']:5.1f} GiB",
               flush=True)
@@ -113,6 +126,14 @@ def main() -> None:
         out = run_peer(cmd, a.peersite, {}, a.peer_timeout_s)
         rows.append({"system": "torchtitan 0.3.0 (--no-cudagraphs)", "case": "llama3.2-1b-full", **out, **stamp})
         print(f"torchtitan 1B: {out.get('tokens_per_s', out.get('error'))}", flush=True)
+    for batch in [b for b in a.torchtitan_8b.split(",") if b]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+               str(peers / "torchtitan_peer.py"), "--data", a.data, "--no-cudagraphs", "--flavour", "8B", "--ac", "full",
+               "--batch", batch, "--steps", "20", "--skip", "6"]
+        out = run_peer(cmd, a.peersite, {}, a.peer_timeout_s)
+        case = "llama3-8b-full-ac" + ("" if batch == "2" else f"-b{batch}")
+        rows.append({"system": "torchtitan 0.3.0 (--no-cudagraphs, --ac full)", "case": case, **out, **stamp})
+        print(f"torchtitan 8B batch {batch}: {out.get('tokens_per_s', out.get('error'))}", flush=True)
     print("\nratios in this call (tracetrain / peer, same case):")
     for r in rows:
         if r["system"].startswith("tracetrain") and r.get("tokens_per_s"):

@@ -54,6 +54,11 @@ CASES = {
     "1b-full": dict(preset="llama3.2-1b", mode="full", batch=4, seq=2048,
                     peer=["--model", "llama3.2-1b", "--mode", "full"]),
     "1b-full-b8": dict(preset="llama3.2-1b", mode="full", batch=8, seq=2048, peer=[]),
+    # #19: llama3-8b full fine-tune on one H200 (fp32 weights + AdamW states: 128 GB before activations),
+    # every block recomputed to fit; torchtitan's 8B runs next to it with --ac full at the same batch.
+    "8b-full": dict(preset="llama3-8b", mode="full", batch=2, seq=2048, peer=[], extra=["--memory.recompute=full"]),
+    "8b-full-b1": dict(preset="llama3-8b", mode="full", batch=1, seq=2048, peer=[],
+                       extra=["--memory.recompute=full"]),
 }
 ALL_KERNELS = ("rmsnorm", "rope", "swiglu", "lora")
 VARIANTS = {
@@ -100,7 +105,8 @@ def build_variant(case: str, variant: str, lr: float):
                              f"--train.compile={'on' if var['compile'] else 'off'}", "--train.fused_kernels=off",
                              f"--train.fused_ce={'true' if var['fused_ce'] else 'false'}",
                              f"--train.fused_ce_chunk={FUSED_CE_CHUNK}", f"--train.fp8={var.get('fp8', 'none')}",
-                             *([f"--lora.targets={spec['targets']}"] if "targets" in spec else [])])
+                             *([f"--lora.targets={spec['targets']}"] if "targets" in spec else []),
+                             *spec.get("extra", [])])
     torch._dynamo.reset()  # each variant compiles afresh (and Dynamo's recompile limit is per process)
     run_spec = resolve(cfg, torch.device("cuda")).replace(
         fused_kernels=tuple(var["kernels"]), fp8_fused_mlp=var.get("fp8_fused_mlp", False))

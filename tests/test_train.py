@@ -70,6 +70,53 @@ def test_non_finite_step_is_skipped_and_counted():
     assert sum(changed) == 1  # only the weight we poisoned differs; no update was applied
 
 
+def _fused_opt_model(seed: int = 0):
+    cfg = load_config(None, ["--model.n_layers=2", f"--train.seed={seed}", "--optim.fused=on"])
+    model = build_model(cfg, torch.device("cpu"))
+    return model, build_optimizer(model, cfg.optim, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9])
+def test_clip_folded_into_fused_adamw_equals_clip_then_step(max_norm):
+    """The fused optimizer divides by the clip factor in its kernel (step.py `fold_clip`); the update
+    must equal clip_grad_norm_ followed by the same fused AdamW step, clipped or not."""
+    clip_ctx = StepContext(torch.device("cpu"), None, grad_clip=max_norm, use_document_mask=True, fused_skip=True)
+    m1, o1 = _fused_opt_model()
+    m2, o2 = _fused_opt_model()
+    assert o1.defaults["fused"]
+    batches = [_rows(2, seed=s) for s in range(3)]
+    for batch in batches:
+        out = train_step(m1, o1, [batch], clip_ctx)
+        # The reference: the plain path (what optimizer_update does without the fused kernel).
+        from tracetrain.train.step import loss_sum
+        (loss_sum(m2, batch, CTX) / (batch["labels"] != -100).sum()).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(list(m2.parameters()), max_norm, foreach=True)
+        o2.step()
+        o2.zero_grad(set_to_none=True)
+        assert out.grad_norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
+    clipped = max_norm < out.grad_norm.item()
+    assert clipped == (max_norm == 0.05)  # the small bound really clips
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p1, p2, atol=2e-6, rtol=1e-5)
+    # And the check can fail: the unclipped update is far from the clipped one.
+    if clipped:
+        m3, o3 = _fused_opt_model()
+        for batch in batches:
+            train_step(m3, o3, [batch], StepContext(torch.device("cpu"), None, 0.0, True, fused_skip=True))
+        assert max((a - b).abs().max().item() for a, b in zip(m1.parameters(), m3.parameters())) > 1e-4
+
+
+def test_fused_skip_with_folded_clip_leaves_weights_untouched():
+    model, opt = _fused_opt_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    out = train_step(model, opt, [_rows(2)], StepContext(torch.device("cpu"), None, 1.0, True, fused_skip=True))
+    assert not out.finite.item()
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    assert sum(changed) == 1
+
+
 def test_bad_streak_stops_with_clear_error(tmp_path):
     log = MetricsLogger(tmp_path, torch.device("cpu"), 1.0, None, max_bad_steps=3)
     nan, bad = torch.tensor(float("nan")), torch.tensor(False)

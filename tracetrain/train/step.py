@@ -184,8 +184,15 @@ def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx:
                 # Each rank found inf/NaN in its own shards only: every rank must skip, and back off the
                 # scale, alike, or their weights and loss scales part ways.
                 par.agree_on_found_inf(scaler, optimizer)
+        # One device with the fused kernel: the clip factor is handed to AdamW as its gradient divisor
+        # (`grad_scale`), so clipping costs no separate pass over the gradients (for llama3.2-1b a
+        # read and write of 5 GB of float32 gradients, 2.5% of the step on an H100).
+        fold_clip = par is None and scaler is None and ctx.fused_skip and max_norm != float("inf")
         if par is not None:  # norm over every shard, mesh axis and stage
             grad_norm = par.clip_grad_norm_(max_norm)
+        elif fold_clip:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float()
         else:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
@@ -200,6 +207,9 @@ def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx:
         elif ctx.fused_skip:
             # Fused AdamW skips the update on the device when found_inf is non-zero: no host sync.
             optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]  # read by the fused kernel
+            # The kernel divides each gradient by grad_scale (and stores the clipped gradient back, as
+            # clip_grad_norm_ would leave it): max(1, norm / max_norm), clip_grad_norm_'s factor inverted.
+            optimizer.grad_scale = clip_divisor(grad_norm, max_norm) if fold_clip else None  # type: ignore[attr-defined]  # read by the fused kernel
             optimizer.step()
             diverged = ~finite
         else:
@@ -210,6 +220,12 @@ def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx:
             diverged = ~finite
         optimizer.zero_grad(set_to_none=True)
     return StepOutput(loss=total, grad_norm=grad_norm, finite=finite, diverged=diverged)
+
+
+def clip_divisor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the gradients are divided by to clip them to `max_norm`: 1 / clip_grad_norm_'s coefficient
+    min(1, max_norm / (norm + 1e-6)), as a () float32 device tensor (no host sync)."""
+    return torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0)
 
 
 @torch.no_grad()
