@@ -43,8 +43,9 @@ def test_float8_gain_out_of_sample_and_rowwise_below_tensorwise() -> None:
     used: compile + float8 over compile was 1.28x there."""
     bf16, fp8 = _row("Llama3.1-8B FSDP 8, compile"), _row("Llama3.1-8B FSDP 8, compile, float8")
     assert fp8.planned() / bf16.planned() == pytest.approx(fp8.value / bf16.value, abs=0.07)
-    tensorwise, rowwise = _row("Llama3-8B FSDP 8, compile, float8 tensorwise"), _row(
-        "Llama3-8B FSDP 8, compile, float8 rowwise"
+    tensorwise, rowwise = (
+        _row("Llama3-8B FSDP 8, compile, float8 tensorwise"),
+        _row("Llama3-8B FSDP 8, compile, float8 rowwise"),
     )
     assert rowwise.planned() / tensorwise.planned() == pytest.approx(rowwise.value / tensorwise.value, abs=0.03)
 
@@ -73,8 +74,19 @@ def test_overlapped_fsdp_is_not_free() -> None:
     2 rows of 2048 per GPU, compile, 0.450 s per step. With overlapped gathers planned free the plan
     said 0.324 s (-28%); NCCL's HBM traffic beside the compute, FSDP2's copy-in/out and the first and
     last collectives bring it within the goal."""
-    p = plan(PlanInput(model=get_preset("llama3-8b"), seq_len=2048, micro_batch=2, compile=True,
-                       attention="flex", fused_ce_chunk=1024, num_gpus=4, dp_shard=4, gpu="h200"))
+    p = plan(
+        PlanInput(
+            model=get_preset("llama3-8b"),
+            seq_len=2048,
+            micro_batch=2,
+            compile=True,
+            attention="flex",
+            fused_ce_chunk=1024,
+            num_gpus=4,
+            dp_shard=4,
+            gpu="h200",
+        )
+    )
     assert p.step_s == pytest.approx(0.450, rel=0.15)
     assert p.time.breakdown["FSDP comm (exposed)"] > 0 and p.time.breakdown["FSDP copy-in/out"] > 0
 
@@ -82,8 +94,10 @@ def test_overlapped_fsdp_is_not_free() -> None:
 def test_gh200_profiles_for_offload_and_unified_memory() -> None:
     """GH200: the H100's compute, 96 GB HBM3 (4 TB/s) or 144 GB HBM3e (4.9 TB/s), and NVLink-C2C to
     the Grace CPU at 450 GB/s each way where an H100 has PCIe at ~55: host traffic costs ~8x less."""
-    small, large = PlanInput(model=get_preset("llama2-7b"), gpu="gh200").hardware(), PlanInput(
-        model=get_preset("llama2-7b"), gpu="gh200-144g").hardware()
+    small, large = (
+        PlanInput(model=get_preset("llama2-7b"), gpu="gh200").hardware(),
+        PlanInput(model=get_preset("llama2-7b"), gpu="gh200-144g").hardware(),
+    )
     assert large.memory_bytes > small.memory_bytes and large.hbm_bytes_s > small.hbm_bytes_s
     assert small.host_bytes_s == large.host_bytes_s == 450e9
     base = PlanInput(model=get_preset("llama3.2-1b"), micro_batch=4, seq_len=2048)
@@ -126,3 +140,18 @@ def test_cp_is_planned_as_the_trainers_all_gather_not_a_ring() -> None:
     assert full.time.comm_total["CP"] == pytest.approx(1.5 * none.time.comm_total["CP"])
     longer = plan(base.replace(seq_len=65536)).time.comm_total["CP"]
     assert longer == pytest.approx(2 * none.time.comm_total["CP"], rel=0.05)  # + per-call latency
+
+
+def test_per_op_sac_recomputes_every_second_matmul_of_a_block() -> None:
+    """torchtitan's per-op SAC runs wk, wo and w3 (the 2nd, 4th and 6th of wq wk wv wo w1 w3 w2) again in
+    backward; the what-if in plan_vs_published.py times exactly those GEMMs (docs/planner.md)."""
+    from plan_vs_published import PER_OP_SAC_RECOMPUTED, per_op_sac_recompute_s
+
+    inp = _row("Llama3.1-8B FSDP 8, compile").inp
+    a, tokens = inp.model, inp.micro_batch * inp.seq_len
+    picked = [g for g in T.block_gemms(inp, tokens) if g.name in PER_OP_SAC_RECOMPUTED]
+    kv = a.n_kv_heads * a.head_dim
+    assert sum(2 * g.m * g.n * g.k for g in picked) == pytest.approx(2 * tokens * a.dim * (kv + a.dim + a.ffn_dim))
+    hw = inp.hardware()
+    forward = sum(T.gemm_time(g, hw, 2)[0] for g in T.block_gemms(inp, tokens)) * a.n_layers
+    assert 0.3 * forward < per_op_sac_recompute_s(inp) < 0.45 * forward  # 36.5% of the FLOPs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tracetrain.config import load_config
@@ -18,7 +20,7 @@ def test_search_returns_only_fitting_rows_fastest_first() -> None:
     assert all(r.fits and r.memory.required_bytes <= r.memory.capacity_bytes for r in rows)
     speeds = [r.tokens_per_s for r in rows]
     # fastest first, but rows within ~0.5% of each other may swap (the simpler one first)
-    assert all(later < earlier * 1.006 for earlier, later in zip(speeds, speeds[1:]))
+    assert all(later < earlier * 1.006 for earlier, later in itertools.pairwise(speeds))
     for r in rows:
         i = r.input
         assert i.dp_replicate * i.dp_shard * i.tp * i.pp * i.cp == 8
@@ -52,11 +54,26 @@ def test_validation_names_the_field() -> None:
 
 
 def test_plan_input_from_config_and_overrides_round_trip() -> None:
-    cfg = load_config(None, ["--model.preset=llama2-7b", "--train.mode=lora", "--train.micro_batch_size=4",
-                             "--data.seq_len=2048", "--memory.recompute=selective", '--lora.targets=["all-linear"]'])
+    cfg = load_config(
+        None,
+        [
+            "--model.preset=llama2-7b",
+            "--train.mode=lora",
+            "--train.micro_batch_size=4",
+            "--data.seq_len=2048",
+            "--memory.recompute=selective",
+            '--lora.targets=["all-linear"]',
+        ],
+    )
     inp = plan_input_from_config(cfg, num_gpus=1, gpu="h200")
     assert (inp.mode, inp.micro_batch, inp.seq_len, inp.recompute, inp.lora_base_dtype, inp.precision) == (
-        "lora", 4, 2048, "selective", "bf16", "bf16")
+        "lora",
+        4,
+        2048,
+        "selective",
+        "bf16",
+        "bf16",
+    )
     assert len(inp.lora_targets) == 7
     p = plan(inp)
     overrides = plan_to_config_overrides(p)
@@ -64,8 +81,9 @@ def test_plan_input_from_config_and_overrides_round_trip() -> None:
     back = load_config(None, ["--model.preset=llama2-7b", *real])  # every emitted override is a valid key
     assert plan_input_from_config(back, 1, "h200") == inp
     assert "--parallel.tp=1" in overrides or "# --parallel.tp=1  (no such config key or value yet)" in overrides
-    assert any(o.startswith("# --train.precision=fp8") for o in plan_to_config_overrides(plan(inp.replace(
-        precision="fp8"))))  # a value the config does not allow comes back as a comment
+    assert any(
+        o.startswith("# --train.precision=fp8") for o in plan_to_config_overrides(plan(inp.replace(precision="fp8")))
+    )  # a value the config does not allow comes back as a comment
 
 
 def test_advice_mentions_the_loss_buffers_for_large_vocabularies() -> None:
@@ -95,5 +113,24 @@ def test_search_ranks_zero2_first_where_it_is_fastest() -> None:
     # backward) and fits, so it outruns ZeRO-3; the reason names the flavour.
     base = PlanInput(model=get_preset("llama2-13b"), micro_batch=1, grad_accum=32, seq_len=4096, gpu="h100-sxm")
     rows = search(base, gpus=16, top=3)
-    assert rows[0].input.zero_stage == 2 and not rows[0].input.zero3
-    assert "ZeRO-2 over 16" in rows[0].reason
+    best = rows[0].input
+    assert best.zero_stage == 2 and not best.zero3
+    assert f"ZeRO-2 over {best.dp_shard}" in rows[0].reason
+    same_layout = plan(best.replace(zero_stage=3))
+    assert rows[0].tokens_per_s > same_layout.tokens_per_s
+
+
+def test_cp_reason_names_the_all_gather_the_plan_charges() -> None:
+    """parallel/context_parallel.py all-gathers K/V (not a ring), and the time model charges all of it
+    exposed: the search's explanation says so, with the share the breakdown holds."""
+    from tracetrain.plan.search import reason
+
+    inp = PlanInput(
+        model=get_preset("llama3-8b"), micro_batch=1, seq_len=32768, num_gpus=4, cp=4, recompute="full", gpu="h100-sxm"
+    )
+    p = plan(inp)
+    text = reason(p, inp)
+    share = p.time.breakdown["CP comm (exposed)"] / p.step_s
+    assert p.time.breakdown["CP comm (exposed)"] == pytest.approx(p.time.comm_total["CP"])
+    assert f"all-gathers the whole sequence's keys and values ({share:.0%} exposed" in text
+    assert "ring" not in text

@@ -242,7 +242,8 @@ class PlanInput:
             )
         if self.seq_len % (2 * self.cp) and self.cp > 1:
             raise PlanInputError(
-                f"seq_len {self.seq_len} must be divisible by 2*cp = {2 * self.cp} (load-balanced ring)"
+                f"seq_len {self.seq_len} must be divisible by 2*cp = {2 * self.cp} (each rank keeps 2 of "
+                "2*cp equal chunks: the load-balanced split)"
             )
         if self.num_experts and (self.num_experts % self.ep or self.top_k > self.num_experts):
             raise PlanInputError(f"ep = {self.ep} must divide num_experts {self.num_experts}, top_k <= num_experts")

@@ -163,7 +163,11 @@ def reason(p: Plan, base: PlanInput) -> str:
     if i.pp > 1:
         parts.append(f"PP={i.pp} ({i.pp_schedule}) bubble {comm.get('pipeline bubble', 0):.0%}")
     if i.cp > 1:
-        parts.append(f"CP={i.cp} splits the sequence ({comm.get('CP comm (exposed)', 0):.0%} exposed ring)")
+        # parallel/context_parallel.py all-gathers K/V (no ring): step._cp_all_gather charges it all exposed.
+        parts.append(
+            f"CP={i.cp} splits the sequence; each block all-gathers the whole sequence's keys and values "
+            f"({comm.get('CP comm (exposed)', 0):.0%} exposed: not overlapped with attention)"
+        )
     if i.dp_shard * i.cp > 1:
         kind, key = ("FSDP", "FSDP comm (exposed)") if i.zero3 else (f"ZeRO-{i.zero_stage}", "ZeRO comm (exposed)")
         over = f"{i.dp_shard}" if i.cp == 1 else f"dp_shard x cp = {i.dp_shard * i.cp}"

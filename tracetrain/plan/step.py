@@ -207,12 +207,10 @@ def _per_step(
     a, m = inp.model, inp.num_microbatches
     bw = hw.hbm_bytes_s * HBM_EFFICIENCY
     sp = stage_params(inp, stage)
-    fsdp = inp.dp_shard * inp.cp
-    z = inp.zero_stage if fsdp > 1 else 0
     train = sp.total if inp.mode == "full" else sp.adapters
-    grads_local = train / (fsdp if z >= 2 else 1)
-    opt_local = train / (fsdp if z >= 1 else 1)
-    accum = (m - 1) * 12 * grads_local  # .grad += new, from the second micro-batch
+    # FSDP2 shards gradients and AdamW states over dp_shard * cp whatever the ZeRO stage (memory.py).
+    local = train / (inp.dp_shard * inp.cp)
+    accum = accumulation_bytes(inp, train)
     if inp.mode == "full" and stage == 0:  # dense embedding grad (+ adding it to lm_head's)
         accum += m * (8 + (12 if a.tie_embeddings and inp.pp == 1 else 0)) * a.vocab_size * a.dim / inp.tp
     if inp.optimizer_offload:
@@ -220,42 +218,114 @@ def _per_step(
         # stream) and a worker accumulates it in fp32; the step is a fused CPU AdamW chunk by chunk,
         # each chunk's bf16 weights uploading while the next one updates.
         host = hw.host_bytes_s
-        d2h = grads_local * 2 / host
-        accumulate = grads_local * CPU_ACCUMULATE_BYTES_PER_PARAM / hw.cpu_bytes_s
+        d2h = local * 2 / host
+        accumulate = local * CPU_ACCUMULATE_BYTES_PER_PARAM / hw.cpu_bytes_s
         comm_total["offload D2H grads"] = d2h * m
         breakdown["offload: grads to host (exposed)"] = m * max(0.0, max(d2h, accumulate) - mb.backward_s)
-        cpu_adam = opt_local * CPU_ADAM_BYTES_PER_PARAM / hw.cpu_bytes_s
-        h2d = opt_local * 2 / host
+        cpu_adam = local * CPU_ADAM_BYTES_PER_PARAM / hw.cpu_bytes_s
+        h2d = local * 2 / host
         breakdown["offload: CPU AdamW"] = cpu_adam
         breakdown["offload: weights to GPU (exposed)"] = max(0.0, h2d - cpu_adam) + h2d / 32
     elif inp.fsdp_cpu_offload:
         breakdown["grad accumulation"] = accum / bw
-        breakdown["CPU AdamW (FSDP offload)"] = opt_local * CPU_ADAM_BYTES_PER_PARAM / hw.cpu_bytes_s
+        breakdown["CPU AdamW (FSDP offload)"] = local * CPU_ADAM_BYTES_PER_PARAM / hw.cpu_bytes_s
     else:
         breakdown["grad accumulation"] = accum / bw
-        breakdown["optimizer"] = opt_local * tr.adamw_bytes_per_param(inp.fused_adamw) / bw
+        breakdown["optimizer"] = local * tr.adamw_bytes_per_param(inp.fused_adamw) / bw
+    _dp_sync(inp, hw, mb, sp.total, train, sp.num_blocks, breakdown, comm_total)
+    _offload_transfers(inp, hw, mb, breakdown, comm_total)
+
+
+def accumulation_bytes(inp: PlanInput, train: float) -> float:
+    """HBM bytes one step spends adding micro-batch gradients together, where the trainer adds them
+    (parallel/data_parallel.py on FSDP2; torch.distributed.pipelining), for `train` trainable parameters
+    of this GPU (after tp / pp, before data-parallel sharding):
+      no data parallelism   autograd's .grad += g in the weights' dtype: read 2, write 1 per element,
+                            from the second micro-batch on
+      ZeRO-2/3, no pipeline each micro-batch's gradients are reduce-scattered at once; FSDP adds the
+                            fp32 shard to .grad (HSDP: to its partial reduce output): 12 bytes per
+                            element of the 1 / (dp_shard * cp) shard, from the second micro-batch on
+      ZeRO-1, replication,  gradient sync is off until the last micro-batch (under a pipeline for every
+      any stage under pp    micro-batch: pipelining reduces once after the schedule), so the unsharded
+                            gradients accumulate: under bf16 mixed precision into FSDP's fp32 buffer,
+                            the first micro-batch's bf16 grad upcast (read 2, write 4,
+                            to_accumulated_grad_if_needed), each later one added (read 2 + 4, write 4);
+                            in fp32, by autograd (12). The memory model holds that unsharded buffer.
+    """
+    m, w = inp.num_microbatches, 2 if inp.param_dtype == "bf16" else 4
+    if not inp.data_parallel:
+        return (m - 1) * 3 * w * train
+    if not (inp.defers_reduce_scatter or inp.pp > 1):
+        return (m - 1) * 3 * w * train / (inp.dp_shard * inp.cp)
+    if not inp.fsdp_mixed_precision:
+        return (m - 1) * 3 * w * train
+    if m == 1 and inp.pp == 1:  # reduced straight from the bf16 grad (the copy-in casts it)
+        return 0.0
+    return (6 + 10 * (m - 1)) * train
+
+
+def _dp_sync(
+    inp: PlanInput,
+    hw: Hardware,
+    mb: MicroBatchTime,
+    params: float,
+    train: float,
+    num_blocks: int,
+    breakdown: dict[str, float],
+    comm_total: dict[str, float],
+) -> None:
+    """Data-parallel communication outside ZeRO-3's per-micro-batch path (_fsdp_per_microbatch), as
+    parallel/data_parallel.py's table runs it on FSDP2:
+      gathers   ZeRO-1/2 gather every unit's weights in the step's first forward and keep them to the
+                last backward: behind that forward's compute (FSDP2 issues unit i+1's gather while unit i
+                computes), the first one exposed. ZeRO-3 under a pipeline gathers again for each
+                micro-batch's backward (its forward resharded them).
+      reduce    ZeRO-2 reduce-scatters fp32 gradients every micro-batch, ZeRO-1 once, behind backward.
+      HSDP      the reduce-scattered fp32 shard (1 / (dp_shard * cp) of the gradients, every stage) is
+                all-reduced across dp_replicate once per step, behind the last backward.
+    Under a pipeline, torch.distributed.pipelining runs every FSDP reduction once after the schedule
+    (perform_reduce_grad, which then waits for it): nothing is left to hide it behind, so it is exposed,
+    and FSDP's copy-in of the fp32 accumulated gradients (read 4, write 4) and copy-out of each gather
+    are memory-bound passes, as ZeRO-3's copies are."""
+    m, fsdp = inp.num_microbatches, inp.dp_shard * inp.cp
+    pipelined = inp.pp > 1 and not inp.fsdp_cpu_offload
+    if fsdp > 1 and (not inp.zero3 or pipelined):
+        fbw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
+        units = num_blocks + 1
+        latency = (units - 1) * comm.COLLECTIVE_LATENCY_S  # all_gather_s counts one call
+        reduces = m if inp.zero_stage >= 2 and inp.pp == 1 else 1
+        gathers = m if inp.zero3 and inp.reshard_after_forward else 1
+        gather_bytes = params * (2 if inp.fsdp_mixed_precision else 4)
+        rs = reduces * (comm.all_gather_s(train * 4, fsdp, fbw) + latency)
+        ag = gathers * (comm.all_gather_s(gather_bytes, fsdp, fbw) + latency)
+        comm_total["FSDP" if inp.zero3 else "ZeRO reduce-scatter + all-gather"] = rs + ag
+        hbm_rs = 3 * comm.wire_bytes(train * 4, fsdp) * reduces
+        rs_exposed = rs if pipelined else hidden_cost(rs, DP_OVERLAP * mb.backward_s * reduces, hbm_rs, hw)
+        if inp.zero3:
+            ag_exposed = hidden_cost(ag, mb.backward_s * m, 0.0, hw)
+        else:
+            hbm_ag = 2 * comm.wire_bytes(gather_bytes, fsdp)
+            ag_exposed = hidden_cost(ag, mb.forward_s, hbm_ag, hw) + ag / units
+        breakdown["FSDP comm (exposed)" if inp.zero3 else "ZeRO comm (exposed)"] = rs_exposed + ag_exposed
+        # Copy-in reads the fp32 accumulated gradients (or fp32 grads) and writes fp32: 8; bf16 grads: 6.
+        accumulated = inp.pp > 1 or (inp.defers_reduce_scatter and m > 1)
+        copy_in = 6 if inp.fsdp_mixed_precision and not accumulated else 8
+        copies = 2 * gather_bytes * gathers + copy_in * train * reduces
+        breakdown["FSDP copy-in/out"] = copies / (hw.hbm_bytes_s * HBM_EFFICIENCY)
     if inp.dp_replicate > 1:
         n = inp.dp_replicate
-        t = comm.all_reduce_s(grads_local * 4, n, comm.bandwidth(inp, hw, ("dp_replicate",)))
+        shard_bytes = train * 4 / fsdp  # fp32 (reduce_dtype), what the reduce-scatter left on this rank
+        t = comm.all_reduce_s(shard_bytes, n, comm.bandwidth(inp, hw, ("dp_replicate",)))
         comm_total["DP all-reduce"] = t
-        hbm = 5 * comm.wire_bytes(grads_local * 4, n)  # reduce-scatter (3 per wire byte) + all-gather (2)
-        breakdown["DP comm (exposed)"] = hidden_cost(t, DP_OVERLAP * mb.backward_s, hbm, hw)
-    pipelined = inp.pp > 1 and not inp.fsdp_cpu_offload
-    if fsdp > 1 and (z in (1, 2) or pipelined):
-        # As memory.py holds them: ZeRO-1/2 gather the weights once per step (kept to the last backward)
-        # and ZeRO-2 reduce-scatters every micro-batch, ZeRO-1 once. Under a pipeline every stage defers
-        # the reduce-scatter to one after the schedule (nothing left to hide it behind), and ZeRO-3
-        # gathers again for each micro-batch's backward (its forward resharded them).
-        fbw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
-        reduces = m if z == 2 and inp.pp == 1 else 1
-        gathers = m if z == 3 and inp.reshard_after_forward else 1
-        rs = reduces * comm.all_gather_s(train * 4, fsdp, fbw)
-        ag = gathers * comm.all_gather_s(sp.total * (2 if inp.fsdp_mixed_precision else 4), fsdp, fbw)
-        comm_total["ZeRO reduce-scatter + all-gather" if z < 3 else "FSDP"] = rs + ag
-        hbm = 3 * comm.wire_bytes(train * 4, fsdp) * reduces
-        rs_exposed = rs if pipelined else hidden_cost(rs, DP_OVERLAP * mb.backward_s * reduces, hbm, hw)
-        ag_exposed = hidden_cost(ag, mb.backward_s * m, 0.0, hw) if z == 3 else ag
-        breakdown["ZeRO comm (exposed)" if z < 3 else "FSDP comm (exposed)"] = rs_exposed + ag_exposed
+        hbm = 5 * comm.wire_bytes(shard_bytes, n)  # reduce-scatter (3 per wire byte) + all-gather (2)
+        breakdown["DP comm (exposed)"] = t if pipelined else hidden_cost(t, DP_OVERLAP * mb.backward_s, hbm, hw)
+
+
+def _offload_transfers(
+    inp: PlanInput, hw: Hardware, mb: MicroBatchTime, breakdown: dict[str, float], comm_total: dict[str, float]
+) -> None:
+    """Activation offload's copies and unified memory's page migration, once per step."""
+    m = inp.num_microbatches
     if inp.activation_offload != "none" or inp.unified_memory != "none":
         tokens, seq = tokens_per_microbatch(inp), inp.seq_len
         model = memory_model(inp, tokens, seq)

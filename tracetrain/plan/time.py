@@ -26,12 +26,19 @@ communication (ring collectives; bus bytes = 2(n-1)/n x size for all-reduce, (n-
              communication behind compute costs max(0, comm - compute) plus the HBM traffic its NCCL
              kernels make meanwhile (2 bytes per wire byte for gathers, 3 for reductions) at memory speed
              (step.hidden_cost); every call adds COLLECTIVE_LATENCY_S:
-  DP (replicate)   all-reduce of the fp32 grads once per step, behind DP_OVERLAP x the last backward
+  DP / HSDP        all-reduce over dp_replicate of the fp32 gradient shard the reduce-scatter leaves
+                   (1 / (dp_shard cp) of the gradients at every ZeRO stage; all of them for plain DDP),
+                   once per step, behind DP_OVERLAP x the last backward
   FSDP (ZeRO-3)    all-gather bf16 weights in forward and again in backward, reduce-scatter fp32 grads,
                    per micro-batch and block, each behind the compute of its pass; the first gather of
                    each pass and the last reduce-scatter are exposed, and FSDP2's copy-out (4 bytes per
                    parameter and gather) and copy-in (6 per trained parameter) are memory-bound passes
-  ZeRO-1/2         reduce-scatter grads (behind backward) + all-gather updated weights (exposed)
+  ZeRO-1/2         all-gather of every unit's weights in the step's first forward, behind it (the
+                   first unit's exposed); reduce-scatter of fp32 grads behind backward (ZeRO-2 every
+                   micro-batch, ZeRO-1 once); FSDP2's copy-in/out as for ZeRO-3
+  pipeline + DP    pipelining reduces every FSDP stage once after the schedule: the reduce-scatter
+                   and HSDP all-reduce are exposed, and the gradients accumulate unsharded in fp32
+                   (step.accumulation_bytes; the memory model holds the same buffer)
   TP               per block and pass: 2 all-reduces (or all-gather + reduce-scatter with SP, same bytes)
                    of T x d activations, not overlapped (no async TP)
   PP               send/recv of T x d activations per micro-batch and stage boundary, plus the bubble:

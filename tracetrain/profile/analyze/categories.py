@@ -11,7 +11,8 @@ Kernel categories (first matching rule wins; matched case-insensitively against 
 | communication   | `nccl` / `rccl` (ncclDevKernel_AllReduce_..., ncclKernel_...)                        |
 | attention       | `flash`, `fmha`, `attention`, `attn`, `sdpa`, `mha`, cuDNN's SDPA-backward helpers   |
 |                 | `dot_do_o`/`convert_dq` (before gemm, for `fmha_cutlassF...`)                        |
-| optimizer       | `multi_tensor_apply`, `adam`, `sgd`, `lamb_`, `lion_` (foreach ops included)          |
+| optimizer       | `multi_tensor_apply`, `adam`, `sgd`, `lamb_`, `lion_` (foreach ops included); Inductor's|
+|                 | horizontally fused foreach kernels `triton_for_` (a compiled optimizer step)          |
 | normalisation   | `rms_norm`/`rmsnorm`, `layer_norm`/`layernorm`, `group_norm`, `batch_norm`,          |
 |                 | `norm_fwd/bwd`, `GammaBeta` (layer norm's weight gradient), cuDNN's `bn_fw_`/`bn_bw_`,|
 |                 | `RowwiseMoments`/`welford` (a norm's statistics) (MIOpen's by `batch_norm`)          |
@@ -22,15 +23,29 @@ Kernel categories (first matching rule wins; matched case-insensitively against 
 |                 | Tensile GEMMs `Cijk_` (rocBLAS, hipBLASLt) and MIOpen's `igemm`                      |
 | reduction       | `reduce`, `softmax`, `triton_red_`, `triton_per_`, `cross_entropy`, `nll_loss`, `argmax`,|
 |                 | pooling (`max_pool`, `avg_pool`, `adaptive_average_pool`), and the whole-tensor       |
-|                 | primitives scan, sort and histogram (`cub::DeviceScan...`, `RadixSort`, `sort`)      |
+|                 | primitives scan, sort and histogram (`cub::DeviceScan...`, `RadixSort`, `sort`);    |
+|                 | Inductor's split scans `triton_spl_`                                                 |
 | elementwise     | `elementwise`, `triton_poi_`, `fill_kernel`, `CatArray`, copies (`copy`), `dropout`, |
 |                 | layout transposes `nchwToNhwc`/`nhwcToNchw`, `permute`; gathers and embeddings       |
 |                 | (`embedding`, FBGEMM's `split_embedding_...`, `indexSelect`, `gather`, `scatter`,   |
-|                 | `linearize_index`, `bounds_check_indices`, `searchsorted`)                           |
+|                 | `linearize_index`, `bounds_check_indices`, `searchsorted`); Inductor kernels whose  |
+|                 | name does not say pointwise or reduction: the generic `triton_` that Triton extends |
+|                 | with its argument signature (`triton__0d1d2d3de`, Inductor before mid-2023, and      |
+|                 | later with `unique_kernel_names` off), `triton_fused_...` and `triton_unk_...`      |
+|                 | (see below)                                                                          |
 | gemm            | any other cuDNN (`cudnn::`, `cudnn_infer_..._scudnn_...`, `cask_cudnn...`), MIOpen,  |
 |                 | `rocblas` or `hipblaslt` kernel (last, so that their norm, softmax and layout kernels|
 |                 | match the rules above first)                                                         |
 | other           | anything else                                                                        |
+
+Inductor (torch.compile) names its Triton kernels `triton_<kind>_<fused ops>_<n>` since mid-2023:
+`poi` pointwise, `red` reduction, `per` persistent reduction, `tem` template (a GEMM, or FlexAttention's
+`..._flex_attention_...`), `for` foreach, `spl` split scan, `unk` a kernel of mixed kinds. Before that
+every kernel was named `triton_` and Triton appended the specialisation of its arguments, e.g.
+`triton__0d1d2d3d4d5d6d78d9d`, so the name no longer tells a pointwise kernel from a reduction (nor, with
+max-autotune, from a GEMM template). Those generic names count as elementwise: almost all of them are
+fused pointwise or reduction kernels, memory-bound either way, and where a fused op's name survives
+(`triton_fused_native_layer_norm_...`, `triton_fused__softmax_...`) the rules above take it first.
 
 Host (CPU) ranges that explain an idle GPU (in older schemas these ranges, and `ProfilerStep#N` and
 the phase ranges, are `Operator`/`cpu_op` events; `is_range_name` tells the parser they are ranges):
@@ -72,7 +87,7 @@ MEMORY_CATEGORIES: Final = ("normalisation", "elementwise", "reduction", "optimi
 _KERNEL_RULES: Final = [
     ("communication", re.compile(r"nccl|rccl", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|mha|dot_do_o|convert_dq", re.I)),
-    ("optimizer", re.compile(r"multi_tensor_apply|adam|sgd|lamb_|lion_", re.I)),
+    ("optimizer", re.compile(r"multi_tensor_apply|adam|sgd|lamb_|lion_|^triton_for_", re.I)),
     (
         "normalisation",
         re.compile(
@@ -96,7 +111,7 @@ _KERNEL_RULES: Final = [
         re.compile(
             r"reduce|softmax|triton_red_|triton_per_|cross_entropy|nll_loss|argmax"
             # Pooling reduces a window; scan, sort and histogram are whole-tensor primitives (CUB).
-            r"|max_pool|avg_pool|average_pool|devicescan|radixsort|sort|histogram",
+            r"|max_pool|avg_pool|average_pool|devicescan|radixsort|sort|histogram|^triton_spl_",
             re.I,
         ),
     ),
@@ -106,7 +121,9 @@ _KERNEL_RULES: Final = [
             r"elementwise|triton_poi_|fill_kernel|catarray|copy|dropout|nchwtonhwc|nhwctonchw|permute"
             # Gathers: embedding lookups (FBGEMM's table-batched `split_embedding_...`) and indexing
             # stream memory row by row like elementwise kernels.
-            r"|embedding|index_?select|gather|scatter|linearize_index|bounds_check_indices|searchsorted",
+            r"|embedding|index_?select|gather|scatter|linearize_index|bounds_check_indices|searchsorted"
+            # Inductor's generic names (module docstring): `triton_`, `triton__0d1d2d3de`, `triton_fused_...`.
+            r"|^triton_(_[0-9de]+)?$|^triton_(fused|unk)_",
             re.I,
         ),
     ),

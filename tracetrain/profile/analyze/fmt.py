@@ -45,6 +45,16 @@ def number(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return f"{value:,.{digits}f}{suffix}"
 
 
+def count(value: float | None, suffix: str = "") -> str:
+    """A large count with an SI prefix: 9.12 G, 24.8 M, 512."""
+    if value is None or not math.isfinite(value):
+        return "—"
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{suffix}"
+    return f"{value:.0f}" + (f" {suffix}" if suffix else "")
+
+
 def signed(value: float | None, unit: str) -> str:
     """A delta with its sign, in the metric's unit."""
     if value is None:

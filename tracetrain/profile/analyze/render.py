@@ -79,8 +79,9 @@ def host_tables(rank: RankReport) -> list[TextTable]:
 
 def rank_tables(rank: RankReport) -> list[TextTable]:
     """The detailed tables of one rank, in reading order (empty tables left out)."""
+    counters = [tables.counters_table(rank), tables.flops_table(rank)]  # CUPTI range profiler only
     if not rank.has_gpu:  # a CPU-only trace: host steps, operators and phases are all there is
-        found = [host_steps_table(rank), *host_tables(rank), tables.phases_table(rank)]
+        found = [host_steps_table(rank), *counters, *host_tables(rank), tables.phases_table(rank)]
         return [t for t in found if t.rows]
     found = [
         tables.utilisation_table(rank),
@@ -90,6 +91,7 @@ def rank_tables(rank: RankReport) -> list[TextTable]:
         tables.memcpy_table(rank),
         tables.phases_table(rank),
         tables.offload_table(rank),
+        *counters,
     ]
     return [t for t in found if t.rows]
 

@@ -23,6 +23,7 @@ from tracetrain.profile.analyze.comm_memory import (
     memory_timeline,
     offload,
 )
+from tracetrain.profile.analyze.counters import CounterReport, counter_report
 from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
 from tracetrain.profile.analyze.operators import HostTime, host_time
 from tracetrain.profile.analyze.phases import PhaseRow, phases
@@ -52,6 +53,8 @@ class RankReport:
     advice: list[Advice] = field(default_factory=list)
     # Host operators and ranges by self time, for a trace without GPU activity (empty otherwise).
     host_time: HostTime = field(default_factory=HostTime)
+    # CUPTI range-profiler counters (a trace of `cuda_profiler_range` events; empty otherwise).
+    counters: CounterReport = field(default_factory=CounterReport)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ def analyze_trace(trace: Trace) -> RankReport:
         offload=offload(trace),
         memory=memory_timeline(trace, capacity),
         host_time=HostTime() if has_gpu else host_time(trace),
+        counters=counter_report(trace),
     )
     # Every rule reads GPU time: a CPU-only trace gets its note and no advice.
     return replace(report, advice=advise(report)) if has_gpu else report

@@ -131,6 +131,22 @@ def _host_time(rank: RankReport) -> str:
     )
 
 
+def _counters(rank: RankReport) -> str:
+    """A CUPTI range-profiler trace: what it counted (CUDA-core FLOPs per kernel when it has them)."""
+    c = rank.counters
+    if not c.num_ranges:
+        return ""
+    intro = (
+        f"<h2>CUPTI counters</h2><p>{c.num_ranges} range-profiler ranges over {c.num_names} kernel names. "
+        "They hold hardware counts, not times: the profiler replays each kernel to count it and the trace "
+        "gives every range an even share of the profiled span.</p>"
+    )
+    items = [(r.name, r.flops, f"{r.full_name}\n{r.ranges} ranges, {fmt.count(r.flops, 'FLOP')}") for r in c.flops]
+    if not items:
+        return intro
+    return intro + svg.hbars(items, lambda v: fmt.count(v, "FLOP"), "CUDA-core FLOPs by kernel")
+
+
 def _phases(rank: RankReport) -> str:
     if not rank.phases:
         return ""
@@ -170,7 +186,7 @@ def _report_page(report: Report) -> str:
     if rank.has_gpu:
         body += [_cards(rank), _advice(report.advice), _timeline(rank), _categories(rank), _kernels(rank)]
     else:
-        body.append(_host_time(rank))
+        body += [_counters(rank), _host_time(rank)]
     body += [_phases(rank), _memory(rank)]
     extra = ([tables.ranks_table(report)] if len(report.ranks) > 1 else []) + [tables.comm_table(report)]
     body.append("<h2>Tables</h2>" + "".join(_table(t) for t in extra + rank_tables(rank) if t.rows))

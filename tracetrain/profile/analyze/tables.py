@@ -235,6 +235,36 @@ def offload_table(rank: RankReport) -> TextTable:
     return TextTable.make("Offload and memory", ["", "time", "bytes"], rows)
 
 
+def counters_table(rank: RankReport) -> TextTable:
+    """CUPTI range-profiler counters: totals over the ranges and the kernel with most of each."""
+    c = rank.counters
+    rows = [
+        [
+            r.counter,
+            fmt.count(r.total),
+            f"{r.nonzero_ranges} of {c.num_ranges}",
+            r.top_name or "—",
+            fmt.percent(r.top_share) if r.top_name else "—",
+        ]
+        for r in c.counters
+    ]
+    title = f"CUPTI counters over {c.num_ranges} ranges ({c.num_names} names); range times are placeholders"
+    return TextTable(
+        title, ["counter", "total", "ranges > 0", "largest kernel", "its share"], rows, [False, True, True, False, True]
+    )
+
+
+def flops_table(rank: RankReport) -> TextTable:
+    """CUDA-core FLOPs per kernel from the SASS counters (counters.py says what they leave out)."""
+    c = rank.counters
+    rows = [[r.name, str(r.ranges), fmt.count(r.flops, "FLOP"), fmt.percent(r.share)] for r in c.flops]
+    title = (
+        f"CUDA-core FLOPs by kernel (SASS add + mul + 2 x fma; total {fmt.count(c.total_flops, 'FLOP')}; "
+        "tensor-core work not counted)"
+    )
+    return TextTable.make(title, ["kernel", "ranges", "FLOPs", "share"], rows)
+
+
 def delta_table(title: str, rows: list[DeltaRow], label_a: str = "a", label_b: str = "b") -> TextTable:
     out = [
         [

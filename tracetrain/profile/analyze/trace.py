@@ -11,7 +11,12 @@ events, `Trace` spans, `gpu_user_annotation`, is counted or ignored; unknown fie
 - `ac2g` flow starts (`ph: "s"`), the launch side of a launch -> kernel arrow, used when a kernel's
   runtime event is missing;
 - `[memory]` instant events (`args["Total Allocated"]`, `"Total Reserved"`, `"Device Id"`);
-- unified-memory activity (names with `Unified Memory`, `page fault`, or a `uvm`/`unified` category).
+- unified-memory activity (names with `Unified Memory`, `page fault`, or a `uvm`/`unified` category);
+- CUPTI range-profiler ranges (`cuda_profiler_range`, from torch.profiler's `experimental_config` with
+  `profiler_metrics`): one per profiled kernel (or range), its hardware counters in `args`. Kineto runs
+  that profiler instead of kernel tracing, so such a trace has no kernel events; it replays each kernel
+  to count and gives every range an even share of the profiled span, so their times are placeholders
+  (`CounterRanges`, analysed by `counters.py`).
 
 Older Kineto spellings (`Kernel`, `Memcpy`, `Runtime`, `Operator`) map to the same kinds; in those
 older schemas (2021) record_function ranges (`ProfilerStep#N`, `enumerate(DataLoader)#...`, phases) are
@@ -69,6 +74,7 @@ _CATEGORIES = {
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database (Nsight Systems export)
 _SQLITE_SUFFIXES = (".sqlite", ".sqlite3")
 _UNIFIED_NAME = re.compile(r"unified memory|page ?fault", re.I)
+PROFILER_RANGE_CAT = "cuda_profiler_range"
 _UNIFIED_CAT = re.compile(r"uvm|unified", re.I)
 # Column specs: name -> array typecode. Rows are added positionally, in this order.
 _HOST_COLUMNS = {"ts": "d", "dur": "d", "kind": "b", "name": "l", "thread": "l", "corr": "q", "shape": "l"}
@@ -105,6 +111,23 @@ class Columns:
         return len(next(iter(self.data.values())))
 
 
+@dataclass(frozen=True)
+class CounterRanges:
+    """CUPTI range-profiler ranges (`cuda_profiler_range` events) and the counters each recorded.
+    `dur` is the trace's placeholder (Kineto splits the profiled span evenly), never a kernel time."""
+
+    name: np.ndarray  # (n,) index into Trace.names: the kernel's (or range's) name
+    dur: np.ndarray  # (n,) µs
+    values: dict[str, np.ndarray]  # counter name -> (n,) float; NaN where a range lacks the counter
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    @staticmethod
+    def empty() -> CounterRanges:
+        return CounterRanges(np.zeros(0, dtype=np.int64), np.zeros(0), {})
+
+
 @dataclass
 class Trace:
     """One rank's parsed trace. Times are microseconds on the trace's clock.
@@ -131,6 +154,7 @@ class Trace:
     window: tuple[float, float]
     num_python_events: int = 0
     notes: list[str] = field(default_factory=list)
+    counter_ranges: CounterRanges = field(default_factory=CounterRanges.empty)
 
 
 class _Rows:
@@ -160,6 +184,8 @@ class _Builder:
         self.host, self.gpu = _Rows(_HOST_COLUMNS), _Rows(_GPU_COLUMNS)
         self.flows, self.memory = _Rows(_FLOW_COLUMNS), _Rows(_MEMORY_COLUMNS)
         self.unified = _Rows(_UNIFIED_COLUMNS)
+        self.ranges = _Rows({"name": "l", "dur": "d"})  # CUPTI range-profiler ranges
+        self.range_counters: list[dict[str, Any]] = []  # their args: counter name -> value
         self.num_python = 0
         self.num_invalid = 0  # events dropped for a negative, NaN or missing duration
         self.range_names: dict[int, bool] = {}  # name index -> is_range_name(name)
@@ -214,6 +240,9 @@ class _Builder:
             stream_(_int(args.get("stream", event.get("tid"))))
             corr_(_int(args.get("correlation")))
             bytes_(_int(args.get("bytes")))
+        elif cat == PROFILER_RANGE_CAT:
+            self.ranges.add(self._intern(self.names, name), dur)
+            self.range_counters.append(_args(event))
         elif group == "gpu" or _UNIFIED_CAT.search(str(cat)) or self._is_unified(name):
             self.unified.add(_float(event.get("ts")), dur, _int(_args(event).get("bytes")))
         elif cat == "python_function":
@@ -320,6 +349,14 @@ def _to_numpy(rows: _Rows) -> Columns:
     )
 
 
+def _counter_ranges(builder: _Builder) -> CounterRanges:
+    """The ranges' columns and one float column per counter that some range recorded as a number."""
+    rows = _to_numpy(builder.ranges)
+    keys = sorted({key for args in builder.range_counters for key in args})
+    values = {key: np.array([_float(args.get(key)) for args in builder.range_counters]) for key in keys}
+    return CounterRanges(rows.name, rows.dur, {k: v for k, v in values.items() if np.isfinite(v).any()})
+
+
 def _open_text(path: Path):
     """A text stream over a plain or gzip file (detected by its magic bytes, not its suffix)."""
     with open(path, "rb") as raw:
@@ -395,8 +432,9 @@ def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = No
     """Stream one trace file into a `Trace`. `rank` is used when the trace has no distributedInfo.
 
     Raises TracetrainError naming the file when it is missing, not JSON, has no `traceEvents`, or has
-    no host or GPU events at all. A CPU-only trace (no GPU events) parses, with a note. An Nsight Systems
-    SQLite export of one GPU process parses too (`read_traces` reads one of several processes).
+    no host or GPU events at all. A CPU-only trace (no GPU events) parses, with a note; so does a CUPTI
+    range-profiler trace, with a note saying what its counter ranges hold and what they cannot give. An
+    Nsight Systems SQLite export of one GPU process parses too (`read_traces` reads one of several).
     """
     path = Path(path)
     if path.is_file() and (is_sqlite(path) or path.suffix in _SQLITE_SUFFIXES):
@@ -408,7 +446,8 @@ def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = No
         return traces[0]
     builder, others = _read(path)
     host, gpu = _to_numpy(builder.host), _to_numpy(builder.gpu)
-    if len(host) == 0 and len(gpu) == 0:
+    ranges = _counter_ranges(builder)
+    if len(host) == 0 and len(gpu) == 0 and len(ranges) == 0:
         raise TracetrainError(f"{path}: no profiler events (cpu_op, kernel, ...) in traceEvents")
     found = others.get("distributedInfo")
     info: dict = found if isinstance(found, dict) else {}
@@ -430,14 +469,35 @@ def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = No
         unified=_to_numpy(builder.unified),
         window=_window(host, gpu),
         num_python_events=builder.num_python,
+        counter_ranges=ranges,
     )
     if builder.num_invalid:
         trace.notes.append(
             f"{path.name}: dropped {builder.num_invalid} events with invalid durations (negative, NaN or missing)"
         )
-    if len(gpu) == 0:
+    if len(ranges):
+        trace.notes.append(_counter_note(path.name, ranges, has_kernels=len(gpu) > 0))
+    elif len(gpu) == 0:
         trace.notes.append(
             f"{path.name}: no GPU events (kernels, copies); was the profiler run with "
             "ProfilerActivity.CUDA on a GPU? GPU analyses are empty."
         )
     return trace
+
+
+def _counter_note(file: str, ranges: CounterRanges, has_kernels: bool) -> str:
+    """What a trace with CUPTI range-profiler ranges holds, and what cannot be computed from them."""
+    durations = np.unique(ranges.dur[np.isfinite(ranges.dur)])
+    timing = f" (here every range lasts {durations[0]:,.0f} µs)" if len(durations) == 1 else ""
+    held = (
+        f"{file}: {len(ranges)} CUPTI range-profiler ranges (cuda_profiler_range) recording "
+        f"{len(ranges.values)} hardware counters; the counter tables show them."
+    )
+    if has_kernels:
+        return held + " Their times are placeholders, so they are not counted as GPU time."
+    return (
+        held + " Kineto runs this profiler instead of kernel tracing: no kernel, copy or memset has a time. It "
+        "replays every kernel to count and splits the profiled span evenly between the ranges" + timing + ", so "
+        "GPU time, utilisation, idle causes, overlap and the bound verdict cannot be computed, and the host "
+        "times below include the replays."
+    )
