@@ -16,6 +16,7 @@ import torch
 from tracetrain.config import Config, load_config
 from tracetrain.data import load_tokenizer
 from tracetrain.errors import CheckpointError
+from tracetrain.kernels.fp8 import fp8_runs_on
 from tracetrain.models.llama import Transformer
 from tracetrain.spec import RunSpec, resolve
 from tracetrain.train.assemble import assemble
@@ -59,6 +60,10 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
     ckpt = find_checkpoint(path)
     cfg = load_config(ckpt / "config.toml", overrides)
     dev = resolve_device(device)
+    if cfg.train.fp8 != "none" and not fp8_runs_on(dev):
+        # FP8 is only how the frozen matmuls ran: the checkpoint holds the same bf16 weights either way, so
+        # an export (always on the CPU) or an evaluation without FP8 tensor cores uses them unquantised.
+        cfg = load_config(ckpt / "config.toml", [*(overrides or []), "--train.fp8=none"])
     # The training run's own spec on this device (lora.base_dtype honoured, as training did), and its
     # model rows: weights, MoE, LoRA, attention, kernels, FP8, recompute, compile (no optimizer).
     spec = resolve(cfg, dev)

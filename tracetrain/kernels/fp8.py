@@ -10,10 +10,13 @@ Two paths, one per kind of weight:
       input grad  dX = dY @ W     second operand W   (out, in) column-major = W^T contiguous, `.t()`
 
   There is no weight-gradient GEMM (the weight is frozen) and nothing of X is saved for backward, so
-  FP8 adds no activation memory. The bf16 weight stays as it is (merge, export and checkpoints use it):
-  **the two FP8 copies are extra memory, 2 bytes per frozen parameter** (13 GB for a 7B base). They are
-  re-quantised only when the bf16 weight changes (its version counter or storage moves, e.g. a checkpoint
-  was loaded into it); see `Float8FrozenLinear.refresh_if_stale`.
+  FP8 adds no activation memory. **The bf16 weight moves to host memory** once quantised (on a GPU): the
+  step reads only the two FP8 copies (1 byte per parameter each), and the bf16 weight is read only to
+  re-quantise, merge, export or checkpoint, all of which work from the host copy. So FP8 LoRA holds
+  2 bytes per frozen block parameter on the GPU, as bf16 LoRA does (13 GB for a 7B base), plus the same
+  amount of host memory. The copies are re-quantised only when the bf16 weight changes (its version
+  counter or storage moves, e.g. a checkpoint was loaded into it); see
+  `Float8FrozenLinear.refresh_if_stale`, which quantises on the GPU.
 
   Opt-in (`apply_fp8(..., fused_mlp=True)`, Python API only): a block MLP whose gate, up and down
   projections are all plain frozen linears runs as one `Float8FrozenFeedForward` (fp8_mlp.py): gate and
@@ -204,7 +207,9 @@ class Float8FrozenLinear(nn.Linear):
         source = (self.weight._version, self.weight.data_ptr())
         if source == self._fp8_source:
             return False
-        for name, value in quantize_weight(self.weight, self.fp8_recipe).items():
+        device = self.get_buffer("fp8_w").device
+        weight = self.weight.detach().to(device)  # the bf16 weight lives on the host (see module doc)
+        for name, value in quantize_weight(weight, self.fp8_recipe).items():
             getattr(self, f"fp8_{name}").copy_(value)
         self._fp8_source = (self.weight._version, self.weight.data_ptr())
         return True
@@ -220,6 +225,10 @@ def to_float8_frozen(linear: nn.Linear, recipe: Recipe) -> Float8FrozenLinear:
     linear.fp8_recipe = recipe  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     for name, value in quantize_weight(linear.weight, recipe).items():
         linear.register_buffer(f"fp8_{name}", value, persistent=False)
+    if linear.weight.is_cuda:
+        # The step never reads the bf16 weight again: keep it on the host, so FP8 costs no GPU memory over
+        # bf16 (assigning `.data` keeps the Parameter object, its name and the state dict's keys).
+        linear.weight.data = linear.weight.data.to("cpu")
     linear._fp8_source = (linear.weight._version, linear.weight.data_ptr())  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     return linear  # type: ignore[return-value]
 
@@ -313,6 +322,15 @@ def _apply_torchao(model: nn.Module, recipe: Recipe, skipped: set[str]) -> int:
     before = sum(1 for m in model.modules() if type(m) is nn.Linear)
     convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
     return before - sum(1 for m in model.modules() if type(m) is nn.Linear)
+
+
+def fp8_runs_on(device: torch.device) -> bool:
+    """True where `train.fp8` can run: a CUDA GPU with FP8 tensor cores (check_fp8_device's rule)."""
+    try:
+        check_fp8_device("rowwise", device)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_fp8_device(recipe: str, device: torch.device) -> None:

@@ -73,9 +73,9 @@ class LoRALinear(nn.Module):
         A new tensor: the module itself is left unchanged (export uses this on a live model, and asks
         for its output dtype directly so a bf16 base is not rounded twice).
         """
-        w = self.base.weight
+        w = self.base.weight  # on the host when the base runs in FP8 (kernels/fp8.py): merged beside the adapters
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()  # (out, in)
-        return (w.float() + self.scaling * delta).to(dtype or w.dtype)
+        return (w.to(delta.device).float() + self.scaling * delta).to(dtype or w.dtype)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"

@@ -6,7 +6,7 @@ trainer builds every data-parallel flavour on FSDP2, so every ZeRO stage shards 
 AdamW states over fsdp; the stages differ in the gathered copies they keep (FSDP buffers below). Measured
 by storage on gloo for ZeRO-1/2/3 and DDP: tests/test_plan_zero_measured.py.
   weights            4P for tracetrain's fp32 full-FT params; LoRA: frozen base at its dtype (2 for bf16)
-                     + 4 per fp32 adapter (+ 2 per block weight under fp8: its two E4M3 copies); with optimizer offload the GPU keeps 2-byte bf16 weights
+                     + 4 per fp32 adapter (under fp8 the two E4M3 copies of a block weight replace its bf16 copy, which moves to the host); with optimizer offload the GPU keeps 2-byte bf16 weights
   gradients          4 per trainable param; optimizer offload (tracetrain.memory.optimizer_offload)
                      copies each bf16 grad out as soon as it is complete: one weight's worth on the GPU
   AdamW states       8 per trainable param (exp_avg + exp_avg_sq, fp32); +4 fp32 master if param_dtype=bf16;
@@ -210,8 +210,9 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     items, cpu = _static(inp, sp, nm)
     if inp.precision == "fp8" and inp.mode == "lora":
         # kernels/fp8.py quantises each frozen base weight once, in the two E4M3 layouts _scaled_mm
-        # needs (forward and input gradient): 2 bytes per block matmul weight, next to the bf16 base.
-        items["weights"] = items["weights"] + Affine(2.0 * sp.num_blocks * sp.block_linear)
+        # needs (forward and input gradient: 2 bytes per block matmul weight on the GPU) and moves the
+        # bf16 base weight to the host: the GPU holds what bf16 LoRA holds, the host 2 bytes more each.
+        cpu["bf16 copies of the FP8 base weights"] = Affine(2.0 * sp.num_blocks * sp.block_linear)
     items.update(_activations(inp, stage, nm, cpu))
     n = sp.num_blocks
     n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)
