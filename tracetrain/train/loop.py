@@ -23,39 +23,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
-from tracetrain.config import Config, to_toml
-from tracetrain.data import DATA_CACHE_DIR, build_datasets, build_loader, check_vocab, load_tokenizer
-from tracetrain.devices import peak_flops
+from tracetrain.config import Config
 from tracetrain.errors import TracetrainError
-from tracetrain.models.accounting import training_flops_per_token
-from tracetrain.profile.capture import ProfileCapture
-from tracetrain.train.assemble import reapply_after_load, run_step_context
 from tracetrain.train.checkpoint import (
     TrainState,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
     save_checkpoint,
-    set_rng_state,
-    train_state_from_dict,
     trainer_state_dict,
 )
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
-from tracetrain.train.oom import configure_allocator, explain_oom, preflight
-from tracetrain.train.optim import build_scheduler, note_resolved_steps, size_by_epochs
-from tracetrain.train.resume import (
-    ResumePoint,
-    check_data_unchanged,
-    check_steps_cover,
-    claim_run_dir,
-    data_fingerprint,
-)
+from tracetrain.train.oom import explain_oom
+from tracetrain.train.resume import ResumePoint, claim_run_dir
+from tracetrain.train.run_setup import Callbacks, RunSetup
 from tracetrain.train.rundir import RunLock, atomic_write_text, discard_unstarted, lock_run_dir
-from tracetrain.train.runtime import resolve_device
 from tracetrain.train.step import train_step
 
 
@@ -66,22 +50,6 @@ class TrainResult:
     signum: int | None = None  # the SIGINT/SIGTERM that stopped the run early (checkpoint saved); None: finished
     model: torch.nn.Module | None = None  # the trained model (this rank's part under several ranks)
     tokenizer: Any = None  # the tokenizer the run trained with
-
-
-class Callbacks:
-    """User hooks, each optional on each object: `on_step(step, metrics)` every `logging.log_interval`
-    steps with the latest step's metrics (read at the interval's one host sync), `on_eval(step, metrics)`
-    after each held-out evaluation (and the final one), `on_save(step, path)` after each checkpoint.
-    Rank 0 only. An exception in a callback stops the run like any error (the latest checkpoint stays)."""
-
-    def __init__(self, callbacks: Any = ()) -> None:
-        self.callbacks = list(callbacks)
-
-    def __call__(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            fn = getattr(cb, hook, None)
-            if fn is not None:
-                fn(*args)
 
 
 class _StopFlag:
@@ -211,205 +179,8 @@ def _train(run: _Run) -> TrainResult:
         stop.restore()
 
 
-class _Run:
-    """Everything one training run holds, built from the config in a fixed order. Building writes no
-    file (`open_run_dir` does, once every check has passed), except torchrun's per-rank logs."""
-
-    def __init__(self, cfg: Config, reporter: Reporter, log_dir: Path | None) -> None:
-        self.cfg, self.reporter = cfg, reporter
-        # Started by open_run_dir, once every setup check has passed (close() tolerates their absence).
-        self.metrics: MetricsLogger
-        self.prof: ProfileCapture
-        self.callbacks = Callbacks()
-        self._join_job(log_dir)
-        configure_allocator(cfg.memory, self.device)
-        torch.manual_seed(cfg.train.seed)
-        self.config_toml = to_toml(cfg)
-        self._build_data()
-        self._build_model_and_optimizer()
-        self._build_instruments()
-        self.start_step = self.step = self.done = 0  # done: steps completed so far
-        self.skipped_at_start = 0  # non-finite steps skipped before the checkpoint resumed from
-
-    def _join_job(self, log_dir: Path | None) -> None:
-        """One process, or one rank of a torchrun job: device, process group, layout, logs, watchdog."""
-        from tracetrain.models.build import model_args_from_config
-        from tracetrain.parallel import dist as tdist
-        from tracetrain.validate import validate
-
-        cfg = self.cfg
-        self.device = resolve_device(cfg.train.device)
-        args = self.model_args = model_args_from_config(cfg)
-        # Layout, multi-rank switches, config vs model shape: before any rank waits on another and before
-        # the run directory exists.
-        validate(cfg, args, tdist.env_world_size())
-        self.dist = tdist.init_distributed(cfg.parallel.timeout_s, self.device.type)
-        self.rank0 = self.dist.rank == 0
-        self.watchdog = None
-        if self.dist.is_distributed:
-            self.device = self.dist.device
-            tdist.setup_rank_logging(log_dir, self.dist.rank)
-            self.watchdog = tdist.Watchdog(self.dist.rank, cfg.parallel.timeout_s).start()
-            if not self.rank0:  # one console and one set of files per job: rank 0's
-                # Lives as long as the process (the reporter is used until exit): no context manager.
-                self.reporter = Reporter(False, Console(file=open(os.devnull, "w")))  # noqa: SIM115
-        par = cfg.parallel
-        self.dp = par.dp_replicate * par.dp_shard  # ranks that read different rows of each micro-batch
-
-    def _build_data(self) -> None:
-        cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)  # 'auto': init_from's own
-        with self.reporter.status("reading and packing data") as progress:
-            cache = Path(cfg.train.output_dir) / DATA_CACHE_DIR  # a text corpus's memory-mapped rows, reused
-            self.train_ds, self.eval_ds, stats = build_datasets(
-                cfg.data, self.tokenizer, cache_dir=cache, progress=progress
-            )
-        self.data_stats = stats
-        self.data_fingerprint = data_fingerprint(self.train_ds)  # stored in checkpoints, compared on resume
-        self.reporter.data_stats(stats)
-        # Every rank reads the same global micro-batch (same seed) and keeps its own rows of it.
-        self.loader = build_loader(
-            self.train_ds, cfg.train.micro_batch_size * self.dp, cfg.data, shuffle=True, seed=cfg.data.seed
-        )
-        self.sizing: dict[str, Any] = {}  # train.epochs: the step count is known only now that the rows exist
-        if cfg.train.epochs:
-            self.cfg, self.sizing = size_by_epochs(cfg, self.loader.batches_per_epoch)
-            self.config_toml = note_resolved_steps(  # written by open_run_dir
-                self.config_toml,
-                steps=int(self.sizing["steps"]),
-                epochs=float(self.sizing["epochs"]),
-                batches_per_epoch=int(self.sizing["batches_per_epoch"]),
-            )
-            self.reporter.note(
-                "train.epochs = {epochs}: {batches_per_epoch} batches per epoch -> {steps} steps".format(**self.sizing)
-            )
-
-    def _build_model_and_optimizer(self) -> None:
-        """Every `auto` decided once (the spec), then the model, its transforms and the optimizer from the
-        one ordered table (train/assemble.py)."""
-        from tracetrain.spec import resolve
-        from tracetrain.train.assemble import assemble
-
-        cfg, device = self.cfg, self.device
-        self.spec = resolve(cfg, device, self.dist.world_size, model_args=self.model_args)
-        self.precision = self.spec.precision
-        self.args = self.spec.model_args
-        check_vocab(self.tokenizer, self.args.vocab_size)  # before a large model is materialised
-        # LoRA checkpoints hold only the adapters when the frozen base can be reloaded from its source;
-        # a randomly initialised base (benchmarks, tests) is saved whole.
-        self.adapters_only = self.spec.adapters_only
-        mesh = None
-        if self.dist.is_distributed:
-            from tracetrain.parallel.mesh import build_mesh
-
-            mesh = build_mesh(cfg.parallel, device.type)
-        with self.reporter.status(f"building model on {device}"):
-            self.assembly = assemble(self.spec, mesh)
-        self.par = self.assembly.par
-        self.model = self.assembly.module
-        assert self.assembly.optimizer is not None  # the table's optimizer row always applies
-        self.optimizer: torch.optim.Optimizer = self.assembly.optimizer
-        self.offload = self.assembly.activation_offload
-        if cfg.memory.unified_memory != "none":
-            self.note_managed()
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
-        self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16" else None
-
-    def _build_instruments(self) -> None:
-        cfg, device = self.cfg, self.device
-        num_lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if cfg.train.mode == "lora" else 0
-        self.flops = training_flops_per_token(
-            self.args,
-            cfg.data.seq_len,
-            mode=cfg.train.mode,
-            num_lora_params=num_lora,
-            num_experts=cfg.model.num_experts,
-            top_k=cfg.model.experts_top_k if cfg.model.num_experts else 0,
-        )
-        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        peak = peak_flops(self.device_name, self.precision, cfg.logging.peak_tflops) if device.type == "cuda" else None
-        if device.type == "cuda" and peak is None:
-            self.reporter.note(
-                f"MFU not reported: {self.device_name!r} is not in the device table; "
-                "set logging.peak_tflops to its dense peak"
-            )
-        self.peak = peak
-
-    def open_run_dir(self, run_dir: Path, resume: ResumePoint | None) -> None:
-        """Write the run's files and start its instruments, once setup has passed every check."""
-        cfg, device = self.cfg, self.device
-        self.run_dir = run_dir
-        if self.rank0:
-            atomic_write_text(run_dir / "config.toml", self.config_toml)
-            atomic_write_text(run_dir / "data_stats.json", json.dumps(_as_dict(self.data_stats), indent=2))
-            # Before the metrics file is opened for appending (truncation replaces the file).
-            if resume is not None and resume.truncate_metrics(run_dir, self.start_step):
-                self.reporter.note(
-                    f"{run_dir / 'metrics.jsonl'}: dropped a torn last line (the partial write of a stopped process)"
-                )
-        name = "metrics.jsonl" if self.rank0 else f"logs/metrics_rank{self.dist.rank}.jsonl"
-        self.metrics = MetricsLogger(
-            run_dir,
-            device,
-            self.flops.model,
-            self.peak,
-            cfg.train.max_bad_steps,
-            cfg.logging.tensorboard and self.rank0,
-            filename=name,
-            skipped_steps=self.skipped_at_start,
-        )
-        if self.rank0:
-            from tracetrain.train.tracking import open_trackers
-
-            self.metrics.trackers = open_trackers(cfg, run_dir, run_dir.name, self.dist.world_size)
-        self.prof = ProfileCapture(cfg.profile, run_dir, device)
-        self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
-
-    def note_managed(self) -> None:
-        """Say how much this rank holds in managed (unified) memory: the torch allocator's figures do not
-        count it."""
-        from tracetrain.memory.unified import managed_bytes
-
-        which = "weights" if self.cfg.memory.unified_memory == "model" else "optimizer states"
-        self.reporter.note(f"unified memory: {managed_bytes(self.device) / 2**30:.2f} GiB of {which} are managed")
-
-    def restore(self, resume: ResumePoint) -> None:
-        """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters.
-        Refused (before any file is touched) if the run would end before the checkpoint or the data changed."""
-        check_steps_cover(self.cfg, resume.checkpoint)  # after train.epochs has set the step count
-        if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
-            from tracetrain.train.sharded_checkpoint import load_sharded
-
-            raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
-            set_rng_state(raw["rng"])
-            state = train_state_from_dict(raw)
-        else:
-            state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
-        if reapply_after_load(self.assembly):
-            self.note_managed()
-        self.scheduler.load_state_dict(state.scheduler)
-        if self.scaler is not None and state.counters.get("scaler"):
-            self.scaler.load_state_dict(state.counters["scaler"])
-        self.loader.load_state_dict(state.loader)  # a changed row count is refused here, with its own message
-        note = check_data_unchanged(
-            state.data_fingerprint, self.data_fingerprint, self.cfg, resume.checkpoint, len(self.train_ds)
-        )
-        if note:
-            self.reporter.note(note)
-        self.start_step = self.step = self.done = state.step
-        self.skipped_at_start = state.counters.get("skipped_steps", 0)
-        self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
-
-    def close(self) -> None:
-        if hasattr(self, "metrics"):
-            self.metrics.close()
-        if hasattr(self, "prof"):
-            self.prof.finish(lambda _: None)  # stops a profiler left running by an exception
-
-    def announce(self) -> None:
-        self.reporter.model_summary(self.args, self.model, self.cfg, self.device_name, self.precision, self.flops.model)
-        preflight(self.cfg, self.device, self.reporter.note)
+class _Run(RunSetup):
+    """A run once built (`RunSetup`): its steps, held-out evaluations, checkpoints and final summary."""
 
     def checkpoint(self, step: int) -> Path:
         path = self._save(step)
@@ -604,11 +375,3 @@ def _throughput_summary(metrics: MetricsLogger, cfg: Config, steps: int) -> dict
         "skipped_steps": metrics.skipped_steps,
         **{k: v for k, v in last.items() if k.startswith("mem_")},
     }
-
-
-def _as_dict(stats: Any) -> dict[str, Any]:
-    if isinstance(stats, dict):
-        return stats
-    import dataclasses
-
-    return dataclasses.asdict(stats)

@@ -1,0 +1,374 @@
+"""The handlers of the `tracetrain` subcommands, one `cmd_<name>(args, overrides) -> exit status` each.
+
+Thin: a handler checks its own flags, loads the config or the trained run, and calls one library
+function. `cli.py` builds the parser, checks the flags several subcommands share and turns a
+TracetrainError into one `error: ...` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tracetrain.errors import TracetrainError
+
+
+def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
+    """Exit 0 when the run finished; 128 + the signal's number (130, 143) when SIGINT/SIGTERM stopped it
+    after saving a checkpoint, so that a requeue wrapper can tell the two apart."""
+    from tracetrain.config import load_config
+    from tracetrain.train.loop import train
+    from tracetrain.train.resume import resolve_resume
+
+    if a.resume:
+        cfg, point = resolve_resume(a.resume, a.config, overrides)
+        if point is not None and point.note and os.environ.get("RANK", "0") == "0":
+            print(point.note)
+    else:
+        cfg, point = load_config(a.config, overrides), None
+    # No run directory yet: train() claims one only after the data, model and device checks pass.
+    result = train(cfg, resume=point)
+    return 128 + result.signum if result.signum else 0
+
+
+def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.data import build_datasets
+    from tracetrain.inference import load_trained
+    from tracetrain.train.assemble import step_context
+    from tracetrain.train.evaluation import exact_match_eval, run_eval
+
+    if a.output:
+        check_output_path(a.output, "--output")  # before the model loads and the answers are generated
+    loaded = load_trained(a.path, a.device, overrides)
+    cfg = loaded.cfg
+    _, eval_ds, _ = build_datasets(cfg.data, loaded.tokenizer)
+    ctx = step_context(loaded.spec)  # scored exactly as the training run's evaluations were
+    result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
+    if a.output and not (cfg.train.eval_generate and getattr(eval_ds, "examples", [])):
+        raise TracetrainError(
+            "--output writes generated answers, but none are scored: this run has no held-out "
+            "examples or train.eval_generate = 0 (set e.g. --train.eval_generate=200)"
+        )
+    result.update(
+        exact_match_eval(
+            loaded.model,
+            loaded.tokenizer,
+            getattr(eval_ds, "examples", []),
+            cfg,
+            ctx,
+            None,
+            samples_path=Path(a.output) if a.output else None,
+        )
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from tracetrain.inference import load_trained
+    from tracetrain.models.generate import bad_generation_option, generate_records, prompt_record, read_prompts_jsonl
+
+    if bool(a.prompt) == bool(a.prompts_file):
+        raise TracetrainError("generate needs --prompt TEXT (repeatable) or --prompts-file FILE.jsonl, not both")
+    if a.gpu_window and not a.kv_offload:
+        raise TracetrainError("--gpu-window needs --kv-offload")
+    if a.chat and (a.prompts_file or a.raw):
+        raise TracetrainError("--chat takes --prompt TEXT (one user message each), not --prompts-file or --raw")
+    if a.system is not None and not a.chat:
+        raise TracetrainError("--system goes with --chat")
+    bad = bad_generation_option(
+        max_new_tokens=a.max_new_tokens,
+        batch_size=a.batch_size,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        gpu_window=a.gpu_window,
+    )
+    if bad is not None:
+        raise TracetrainError(f"--{bad[0].replace('_', '-')} {bad[1]}: must be {bad[2]}")
+    output = Path(a.output) if a.output else None
+    if output is not None and output.is_dir():  # checked before the model loads, not after generating
+        raise TracetrainError(f"--output {output} is a folder; name a file such as {output / 'out.jsonl'}")
+    if output is not None and not output.parent.is_dir():
+        raise TracetrainError(f"--output {output}: folder {output.parent} does not exist")
+    loaded = load_trained(a.path, a.device, overrides)
+    data = loaded.cfg.data
+    if a.chat:  # the run's chat template around each --prompt (and --system), answered until end-of-turn
+        from tracetrain.models.chat import generate_chat
+
+        lines, summary = generate_chat(
+            loaded.model,
+            loaded.tokenizer,
+            loaded.cfg,
+            a.prompt,
+            a.system,
+            max_new_tokens=a.max_new_tokens,
+            stop=a.stop,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            generator=torch.Generator(device=loaded.device).manual_seed(a.seed),
+            dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
+            kv_offload=a.kv_offload,
+            gpu_window=a.gpu_window,
+        )
+    else:
+        records = (
+            read_prompts_jsonl(a.prompts_file, data, a.raw)
+            if a.prompts_file
+            else [prompt_record({"prompt": p}, data, a.raw) for p in a.prompt]
+        )
+        lines, summary = generate_records(
+            loaded.model,
+            loaded.tokenizer,
+            records,
+            max_new_tokens=a.max_new_tokens,
+            stop=a.stop,
+            batch_size=a.batch_size,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            generator=torch.Generator(device=loaded.device).manual_seed(a.seed),
+            dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
+            kv_offload=a.kv_offload,
+            gpu_window=a.gpu_window,
+        )
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    if output is not None:
+        try:
+            output.write_text(text)
+        except OSError as e:
+            raise TracetrainError(f"--output {output}: cannot write ({e.strerror})") from None
+        if a.as_json:
+            print(json.dumps({**summary, "output": a.output}))
+        else:
+            print(f"wrote {len(lines)} completion(s) to {a.output}")
+    elif a.as_json:
+        print(text, end="")
+    else:  # the text itself; with several prompts, each under its prompt
+        for i, line in enumerate(lines):
+            if len(lines) > 1:
+                print(("\n" if i else "") + f"### {line['prompt']}")
+            print(line["completion"])
+    return 0
+
+
+def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.inference import load_trained
+    from tracetrain.models.export import EXPORT_DTYPES, check_export_target, export_run_hf, export_run_peft, parse_size
+
+    targets = [Path(p) for p in (a.peft, a.hf) if p]
+    if not targets:
+        raise TracetrainError("export needs --hf OUT_DIR and/or --peft OUT_DIR")
+    if len(targets) == 2 and targets[0].resolve() == targets[1].resolve():
+        raise TracetrainError(f"--hf and --peft both name {a.hf}; give each its own folder")
+    max_shard_bytes = parse_size(a.max_shard_size)
+    for out in targets:  # refuse a bad target before loading a possibly large model
+        check_export_target(out, a.overwrite)
+    loaded = load_trained(a.path, "cpu", overrides)
+    if a.peft and loaded.cfg.train.mode != "lora":
+        raise TracetrainError(f"{loaded.checkpoint} is a full fine-tune; --peft needs a LoRA run")
+    notes: list[str] = []
+    if a.peft:
+        notes += export_run_peft(loaded, a.peft, a.overwrite)
+        print(f"PEFT adapter written to {a.peft}")
+    if a.hf:
+        dtype = EXPORT_DTYPES[a.dtype] if a.dtype else None
+        from rich.console import Console
+
+        from tracetrain.progress import live_progress
+
+        with live_progress(Console(stderr=True)) as progress:  # a bar on a terminal, nothing in a pipe
+            notes += export_run_hf(loaded, a.hf, dtype, a.overwrite, max_shard_bytes, progress)
+        print(f"Hugging Face model (adapters merged) written to {a.hf}")
+    for note in dict.fromkeys(notes):
+        print(note)
+    return 0
+
+
+def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
+    """Build the configured data as `train` would; print its statistics and --show N examples."""
+    from rich.console import Console
+
+    from tracetrain.config import load_config
+    from tracetrain.data.inspect import (
+        DataReport,
+        console_progress,
+        examples_json,
+        inspect_data,
+        render_plain,
+        render_terminal,
+    )
+
+    if a.show is not None and a.show < 0:
+        raise TracetrainError(f"--show {a.show}: must be >= 0")
+    num_examples = a.show if a.show is not None else (3 if a.as_json else 0)
+    cfg = load_config(a.config, overrides)
+    err = Console(stderr=True)
+    with console_progress(err) as progress:
+        report = inspect_data(cfg, num_examples, progress)
+    if a.stats_json:
+        try:
+            Path(a.stats_json).write_text(json.dumps(report.stats, indent=2) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise TracetrainError(f"--stats-json {a.stats_json}: cannot write it ({e.strerror})") from None
+    if a.as_json:  # stdout: the examples only (a JSON list); the statistics go to stderr
+        print(json.dumps(examples_json(report), indent=2, ensure_ascii=False))
+        sys.stderr.write(render_plain(DataReport(report.stats, [])))
+    elif Console().is_terminal:
+        render_terminal(report, Console())
+    else:
+        sys.stdout.write(render_plain(report))
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
+    """Train with profiling on; unless --full-run, stop right after the profiled window."""
+    from tracetrain.config import load_config
+    from tracetrain.train.loop import train
+
+    cfg = load_config(a.config, ["--profile.enabled=true", *overrides])
+    if not a.full_run:
+        steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
+        # The window decides the length, not the data (epochs 0). The learning rate does not change what a
+        # step costs: a warmup longer than the window is cut to it.
+        cfg = cfg.replace(
+            {
+                "train.steps": steps,
+                "train.epochs": 0,
+                "optim.warmup_steps": min(cfg.optim.warmup_steps, steps - 1),
+                "checkpoint.save_final": False,
+                "train.eval_generate": 0,
+            }
+        )
+    result = train(cfg)
+    for key in ("trace", "report_html", "report_json"):
+        if key in result.summary:
+            print(f"{key.replace('_', ' ')}: {result.summary[key]}")
+    return 128 + result.signum if result.signum else 0
+
+
+def cmd_analyze(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.profile.analyze import analyze, compare, render_html, render_json, render_terminal
+
+    if overrides:
+        raise TracetrainError(f"analyze takes no config overrides (got {' '.join(overrides)})")
+    result: Any = analyze(a.paths, device_name=a.device_name)  # a Report, or a CompareReport below
+    if a.compare:
+        result = compare(result, analyze(a.compare, device_name=a.device_name))
+    _show(result, a, render_terminal, render_html, render_json)
+    return 0
+
+
+def _show(result: object, a: argparse.Namespace, terminal: Callable, html: Callable, as_json: Callable) -> None:
+    """Render a report to the console (wide when not a terminal) and to --html / --json files."""
+    from rich.console import Console
+
+    console = Console()
+    terminal(result, console if console.is_terminal else Console(width=160))
+    if a.html:
+        _write_output(a.html, "--html", html(result))
+        print(f"HTML report: {a.html}")
+    if a.json:
+        _write_output(a.json, "--json", json.dumps(as_json(result), indent=2))
+        print(f"JSON report: {a.json}")
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """Refuse an output file that cannot be created, before the work whose result it would hold."""
+    p = Path(path)
+    if p.is_dir():
+        raise TracetrainError(f"{flag} {path}: is a directory; give the path of a file to write")
+    if not p.parent.exists():
+        raise TracetrainError(f"{flag} {path}: folder {p.parent} does not exist; create it first")
+    if not p.parent.is_dir():
+        raise TracetrainError(f"{flag} {path}: {p.parent} is not a folder")
+    if not os.access(p.parent, os.W_OK):
+        raise TracetrainError(f"{flag} {path}: folder {p.parent} is not writable")
+
+
+def _write_output(path: str, flag: str, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:  # e.g. a read-only file system, or the disk filled up since the check
+        raise TracetrainError(f"{flag} {path}: cannot write it ({e.strerror})") from None
+
+
+def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.config import load_config
+    from tracetrain.models.build import model_args_from_config
+    from tracetrain.plan import (
+        plan,
+        plan_input_from_config,
+        plan_to_config_overrides,
+        render_html,
+        render_json,
+        render_terminal,
+        search,
+    )
+    from tracetrain.validate import validate_run
+
+    for flag, value, least in (
+        ("--gpus", a.gpus, 1),
+        ("--top", a.top, 1),
+        ("--gpus-per-node", a.gpus_per_node, 1),
+        ("--gpu-memory-gib", a.gpu_memory_gib, 0),
+        ("--host-memory-gib", a.host_memory_gib, 0),
+    ):
+        if value is not None and (value < least if least else not value > 0):
+            raise TracetrainError(f"{flag} {value}: must be {f'at least {least}' if least else 'above 0'}")
+    cfg = load_config(a.config, overrides)
+    validate_run(cfg, model_args_from_config(cfg))  # plan only runs that train would accept
+    inp = plan_input_from_config(cfg, num_gpus=a.gpus, gpu=a.gpu)  # PlanInputError: one line, as the others
+    changes = {
+        k: v
+        for k, v in (
+            ("gpu_memory_gib", a.gpu_memory_gib),
+            ("host_memory_gib", a.host_memory_gib),
+            ("gpus_per_node", a.gpus_per_node),
+        )
+        if v is not None
+    }
+    inp = inp.replace(**changes) if changes else inp
+    result = search(inp, a.gpus, a.top) if a.search else plan(inp)
+    if a.search and not result:
+        raise TracetrainError(f"no layout of {a.gpus} GPU(s) fits; try more GPUs, recomputation or offload")
+    _show(result, a, render_terminal, render_html, render_json)
+    if a.search:
+        assert isinstance(result, list)  # search() returns the ranked plans
+        print("overrides for the top row: " + " ".join(plan_to_config_overrides(result[0])))
+    return 0
+
+
+def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.models.accounting import num_params
+    from tracetrain.models.presets import PRESETS
+
+    for name, args in PRESETS.items():
+        print(
+            f"{name:<14} {num_params(args) / 1e9:>7.3f}B  dim {args.dim:<5} layers {args.n_layers:<3} "
+            f"heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.vocab_size}"
+        )
+    return 0
+
+
+def cmd_report(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.train.run_report import write_report
+
+    out = write_report([Path(r) for r in a.runs], Path(a.out) if a.out else None)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_config(a: argparse.Namespace, overrides: list[str]) -> int:
+    from tracetrain.config import load_config, reference_markdown, to_toml
+
+    print(reference_markdown() if a.reference else to_toml(load_config(a.config, overrides)))
+    return 0
