@@ -185,8 +185,9 @@ def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx:
                 # scale, alike, or their weights and loss scales part ways.
                 par.agree_on_found_inf(scaler, optimizer)
         # One device with the fused kernel: the clip factor is handed to AdamW as its gradient divisor
-        # (`grad_scale`), so clipping costs no separate pass over the gradients (for llama3.2-1b a
-        # read and write of 5 GB of float32 gradients, 2.5% of the step on an H100).
+        # (`grad_scale`), so clipping costs no separate pass over the gradients (for llama3.2-1b on an
+        # H100 that pass read and wrote 5 GB, 2.5% of the step; folded, the step runs 0.9% faster, the
+        # kernel still writing the clipped gradients back).
         fold_clip = par is None and scaler is None and ctx.fused_skip and max_norm != float("inf")
         if par is not None:  # norm over every shard, mesh axis and stage
             grad_norm = par.clip_grad_norm_(max_norm)
