@@ -20,10 +20,23 @@ from tracetrain.parallel.apply import ParallelModel
 from tracetrain.train.optim import build_optimizer
 from tracetrain.train.step import StepContext, StepOutput, train_step
 
-TINY = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
-        "--model.ffn_dim=128", "--model.vocab_size=128", "--data.seq_len=32", "--train.precision=fp32",
-        "--train.device=cpu", "--optim.warmup_steps=0", "--optim.schedule=constant", "--optim.lr=5e-2",
-        "--optim.fused=off", "--optim.eps=1.0", "--train.fused_ce=false"]
+TINY = [
+    "--model.dim=64",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.ffn_dim=128",
+    "--model.vocab_size=128",
+    "--data.seq_len=32",
+    "--train.precision=fp32",
+    "--train.device=cpu",
+    "--optim.warmup_steps=0",
+    "--optim.schedule=constant",
+    "--optim.lr=5e-2",
+    "--optim.fused=off",
+    "--optim.eps=1.0",
+    "--train.fused_ce=false",
+]
 
 
 def tiny_config(overrides: list[str]) -> Config:
@@ -35,6 +48,7 @@ def build_tiny(cfg: Config) -> nn.Module:
     model = materialize(model_args_from_config(cfg), torch.device("cpu"), cfg.train.seed)
     if cfg.model.num_experts:
         from tracetrain.models.moe import apply_moe
+
         torch.manual_seed(cfg.train.seed + 1)
         apply_moe(model, cfg.model.num_experts, cfg.model.experts_top_k, cfg.model.moe_aux_loss_coef)
     return model
@@ -48,12 +62,18 @@ def global_batches(cfg: Config, rows: int, num: int, seed: int = 7) -> list[dict
 
 
 def step_context(cfg: Config) -> StepContext:
-    return StepContext(device=torch.device("cpu"), autocast_dtype=None, grad_clip=cfg.train.grad_clip,
-                       use_document_mask=cfg.data.pack, fused_skip=False)
+    return StepContext(
+        device=torch.device("cpu"),
+        autocast_dtype=None,
+        grad_clip=cfg.train.grad_clip,
+        use_document_mask=cfg.data.pack,
+        fused_skip=False,
+    )
 
 
-def run_step(par: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
-             ctx: StepContext) -> StepOutput:
+def run_step(
+    par: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]], ctx: StepContext
+) -> StepOutput:
     """The trainer's `train_step` for the layout `par` (its hooks ride in the StepContext, as in the trainer)."""
     return train_step(par.module, optimizer, micro_batches, dataclasses.replace(ctx, par=par))
 
@@ -64,6 +84,7 @@ def apply_layout(cfg: Config, model: nn.Module, world_size: int, mesh: object = 
     from tracetrain.parallel.mesh import build_mesh
     from tracetrain.spec import resolve
     from tracetrain.train.assemble import parallelize
+
     mesh = mesh if mesh is not None else build_mesh(cfg.parallel, "cpu")
     par = parallelize(model, resolve(cfg, torch.device("cpu"), world_size), mesh)  # type: ignore[arg-type]
     assert par is not None
@@ -98,8 +119,9 @@ class GradCapture:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def train_and_record(par: ParallelModel, cfg: Config, batches_per_step: list[list[dict[str, torch.Tensor]]]
-                     ) -> dict[str, object]:
+def train_and_record(
+    par: ParallelModel, cfg: Config, batches_per_step: list[list[dict[str, torch.Tensor]]]
+) -> dict[str, object]:
     """Run one step per entry of `batches_per_step`; losses, norms, full grads and final full params."""
     optimizer = GradCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
     ctx = step_context(cfg)
@@ -122,6 +144,7 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
 # ----------------------------------------------------------------------------------------------------
 # Multi-process layout checks (run in every rank by `launch_local`)
 
+
 def _layout_facts(par: ParallelModel) -> dict[str, object]:
     """Evidence that the layout is really applied: placements and local shapes of some weights of
     this rank's first block (rank 0), and how many blocks the rank holds."""
@@ -132,8 +155,10 @@ def _layout_facts(par: ParallelModel) -> dict[str, object]:
         p = params.get(f"layers.{first}.{short}")
         if p is not None:
             local = p.to_local() if isinstance(p, DTensor) else p
-            facts[short] = {"placements": [str(x) for x in p.placements] if isinstance(p, DTensor) else [],
-                            "local_shape": list(local.shape)}
+            facts[short] = {
+                "placements": [str(x) for x in p.placements] if isinstance(p, DTensor) else [],
+                "local_shape": list(local.shape),
+            }
     return facts
 
 
@@ -142,7 +167,9 @@ def _layer_keys(part: nn.Module) -> list[str]:
     return list(layers.keys()) if isinstance(layers, nn.ModuleDict) else [str(i) for i in range(len(layers))]
 
 
-def _accumulation_probe(par: ParallelModel, cfg: Config, batch: dict[str, torch.Tensor]) -> dict[str, dict[str, int]] | None:
+def _accumulation_probe(
+    par: ParallelModel, cfg: Config, batch: dict[str, torch.Tensor]
+) -> dict[str, dict[str, int]] | None:
     """Collectives issued by a non-final ("first") and the final ("last") micro-batch of a step:
     {"first": {"allgather_base": 6, ...}, "last": {...}} from the profiler's c10d op names."""
     from collections import Counter
@@ -155,11 +182,11 @@ def _accumulation_probe(par: ParallelModel, cfg: Config, batch: dict[str, torch.
     mb = par.shard_batch(batch)
     counts = {}
     for is_last in (False, True):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            with par.micro_batch(is_last=is_last):
-                logits = par.module(mb["input_ids"], mb["position_ids"],
-                                    mb["document_ids"] if ctx.use_document_mask else None)
-                par.cross_entropy_sum(logits, mb["labels"]).backward()
+        with profile(activities=[ProfilerActivity.CPU]) as prof, par.micro_batch(is_last=is_last):
+            logits = par.module(
+                mb["input_ids"], mb["position_ids"], mb["document_ids"] if ctx.use_document_mask else None
+            )
+            par.cross_entropy_sum(logits, mb["labels"]).backward()
         names = [e.name for e in prof.events()]
         tag = "last" if is_last else "first"
         counts[tag] = dict(Counter(n.split("::")[1].strip("_") for n in names if n.startswith("c10d::")))
@@ -198,8 +225,9 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
         dp = pm.size("dp")
         ref_steps = steps
         if layout.get("split_reference"):
-            ref_steps = [[{k: v.chunk(dp)[r] for k, v in mb.items()} for mb in step for r in range(dp)]
-                         for step in steps]
+            ref_steps = [
+                [{k: v.chunk(dp)[r] for k, v in mb.items()} for mb in step for r in range(dp)] for step in steps
+            ]
         reference = ParallelModel(parts=[build_tiny(cfg)])
         # MoE aux-loss weight: the mean over the step's micro-batches and data-parallel ranks.
         set_aux_loss_weight(reference.module, cfg.model.moe_aux_loss_coef / len(ref_steps[0]))
@@ -208,17 +236,29 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
         set_aux_loss_weight(par.module, cfg.model.moe_aux_loss_coef / (accum * dp))
         probe = _accumulation_probe(par, cfg, steps[0][0]) if accum > 1 else None
         got = train_and_record(par, cfg, steps)
-        diffs = torch.tensor([max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
-                              max(abs(a - b) for a, b in zip(got["norms"], ref["norms"])),
-                              max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"])),
-                              max_diff(got["params"], ref["params"])])
+        diffs = torch.tensor(
+            [
+                max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
+                max(abs(a - b) for a, b in zip(got["norms"], ref["norms"])),
+                max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"])),
+                max_diff(got["params"], ref["params"]),
+            ]
+        )
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         num_grads = torch.tensor([len(got["grads"][0])])
         dist.all_reduce(num_grads)
-        results[layout["name"]] = {"loss": float(diffs[0]), "norm": float(diffs[1]), "grad": float(diffs[2]),
-                                   "param": float(diffs[3]), "losses": got["losses"], "ref_losses": ref["losses"],
-                                   "num_grads_all_ranks": int(num_grads), "num_params": len(ref["params"]),
-                                   "accumulation_probe": probe, "facts": _layout_facts(par)}
+        results[layout["name"]] = {
+            "loss": float(diffs[0]),
+            "norm": float(diffs[1]),
+            "grad": float(diffs[2]),
+            "param": float(diffs[3]),
+            "losses": got["losses"],
+            "ref_losses": ref["losses"],
+            "num_grads_all_ranks": int(num_grads),
+            "num_params": len(ref["params"]),
+            "accumulation_probe": probe,
+            "facts": _layout_facts(par),
+        }
     if info.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
@@ -261,14 +301,21 @@ def failure_drill(mode: str, run_dir: str, timeout_s: int) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Sharded checkpoints
 
+
 def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Full (unsharded) model and optimizer state dicts on every rank (collective; tiny models only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    model_sd, optim_sd = get_state_dict(module, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+
+    model_sd, optim_sd = get_state_dict(
+        module, optimizer, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    )
     model_sd = {k: full(v) for k, v in model_sd.items()}
-    optim_sd = {"state": {k: {n: full(t) if isinstance(t, torch.Tensor) else t for n, t in s.items()}
-                          for k, s in optim_sd["state"].items()}}
+    optim_sd = {
+        "state": {
+            k: {n: full(t) if isinstance(t, torch.Tensor) else t for n, t in s.items()}
+            for k, s in optim_sd["state"].items()
+        }
+    }
     return model_sd, optim_sd
 
 
@@ -309,9 +356,11 @@ def dcp_drill(run_dir: str) -> None:
         run_step(par, opt, batches, ctx)
     straight = full_state(par.module, opt)
     results: dict[str, float] = {}
-    for name, overrides in (("same_layout", ["--parallel.dp_shard=4"]),
-                            ("fsdp2_tp2", ["--parallel.dp_shard=2", "--parallel.tp=2"]),
-                            ("pp2_fsdp2", ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"])):
+    for name, overrides in (
+        ("same_layout", ["--parallel.dp_shard=4"]),
+        ("fsdp2_tp2", ["--parallel.dp_shard=2", "--parallel.tp=2"]),
+        ("pp2_fsdp2", ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"]),
+    ):
         par, opt = setup(overrides, seed=123)  # other initial weights: only the load can make them equal
         trainer_state = load_sharded(path, par.module, opt)
         results[f"{name}_loaded_vs_saved"] = _subset_diff(full_state(par.module, opt), saved)
@@ -328,6 +377,7 @@ def dcp_drill(run_dir: str) -> None:
 def _subset_diff(got: tuple[dict, dict], want: tuple[dict, dict]) -> float:
     """`state_diff` over the entries `got` holds (a pipeline rank holds some layers), max over ranks."""
     import torch.distributed as dist
+
     sub = ({k: want[0][k] for k in got[0]}, {"state": {k: want[1]["state"][k] for k in got[1]["state"]}})
     value = torch.tensor(state_diff(got, sub))
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -337,28 +387,48 @@ def _subset_diff(got: tuple[dict, dict], want: tuple[dict, dict]) -> float:
 # ----------------------------------------------------------------------------------------------------
 # Compositions with several ranks
 
-def fp16_found_inf_drill(out_path: str, inject: bool, layout: str = "--parallel.dp_shard=2") -> None:
-    """A layout over 2 ranks (FSDP by default; TP, CP) with fp16 loss scaling: after one step's backward, rank 1 alone gets an inf in
-    its local gradient shard (`inject`). The trainer's optimizer_update must skip the step and back off
-    the scale on every rank alike. Rank 0 writes {scales, changed (params moved), ...} per rank."""
+
+def fp16_found_inf_drill(out_path: str, layouts: list[str]) -> None:
+    """For each layout over 2 ranks (FSDP, TP, CP) with fp16 loss scaling, one step twice: with an inf
+    put into rank 1's local gradient shard alone after the backward ("inject"), then without ("control").
+    With the inf, the trainer's optimizer_update must skip the step and back off the scale on every rank
+    alike. All cases run in one job (process start-up dominates on a 2-core CI machine); rank 0 writes
+    {layout: {"inject": {scale, changed (params moved), ...} per rank, "control": {...}}}."""
     import json
 
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
     from tracetrain.parallel import dist as tdist
-    from tracetrain.train.step import forward_backward, optimizer_update
 
     torch.set_num_threads(1)
     info = tdist.init_distributed(120, "cpu")
+    results = {
+        layout: {
+            case: _found_inf_step(layout, case == "inject", info.rank, info.world_size)
+            for case in ("inject", "control")
+        }
+        for layout in layouts
+    }
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    tdist.shutdown()
+
+
+def _found_inf_step(layout: str, inject: bool, rank: int, world_size: int) -> dict[str, object]:
+    """One fp16 step of a fresh model with `layout` (an inf in rank 1's gradient if `inject`): whether
+    each rank's weights changed, each rank's scale after the step, and the step's flags."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tracetrain.train.step import forward_backward, optimizer_update
+
     cfg = tiny_config([layout, "--train.precision=fp16"])
-    par = apply_layout(cfg, build_tiny(cfg), info.world_size)
+    par = apply_layout(cfg, build_tiny(cfg), world_size)
     optimizer = build_optimizer(par.module, cfg.optim, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu")
     ctx = dataclasses.replace(step_context(cfg), autocast_dtype=torch.float16, scaler=scaler, par=par)
     before = {n: full(p) for n, p in par.module.named_parameters()}
     total = forward_backward(par.module, global_batches(cfg, 4, 1), ctx)
-    if inject and info.rank == 1:
+    if inject and rank == 1:
         p = next(p for p in par.module.parameters() if p.grad is not None)
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         local.view(-1)[0] = float("inf")
@@ -367,28 +437,40 @@ def fp16_found_inf_drill(out_path: str, inject: bool, layout: str = "--parallel.
     changed = torch.tensor([float(any(not torch.equal(before[n], after[n]) for n in before))])
     flags = [torch.zeros(2), torch.zeros(2)]
     dist.all_gather(flags, torch.tensor([changed.item(), float(scaler.get_scale())]))
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"changed": [float(x[0]) for x in flags], "scale": [float(x[1]) for x in flags],
-                       "finite": bool(out.finite), "diverged": bool(out.diverged)}, f)
-    tdist.shutdown()
+    return {
+        "changed": [float(x[0]) for x in flags],
+        "scale": [float(x[1]) for x in flags],
+        "finite": bool(out.finite),
+        "diverged": bool(out.diverged),
+    }
 
 
-def activation_offload_drill(out_path: str, overrides: list[str]) -> None:
-    """Streamed activation offload (half the blocks) on a data-parallel layout: 2 steps with the layout
-    and in one process on the same global batches (4 rows). Rank 0 writes the max loss/grad/param diffs
-    and, per rank, the bytes and tensors its last forward offloaded next to what one process offloads for
-    a batch of the same shape as that rank's rows: equal only if the layout's gathered weights (FSDP's
-    unsharded parameters) are recognised as weights and stay where they are."""
+def activation_offload_drill(out_path: str, layouts: list[list[str]]) -> None:
+    """For each data-parallel layout (config overrides), streamed activation offload (half the blocks):
+    2 steps with the layout and in one process on the same global batches (4 rows). Rank 0 writes
+    {" ".join(overrides): {max loss/grad/param diffs, per rank: the bytes and tensors its last forward
+    offloaded next to what one process offloads for a batch of the same shape as that rank's rows}}: equal
+    only if the layout's gathered weights (FSDP's unsharded parameters) are recognised as weights and stay
+    where they are. All layouts run in one job."""
     import json
 
-    import torch.distributed as dist
-
-    from tracetrain.memory import apply_activation_offload
     from tracetrain.parallel import dist as tdist
 
     torch.set_num_threads(1)
     info = tdist.init_distributed(120, "cpu")
+    results = {" ".join(overrides): _offload_compared(overrides, info.world_size) for overrides in layouts}
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    tdist.shutdown()
+
+
+def _offload_compared(overrides: list[str], world_size: int) -> dict[str, object]:
+    """`activation_offload_drill` for one layout (collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    from tracetrain.memory import apply_activation_offload
+
     cfg = tiny_config(overrides)
 
     def run(par: ParallelModel, steps: list[list[dict[str, torch.Tensor]]]) -> tuple[dict[str, object], object]:
@@ -401,29 +483,44 @@ def activation_offload_drill(out_path: str, overrides: list[str]) -> None:
 
     steps = [global_batches(cfg, 4, 1, seed=s) for s in range(2)]
     ref, _ = run(ParallelModel(parts=[build_tiny(cfg)]), steps)
-    par = apply_layout(cfg, build_tiny(cfg), info.world_size)
+    par = apply_layout(cfg, build_tiny(cfg), world_size)
     got, stats = run(par, steps)
     local_rows = 4 // par.mesh.size("dp")
     _, local_ref_stats = run(ParallelModel(parts=[build_tiny(cfg)]), [global_batches(cfg, local_rows, 1)])
-    diffs = torch.tensor([max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),  # type: ignore[call-overload]
-                          max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"])),  # type: ignore[call-overload]
-                          max_diff(got["params"], ref["params"])])  # type: ignore[arg-type]
+    diffs = torch.tensor(
+        [
+            max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),  # type: ignore[call-overload]
+            max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"])),  # type: ignore[call-overload]
+            max_diff(got["params"], ref["params"]),
+        ]
+    )  # type: ignore[arg-type]
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-    counts = torch.tensor([stats.offloaded_bytes, stats.num_tensors,  # type: ignore[attr-defined]
-                           local_ref_stats.offloaded_bytes, local_ref_stats.num_tensors], dtype=torch.float64)  # type: ignore[attr-defined]
-    gathered = [torch.zeros_like(counts) for _ in range(info.world_size)]
+    counts = torch.tensor(
+        [
+            stats.offloaded_bytes,
+            stats.num_tensors,  # type: ignore[attr-defined]
+            local_ref_stats.offloaded_bytes,
+            local_ref_stats.num_tensors,
+        ],
+        dtype=torch.float64,
+    )  # type: ignore[attr-defined]
+    gathered = [torch.zeros_like(counts) for _ in range(world_size)]
     dist.all_gather(gathered, counts)
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"loss": float(diffs[0]), "grad": float(diffs[1]), "param": float(diffs[2]),
-                       "losses": got["losses"],
-                       "per_rank": [{"bytes": int(c[0]), "tensors": int(c[1]), "one_process_bytes": int(c[2]),
-                                     "one_process_tensors": int(c[3])} for c in gathered]}, f)
-    tdist.shutdown()
+    return {
+        "loss": float(diffs[0]),
+        "grad": float(diffs[1]),
+        "param": float(diffs[2]),
+        "losses": got["losses"],
+        "per_rank": [
+            {"bytes": int(c[0]), "tensors": int(c[1]), "one_process_bytes": int(c[2]), "one_process_tensors": int(c[3])}
+            for c in gathered
+        ],
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
 # Model states per rank (what the planner's memory model must equal)
+
 
 def _held_bytes(tensors: list[torch.Tensor | None]) -> dict[str, int]:
     """Bytes and number of the distinct live storages behind `tensors` (a DTensor: its local shard).
@@ -445,10 +542,12 @@ def _model_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     sharded = [p for g in optimizer.param_groups for p in g["params"]]
     registered = list(module.parameters())
     states = list(optimizer.state.values())
-    return {"params": _held_bytes(sharded + registered),
-            "grads": _held_bytes([p.grad for p in sharded + registered]),
-            "moments": _held_bytes([s[k] for s in states for k in ("exp_avg", "exp_avg_sq") if k in s]),
-            "step_counters": _held_bytes([s["step"] for s in states if "step" in s])}
+    return {
+        "params": _held_bytes(sharded + registered),
+        "grads": _held_bytes([p.grad for p in sharded + registered]),
+        "moments": _held_bytes([s[k] for s in states for k in ("exp_avg", "exp_avg_sq") if k in s]),
+        "step_counters": _held_bytes([s["step"] for s in states if "step" in s]),
+    }
 
 
 class StateCapture:
@@ -489,28 +588,7 @@ def model_states_drill(out_path: str, layouts: list[dict]) -> None:
     info = tdist.init_distributed(120, "cpu")
     results: dict[str, list[dict]] = {}
     for layout in layouts:
-        cfg = tiny_config(layout["overrides"])
-        par = apply_layout(cfg, build_tiny(cfg), info.world_size)
-        optimizer = StateCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
-        record: dict[str, dict[str, dict[str, int]]] = {}
-        calls = [0]
-
-        def before_forward(module: nn.Module, args: object) -> None:
-            calls[0] += 1
-            if calls[0] % 2 == 0:  # the second micro-batch of a step: the first one's backward is done
-                record["between_micro_batches"] = _model_states(module, optimizer.optimizer)
-
-        def after_forward(module: nn.Module, args: object, output: object) -> None:
-            if calls[0] % 2 == 0:
-                record["forward_end"] = _model_states(module, optimizer.optimizer)
-
-        # Prepended: runs before FSDP's own pre-forward hook (which would gather the root's weights).
-        par.module.register_forward_pre_hook(before_forward, prepend=True)
-        par.module.register_forward_hook(after_forward)
-        ctx = step_context(cfg)
-        for seed in range(2):
-            run_step(par, optimizer, global_batches(cfg, 4, 2, seed=seed), ctx)  # type: ignore[arg-type]
-        record["after_step"] = optimizer.after_step
+        record = _record_model_states(layout["overrides"], info.world_size)
         gathered: list[object] = [None] * info.world_size
         dist.all_gather_object(gathered, record)
         results[layout["name"]] = gathered  # type: ignore[assignment]
@@ -518,3 +596,30 @@ def model_states_drill(out_path: str, layouts: list[dict]) -> None:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
     tdist.shutdown()
+
+
+def _record_model_states(overrides: list[str], world_size: int) -> dict[str, dict[str, dict[str, int]]]:
+    """`model_states_drill` for one layout on this rank (collective: every rank calls it)."""
+    cfg = tiny_config(overrides)
+    par = apply_layout(cfg, build_tiny(cfg), world_size)
+    optimizer = StateCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
+    record: dict[str, dict[str, dict[str, int]]] = {}
+    calls = [0]
+
+    def before_forward(module: nn.Module, args: object) -> None:
+        calls[0] += 1
+        if calls[0] % 2 == 0:  # the second micro-batch of a step: the first one's backward is done
+            record["between_micro_batches"] = _model_states(module, optimizer.optimizer)
+
+    def after_forward(module: nn.Module, args: object, output: object) -> None:
+        if calls[0] % 2 == 0:
+            record["forward_end"] = _model_states(module, optimizer.optimizer)
+
+    # Prepended: runs before FSDP's own pre-forward hook (which would gather the root's weights).
+    par.module.register_forward_pre_hook(before_forward, prepend=True)
+    par.module.register_forward_hook(after_forward)
+    ctx = step_context(cfg)
+    for seed in range(2):
+        run_step(par, optimizer, global_batches(cfg, 4, 2, seed=seed), ctx)  # type: ignore[arg-type]
+    record["after_step"] = optimizer.after_step
+    return record

@@ -20,29 +20,50 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_here
+from parallel_harness import build_tiny, tiny_config
 from safetensors.torch import load_file, save_file
+from test_train import run_cli
 
 import tracetrain.train.checkpoint as ckpt_mod
 from tracetrain.config import load_config, to_toml
 from tracetrain.errors import CheckpointError
 from tracetrain.inference import find_checkpoint, load_trained
+from tracetrain.safe_load import load_pt, read_safetensors
 from tracetrain.train.assemble import build_model
-from tracetrain.train.sharded_checkpoint import load_sharded, save_sharded
-from parallel_harness import build_tiny, tiny_config
-from tracetrain.train.checkpoint import (TrainState, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                         load_weights, save_checkpoint, trainable_state_dict)
+from tracetrain.train.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_weights,
+    save_checkpoint,
+    trainable_state_dict,
+)
 from tracetrain.train.manifest import remove_stale, verify_checkpoint, write_manifest
 from tracetrain.train.optim import build_optimizer
-from tracetrain.safe_load import load_pt, read_safetensors
-
-from test_train import run_cli
+from tracetrain.train.sharded_checkpoint import load_sharded, save_sharded
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")
 
-RUN = ["--train.steps=4", "--train.micro_batch_size=2", "--data.synthetic_examples=120", "--data.seq_len=32",
-       "--model.n_layers=2", "--model.dim=64", "--model.ffn_dim=128", "--model.n_heads=4", "--model.n_kv_heads=2",
-       "--logging.log_interval=1", "--train.eval_interval=0", "--train.eval_generate=0", "--train.eval_batches=1",
-       "--optim.warmup_steps=1", "--checkpoint.interval=2", "--checkpoint.keep_last=3"]
+RUN = [
+    "--train.steps=4",
+    "--train.micro_batch_size=2",
+    "--data.synthetic_examples=120",
+    "--data.seq_len=32",
+    "--model.n_layers=2",
+    "--model.dim=64",
+    "--model.ffn_dim=128",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--logging.log_interval=1",
+    "--train.eval_interval=0",
+    "--train.eval_generate=0",
+    "--train.eval_batches=1",
+    "--optim.warmup_steps=1",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep_last=3",
+]
 
 
 def _tiny(step_value: float | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -57,8 +78,13 @@ def _tiny(step_value: float | None = None) -> tuple[torch.nn.Module, torch.optim
     return model, opt
 
 
-def _save(run: Path, step: int, value: float | None = None, keep_last: int = 5,
-          built: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None) -> Path:
+def _save(
+    run: Path,
+    step: int,
+    value: float | None = None,
+    keep_last: int = 5,
+    built: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
+) -> Path:
     model, opt = built or _tiny(float(step if value is None else value))
     state = TrainState(step, {}, {}, {"value": int(step if value is None else value)})
     return save_checkpoint(run, model, opt, state, "", lora=False, keep_last=keep_last)
@@ -84,6 +110,7 @@ def _hidden(run: Path) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 # Manifest, verification, resume fallback
 
+
 def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     path = _save(tmp_path, 1)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -91,6 +118,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     listed = {f["path"]: f for f in manifest["files"]}
     assert sorted(listed) == ["config.toml", "model.safetensors", "optimizer.pt", "trainer_state.pt"]
     import hashlib
+
     for name, entry in listed.items():
         assert entry["bytes"] == (path / name).stat().st_size
         assert entry["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
@@ -135,6 +163,7 @@ def test_missing_tensor_is_named_even_when_the_manifest_matches(tmp_path):
 
 def test_lora_adapters_only_expects_every_adapter(tmp_path):
     from tracetrain.models.lora import apply_lora
+
     cfg = tiny_config([])
     model = build_tiny(cfg)
     apply_lora(model, 4, 8.0, 0.0, ["q_proj", "v_proj"])
@@ -156,15 +185,25 @@ def test_legacy_checkpoint_without_manifest(tmp_path, capsys):
     newer = _save(tmp_path, 2)
     assert latest_checkpoint(tmp_path) == newer
     (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:40])
-    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file "
-                                              r"\(Error while deserializing header: .*\); it is truncated"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: not a readable safetensors file "
+        r"\(Error while deserializing header: .*\); it is truncated",
+    ):
         _load(path)
 
 
 def test_trainer_state_keeps_the_data_fingerprint_and_tolerates_its_absence(tmp_path):
     model, opt = _tiny(1.0)
-    path = save_checkpoint(tmp_path, model, opt, TrainState(1, {}, {}, {"value": 1}, data_fingerprint="abc123"),
-                           "", lora=False, keep_last=2)
+    path = save_checkpoint(
+        tmp_path,
+        model,
+        opt,
+        TrainState(1, {}, {}, {"value": 1}, data_fingerprint="abc123"),
+        "",
+        lora=False,
+        keep_last=2,
+    )
     assert _load(path).data_fingerprint == "abc123"
     raw = torch.load(path / "trainer_state.pt", weights_only=True)
     del raw["data_fingerprint"]  # a checkpoint from before the field existed
@@ -177,12 +216,15 @@ def test_trainer_state_keeps_the_data_fingerprint_and_tolerates_its_absence(tmp_
 # ----------------------------------------------------------------------------------------------------
 # One-line errors for unreadable files
 
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "header"])
 def test_unreadable_safetensors_is_one_line(tmp_path, damage):
     file = tmp_path / "w.safetensors"
     save_file({"a": torch.ones(64)}, str(file))
     data = file.read_bytes()
-    file.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "header": data[:8] + b"\xff" + data[9:]}[damage])
+    file.write_bytes(
+        {"truncated": data[: len(data) // 2], "empty": b"", "header": data[:8] + b"\xff" + data[9:]}[damage]
+    )
     with pytest.raises(CheckpointError) as e:
         read_safetensors(file)
     assert str(e.value).startswith(f"{file}: not a readable safetensors file") and "\n" not in str(e.value)
@@ -190,6 +232,7 @@ def test_unreadable_safetensors_is_one_line(tmp_path, damage):
 
 def test_hf_weights_with_a_truncated_file_is_one_line(tmp_path):
     from tracetrain.models.hf import load_hf_weights
+
     model = build_tiny(tiny_config([]))
     save_file({"model.embed_tokens.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "model.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes()[:20])
@@ -227,6 +270,7 @@ class _Evil:
 # ----------------------------------------------------------------------------------------------------
 # DCP metadata: no code execution
 
+
 def _sharded(run: Path, step: int = 2) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
     cfg = tiny_config([])
     model = build_tiny(cfg)
@@ -250,8 +294,10 @@ def test_crafted_dcp_metadata_does_not_run(tmp_path):
     _plant_evil_metadata(path, marker)
     with pytest.raises(CheckpointError) as e:
         load_sharded(path, model, opt)
-    assert str(e.value) == (f"{path / 'dcp' / '.metadata'}: refusing to load posix.system (a DCP metadata file "
-                            "holds only torch.distributed.checkpoint metadata classes, sizes, dtypes and containers)")
+    assert str(e.value) == (
+        f"{path / 'dcp' / '.metadata'}: refusing to load posix.system (a DCP metadata file "
+        "holds only torch.distributed.checkpoint metadata classes, sizes, dtypes and containers)"
+    )
     assert not marker.exists()
 
 
@@ -261,6 +307,7 @@ def test_crafted_dcp_item_does_not_run(tmp_path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     from tracetrain.train.sharded_checkpoint import read_metadata_file
+
     path, model, opt = _sharded(tmp_path)
     metadata = read_metadata_file(path / "dcp" / ".metadata")
     index = next(i for i in metadata.storage_data if i.fqn.startswith("optim.param_groups"))
@@ -295,9 +342,11 @@ def test_crafted_dcp_metadata_fails_eval_and_resume_with_one_line(tmp_path):
     for args in (["eval", str(run)], ["train", "--resume", str(run), "--train.steps=8"]):
         proc = run_cli(*args, check=False)
         assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.strip().splitlines()[-1] == f"error: {path / 'dcp' / '.metadata'}: refusing to load " \
-            "posix.system (a DCP metadata file holds only torch.distributed.checkpoint metadata classes, sizes, " \
+        assert (
+            proc.stderr.strip().splitlines()[-1] == f"error: {path / 'dcp' / '.metadata'}: refusing to load "
+            "posix.system (a DCP metadata file holds only torch.distributed.checkpoint metadata classes, sizes, "
             "dtypes and containers)"
+        )
         assert "Traceback" not in proc.stderr
         assert not marker.exists()
 
@@ -305,42 +354,44 @@ def test_crafted_dcp_metadata_fails_eval_and_resume_with_one_line(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # Eval / resume through the CLI on a real run
 
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
+    """A real run with checkpoints at steps 2 and 4, through the CLI's main in this process (as are the
+    eval and resume calls below; the crafted-metadata test above runs both commands as processes)."""
     out = tmp_path_factory.mktemp("runs")
-    run_cli("train", *RUN, f"--train.output_dir={out}", "--train.run_name=r")
+    cli_here("train", *RUN, f"--train.output_dir={out}", "--train.run_name=r")
     assert [p.name for p in list_checkpoints(out / "r")] == ["step_00000002", "step_00000004"]
     return out / "r"
 
 
-@pytest.mark.slow  # two CLI processes: ~20 s on a busy 2-core machine
 def test_eval_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(trained_run, tmp_path):
     run = tmp_path / "r"
     shutil.copytree(trained_run, run)
     newest = run / "checkpoints" / "step_00000004"
     _flip_byte(newest / "model.safetensors")
-    proc = run_cli("eval", str(run))
+    proc = cli_here("eval", str(run))
     assert json.loads(proc.stdout)["checkpoint"] == str(run / "checkpoints" / "step_00000002")
     assert f"note: skipped checkpoint step_00000004: {newest / 'model.safetensors'}: sha256 differs" in proc.stderr
-    proc = run_cli("eval", str(newest), check=False)
+    proc = cli_here("eval", str(newest), check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: {newest / 'model.safetensors'}: sha256 differs from the manifest "
-                                   "(the file is corrupt or was modified after the save)")
+    assert proc.stderr.strip() == (
+        f"error: {newest / 'model.safetensors'}: sha256 differs from the manifest "
+        "(the file is corrupt or was modified after the save)"
+    )
 
 
-@pytest.mark.slow  # resumes a real run: ~15 s on a busy 2-core machine
 def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(trained_run, tmp_path):
     run = tmp_path / "r"
     shutil.copytree(trained_run, run)
     newest = run / "checkpoints" / "step_00000004"
     _flip_byte(newest / "optimizer.pt")
-    proc = run_cli("train", "--resume", str(run), "--train.steps=6")
+    proc = cli_here("train", "--resume", str(run), "--train.steps=6")
     assert f"note: skipped checkpoint step_00000004: {newest / 'optimizer.pt'}: sha256 differs" in proc.stderr
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout + proc.stderr
     assert verify_checkpoint(run / "checkpoints" / "step_00000006")
 
 
-@pytest.mark.slow  # trains its own run (the module fixture, ~13 s)
 def test_eval_of_a_checkpoint_missing_a_layer_names_the_tensor(trained_run, tmp_path):
     run = tmp_path / "r"
     shutil.copytree(trained_run, run)
@@ -360,6 +411,7 @@ def test_eval_of_a_checkpoint_missing_a_layer_names_the_tensor(trained_run, tmp_
 # ----------------------------------------------------------------------------------------------------
 # Temporary folders, disk space
 
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -371,9 +423,13 @@ def test_stale_temporary_folders_of_dead_processes_are_removed(tmp_path):
     host, dead = socket.gethostname(), _dead_pid()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        names = {"dead_tmp": f".tmp-step_00000005@{host}@{dead}", "dead_trash": f".trash-step_00000001@{host}@{dead}@0",
-                 "live": f".tmp-step_00000007@{host}@{sleeper.pid}", "other_host": f".tmp-step_00000008@elsewhere@{dead}",
-                 "unowned": ".tmp-step_00000009-123"}
+        names = {
+            "dead_tmp": f".tmp-step_00000005@{host}@{dead}",
+            "dead_trash": f".trash-step_00000001@{host}@{dead}@0",
+            "live": f".tmp-step_00000007@{host}@{sleeper.pid}",
+            "other_host": f".tmp-step_00000008@elsewhere@{dead}",
+            "unowned": ".tmp-step_00000009-123",
+        }
         for name in names.values():
             (root / name).mkdir(parents=True)
             (root / name / "model.safetensors").write_bytes(b"x" * 1000)
@@ -420,14 +476,19 @@ def test_full_disk_on_a_real_tmpfs(small_disk, monkeypatch, vocab):
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     opt.step()  # AdamW's states exist from the first step on
     root = small_disk / "checkpoints"
-    with pytest.raises(CheckpointError, match=rf"^not enough disk space in {root} for checkpoint step_00000001: "
-                                              r"needs about \d+ bytes, \d+ free$"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^not enough disk space in {root} for checkpoint step_00000001: "
+        r"needs about \d+ bytes, \d+ free$",
+    ):
         save_checkpoint(small_disk, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=2)
     # The estimate can be beaten (another process fills the disk meanwhile): then the write itself fails.
     monkeypatch.setattr(ckpt_mod, "check_free_space", lambda *a: None)
     monkeypatch.setattr("tracetrain.train.sharded_checkpoint.check_free_space", lambda *a: None)
-    for save in (lambda: save_checkpoint(small_disk, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=2),
-                 lambda: save_sharded(small_disk, 1, model, opt, {"step": 1}, "", keep_last=2)):
+    for save in (
+        lambda: save_checkpoint(small_disk, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=2),
+        lambda: save_sharded(small_disk, 1, model, opt, {"step": 1}, "", keep_last=2),
+    ):
         with pytest.raises(CheckpointError, match=rf"^disk full while saving checkpoint step_00000001 into {root} "):
             save()
         assert list(root.iterdir()) == []  # nothing left behind: the disk is free again
@@ -436,8 +497,15 @@ def test_full_disk_on_a_real_tmpfs(small_disk, monkeypatch, vocab):
 # ----------------------------------------------------------------------------------------------------
 # kill -9 at every filesystem operation of a save with rotation and a same-step re-save
 
-_KILL_POINTS = [("os", "rename"), ("os", "unlink"), ("os", "rmdir"), ("os", "mkdir"), ("os", "fsync"),
-                ("shutil", "rmtree"), ("torch", "save")]
+_KILL_POINTS = [
+    ("os", "rename"),
+    ("os", "unlink"),
+    ("os", "rmdir"),
+    ("os", "mkdir"),
+    ("os", "fsync"),
+    ("shutil", "rmtree"),
+    ("torch", "save"),
+]
 
 
 def _die_at(n: int) -> None:
@@ -450,6 +518,7 @@ def _die_at(n: int) -> None:
             if calls[0] == n:
                 os.kill(os.getpid(), signal.SIGKILL)
             return fn(*args, **kwargs)
+
         return killer
 
     modules = {"os": os, "shutil": shutil, "torch": torch}
@@ -481,6 +550,7 @@ def test_kill_9_at_every_step_of_save_rotation_and_resave(tmp_path, monkeypatch)
                 os._exit(0)
             except BaseException:
                 import traceback
+
                 traceback.print_exc()  # shown by pytest as the test's captured stderr
                 os._exit(1)
         _, status = os.waitpid(pid, 0)

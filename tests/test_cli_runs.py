@@ -4,17 +4,24 @@ import json
 
 import pytest
 import torch
+from conftest import cli_here
+from test_train import SMALL, _model_and_opt, _rows, read_metrics, run_cli
 
 from tracetrain.train.step import StepContext, train_step
-
-from test_train import SMALL, _model_and_opt, _rows, read_metrics, run_cli
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    run_cli("train", *SMALL, "--train.steps=40", f"--train.output_dir={out}", "--train.run_name=base",
-            "--logging.tensorboard=true")
+    # In this process: the real `train` command runs end to end in test_train.py.
+    cli_here(
+        "train",
+        *SMALL,
+        "--train.steps=40",
+        f"--train.output_dir={out}",
+        "--train.run_name=base",
+        "--logging.tensorboard=true",
+    )
     return out / "base"
 
 
@@ -31,36 +38,58 @@ def test_eval_reports_loss_and_exact_match(trained):
 
 
 def test_generate_applies_template_and_is_deterministic(trained):
+    # The first in a process of its own, the rest in this one: equal output across the two is part of
+    # what "deterministic" means here.
     a = run_cli("generate", "--json", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
-    b = run_cli("generate", "--json", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
+    b = cli_here("generate", "--json", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
     assert a == b and json.loads(a)["prompt"] == "reverse: abc"
-    sampled = run_cli("generate", "--json", str(trained), "--prompt", "upper: xyz", "--temperature", "1.0",
-                      "--top-p", "0.9", "--seed", "3").stdout
+    sampled = cli_here(
+        "generate",
+        "--json",
+        str(trained),
+        "--prompt",
+        "upper: xyz",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    ).stdout
     assert "completion" in json.loads(sampled)
     # Without --json: the text itself; with several prompts, each under its prompt.
-    text = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
+    text = cli_here("generate", str(trained), "--prompt", "reverse: abc", "--max-new-tokens", "8").stdout
     assert text == json.loads(a)["completion"] + "\n"
-    two = run_cli("generate", str(trained), "--prompt", "reverse: abc", "--prompt", "upper: q", "--max-new-tokens", "8")
+    two = cli_here(
+        "generate", str(trained), "--prompt", "reverse: abc", "--prompt", "upper: q", "--max-new-tokens", "8"
+    )
     assert two.stdout.startswith("### reverse: abc\n" + json.loads(a)["completion"] + "\n\n### upper: q\n")
 
 
 def test_export_hf_loads_in_transformers(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
-    run_cli("export", str(trained), "--hf", str(tmp_path / "hf"))
+    cli_here("export", str(trained), "--hf", str(tmp_path / "hf"))  # test_export.py runs it as a subprocess
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     from tracetrain.inference import load_trained
+
     ours = load_trained(trained, "cpu").model
     tokens = torch.randint(0, 259, (2, 30))
     with torch.no_grad():
         # Export is bf16 by default: compare within bf16 rounding of the weights.
         assert (ours(tokens) - hf(tokens).logits.float()).abs().max().item() < 0.1
-    proc = run_cli("export", str(trained), "--peft", str(tmp_path / "peft"), check=False)
+    proc = cli_here("export", str(trained), "--peft", str(tmp_path / "peft"), check=False)
     assert proc.returncode == 2 and "full fine-tune" in proc.stderr
 
 
 def test_profile_writes_trace_and_reports(tmp_path):
-    proc = run_cli("profile", *SMALL, f"--train.output_dir={tmp_path}", "--train.run_name=p",
-                   "--profile.start_step=3", "--profile.num_steps=2")
+    proc = run_cli(
+        "profile",
+        *SMALL,
+        f"--train.output_dir={tmp_path}",
+        "--train.run_name=p",
+        "--profile.start_step=3",
+        "--profile.num_steps=2",
+    )
     prof = tmp_path / "p" / "profile"
     assert (prof / "rank0.json.gz").is_file() and (prof / "report.html").is_file()
     report = json.loads((prof / "report.json").read_text())
@@ -75,6 +104,7 @@ def test_profile_writes_trace_and_reports(tmp_path):
 def test_profiler_off_adds_nothing(tmp_path):
     from tracetrain.config import ProfileSection
     from tracetrain.profile.capture import ProfileCapture
+
     cap = ProfileCapture(ProfileSection(enabled=False), tmp_path, torch.device("cpu"))
     assert cap.profiler is None and cap.phase("forward") is cap.phase("backward")
     assert not (tmp_path / "profile").exists()
@@ -97,7 +127,14 @@ def test_fp16_overflow_is_skipped_and_scale_lowered():
 
 
 def test_fp16_run_resumes_with_scaler_state(tmp_path):
-    run_cli("train", *SMALL, "--train.steps=6", "--train.precision=fp16", f"--train.output_dir={tmp_path}",
-            "--train.run_name=h", "--train.eval_generate=0")
+    cli_here(
+        "train",
+        *SMALL,
+        "--train.steps=6",
+        "--train.precision=fp16",
+        f"--train.output_dir={tmp_path}",
+        "--train.run_name=h",
+        "--train.eval_generate=0",
+    )
     state = torch.load(tmp_path / "h" / "checkpoints" / "step_00000006" / "trainer_state.pt", weights_only=True)
     assert state["counters"]["scaler"]["scale"] > 0

@@ -2,18 +2,19 @@
 tokens marked, for every data kind."""
 
 import io
+import itertools
 import json
 import re
 
 import numpy as np
 import pytest
+from conftest import cli_here
 from rich.console import Console
+from test_train import run_cli
 
 from tracetrain.config import load_config
 from tracetrain.data import build_datasets, load_tokenizer
 from tracetrain.data.inspect import inspect_data, length_histogram, render_plain, render_terminal
-
-from test_train import run_cli
 
 SYNTH = ["--data.synthetic_examples=300", "--data.seq_len=64"]
 MARKED = re.compile("⟦(.*?)⟧", re.S)
@@ -36,6 +37,7 @@ def test_cli_plain_output_marks_trained_tokens(tmp_path):
     examples = out.split("--- synthetic: ")[1:]
     assert len(examples) == 3
     from tracetrain.data.synthetic import generate_examples
+
     for block, (prompt, response) in zip(examples, generate_examples(300, 1234)):
         assert MARKED.findall(block) == [response + "<|eos|>"]  # the answer and EOS, never the prompt
         assert block.split("\n", 1)[1].startswith("<|bos|>" + prompt)
@@ -58,9 +60,15 @@ def test_stats_match_what_training_builds():
 
 def test_instruction_json_counts_bad_rows_truncation_and_masks(tmp_path):
     path = _instruction_file(tmp_path, bad_line=True)
-    args = ["--data.kind=instruction", f"--data.path={path}", "--data.seq_len=64", "--data.skip_bad_lines=true",
-            "--data.eval_fraction=0", "--data.template=plain"]
-    proc = run_cli("data", *args, "--show", "2", "--json", "--stats-json", str(tmp_path / "s.json"))
+    args = [
+        "--data.kind=instruction",
+        f"--data.path={path}",
+        "--data.seq_len=64",
+        "--data.skip_bad_lines=true",
+        "--data.eval_fraction=0",
+        "--data.template=plain",
+    ]
+    proc = cli_here("data", *args, "--show", "2", "--json", "--stats-json", str(tmp_path / "s.json"))
     shown = json.loads(proc.stdout)
     assert [ex["trained_text"] for ex in shown] == ["one one<|eos|>", "two two<|eos|>"]
     assert [ex["where"] for ex in shown] == [f"{path}:1", f"{path}:2"]
@@ -74,22 +82,41 @@ def test_instruction_json_counts_bad_rows_truncation_and_masks(tmp_path):
 def test_text_kind_trains_every_token_but_bos(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("First document here.\n<|endoftext|>\nSecond one, a little longer.\n")
-    report = inspect_data(load_config(None, ["--data.kind=text", f"--data.path={corpus}", "--data.seq_len=32",
-                                             "--data.eval_fraction=0"]), num_examples=2)
-    assert [ex.trained_text for ex in report.examples] == ["First document here.\n<|eos|>",
-                                                           "Second one, a little longer.\n<|eos|>"]
+    report = inspect_data(
+        load_config(None, ["--data.kind=text", f"--data.path={corpus}", "--data.seq_len=32", "--data.eval_fraction=0"]),
+        num_examples=2,
+    )
+    assert [ex.trained_text for ex in report.examples] == [
+        "First document here.\n<|eos|>",
+        "Second one, a little longer.\n<|eos|>",
+    ]
     assert all(ex.num_trained == ex.num_tokens - 1 for ex in report.examples)
     assert report.stats["train"]["trained_tokens"] < report.stats["train"]["tokens"]
 
 
 def test_chat_kind_with_builtin_template_on_bytes(tmp_path):
     path = tmp_path / "chat.jsonl"
-    conv = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you."}]
+    conv = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "See you."},
+    ]
     path.write_text(json.dumps({"messages": conv}) + "\n" + json.dumps({"messages": conv[:2]}) + "\n")
-    report = inspect_data(load_config(None, ["--data.kind=chat", f"--data.path={path}", "--data.tokenizer=byte",
-                                             "--data.chat_template=chatml", "--data.eval_fraction=0",
-                                             "--data.seq_len=256"]), 1)
+    report = inspect_data(
+        load_config(
+            None,
+            [
+                "--data.kind=chat",
+                f"--data.path={path}",
+                "--data.tokenizer=byte",
+                "--data.chat_template=chatml",
+                "--data.eval_fraction=0",
+                "--data.seq_len=256",
+            ],
+        ),
+        1,
+    )
     assert report.examples[0].trained_spans == ["Hello!<|im_end|>", "See you.<|im_end|>"]
     assert report.examples[0].text.startswith("<|im_start|>user\nHi there<|im_end|>")
 
@@ -114,25 +141,32 @@ def test_length_histogram_bins_cover_every_example():
     lengths = np.array([3, 3, 4, 10, 57, 64])
     bins = length_histogram(lengths, num_bins=5)
     assert bins[0]["lo"] == 3 and bins[-1]["hi"] == 64 and sum(b["count"] for b in bins) == 6
-    assert all(a["hi"] + 1 == b["lo"] for a, b in zip(bins, bins[1:]))
+    assert all(a["hi"] + 1 == b["lo"] for a, b in itertools.pairwise(bins))
     assert length_histogram(np.array([7, 7])) == [{"lo": 7, "hi": 7, "count": 2}]
     assert length_histogram(np.array([], dtype=np.int64)) == []
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--show", "-1"], "error: --show -1: must be >= 0"),
-    (["--data.kind=instruction"], "error: config key 'data.path' is required when data.kind = 'instruction'"),
-    (["--data.kind=instruction", "--data.path=nope.jsonl"], "error: data file nope.jsonl does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--show", "-1"], "error: --show -1: must be >= 0"),
+        (["--data.kind=instruction"], "error: config key 'data.path' is required when data.kind = 'instruction'"),
+        (["--data.kind=instruction", "--data.path=nope.jsonl"], "error: data file nope.jsonl does not exist"),
+    ],
+)
 def test_user_mistakes_are_one_line_errors(args, message):
-    proc = run_cli("data", *args, check=False)
+    # The first case as a real process (its exit status and stderr), the others through main in this one.
+    run = run_cli if args == ["--show", "-1"] else cli_here
+    proc = run("data", *args, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_on_the_fly_tokenisation_reports_a_count():
     calls = []
-    inspect_data(load_config(None, [*SYNTH, "--data.pack=false", "--data.tokenize=on_the_fly"]),
-                 progress=lambda what, done, total: calls.append((what, done, total)))
+    inspect_data(
+        load_config(None, [*SYNTH, "--data.pack=false", "--data.tokenize=on_the_fly"]),
+        progress=lambda what, done, total: calls.append((what, done, total)),
+    )
     assert calls[0] == ("building data", 0, None)
     counts = [(done, total) for what, done, total in calls if what == "tokenizing rows"]
-    assert counts and counts[0] == (256, 285) and all(a[0] < b[0] for a, b in zip(counts, counts[1:]))
+    assert counts and counts[0] == (256, 285) and all(a[0] < b[0] for a, b in itertools.pairwise(counts))

@@ -5,18 +5,28 @@ import shutil
 import tomllib
 
 import pytest
+from conftest import cli_here
+from test_train import read_metrics
 
 from tracetrain.config import load_config
 from tracetrain.data import build_datasets, load_tokenizer
 from tracetrain.errors import ConfigError
 from tracetrain.train.optim import lr_factor, steps_for_epochs
 
-from test_train import read_metrics, run_cli
-
-EPOCH_RUN = ["--train.epochs=2", "--train.micro_batch_size=8", "--train.grad_accum_steps=2",
-             "--data.synthetic_examples=300", "--data.seq_len=64", "--train.eval_interval=0", "--train.eval_batches=2",
-             "--train.eval_generate=0", "--optim.warmup_steps=2", "--logging.log_interval=1",
-             "--checkpoint.interval=4", "--checkpoint.keep_last=10"]
+EPOCH_RUN = [
+    "--train.epochs=2",
+    "--train.micro_batch_size=8",
+    "--train.grad_accum_steps=2",
+    "--data.synthetic_examples=300",
+    "--data.seq_len=64",
+    "--train.eval_interval=0",
+    "--train.eval_batches=2",
+    "--train.eval_generate=0",
+    "--optim.warmup_steps=2",
+    "--logging.log_interval=1",
+    "--checkpoint.interval=4",
+    "--checkpoint.keep_last=10",
+]
 
 
 def test_steps_for_epochs_rounds_up_and_ignores_float_noise():
@@ -27,11 +37,14 @@ def test_steps_for_epochs_rounds_up_and_ignores_float_noise():
 
 
 def test_steps_and_epochs_together_is_one_line_error():
-    with pytest.raises(ConfigError, match=r"^config keys 'train.steps' \(100\) and 'train.epochs' \(2.0\) are both "
-                                          r"set; set one"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config keys 'train.steps' \(100\) and 'train.epochs' \(2.0\) are both "
+        r"set; set one",
+    ):
         load_config(None, ["--train.steps=100", "--train.epochs=2"])
     assert load_config(None, ["--train.epochs=2"]).train.steps == 600  # default steps: epochs decides
-    proc = run_cli("train", "--train.steps=100", "--train.epochs=2", check=False)
+    proc = cli_here("train", "--train.steps=100", "--train.epochs=2", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: config keys 'train.steps'")
     assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -39,7 +52,7 @@ def test_steps_and_epochs_together_is_one_line_error():
 @pytest.fixture(scope="module")
 def epoch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    run_cli("train", *EPOCH_RUN, f"--train.output_dir={out}", "--train.run_name=e")
+    cli_here("train", *EPOCH_RUN, f"--train.output_dir={out}", "--train.run_name=e")
     return out / "e"
 
 
@@ -78,7 +91,7 @@ def test_epoch_run_resumes_exactly(epoch_run, tmp_path):
     last = max(p for p in (resumed / "checkpoints").iterdir())
     shutil.rmtree(last)  # as if it had stopped after the step-12 checkpoint
     (resumed / "summary.json").unlink()
-    proc = run_cli("train", "--resume", str(resumed))
+    proc = cli_here("train", "--resume", str(resumed))
     assert "resumed from" in proc.stdout + proc.stderr
     a = json.loads((epoch_run / "summary.json").read_text())
     b = json.loads((resumed / "summary.json").read_text())
@@ -87,10 +100,18 @@ def test_epoch_run_resumes_exactly(epoch_run, tmp_path):
 
 
 def test_warmup_longer_than_the_epoch_run_is_refused(tmp_path):
-    proc = run_cli("train", *[a for a in EPOCH_RUN if not a.startswith("--optim.warmup_steps")],
-                   "--optim.warmup_steps=50", f"--train.output_dir={tmp_path}", "--train.run_name=w", check=False)
+    proc = cli_here(
+        "train",
+        *[a for a in EPOCH_RUN if not a.startswith("--optim.warmup_steps")],
+        "--optim.warmup_steps=50",
+        f"--train.output_dir={tmp_path}",
+        "--train.run_name=w",
+        check=False,
+    )
     batches, steps = _expected_steps()
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: config key 'optim.warmup_steps': 50 is not shorter than the run ({steps} "
-                                   f"steps from train.epochs = 2.0 over {batches} batches); set it below {steps} "
-                                   f"(e.g. --optim.warmup_steps={steps // 10})")
+    assert proc.stderr.strip() == (
+        f"error: config key 'optim.warmup_steps': 50 is not shorter than the run ({steps} "
+        f"steps from train.epochs = 2.0 over {batches} batches); set it below {steps} "
+        f"(e.g. --optim.warmup_steps={steps // 10})"
+    )

@@ -14,24 +14,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_here, shared_file
 from safetensors import safe_open
-
-from conftest import shared_file
 from test_train import run_cli
 
 transformers = pytest.importorskip("transformers", reason="export tests load the exports with transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")
 
-TINY_RUN = ["--train.steps=4", "--train.micro_batch_size=4", "--data.synthetic_examples=200", "--data.seq_len=64",
-            "--train.eval_interval=0", "--train.eval_batches=1", "--train.eval_generate=0", "--optim.warmup_steps=1",
-            "--logging.progress=false"]
+TINY_RUN = [
+    "--train.steps=4",
+    "--train.micro_batch_size=4",
+    "--data.synthetic_examples=200",
+    "--data.seq_len=64",
+    "--train.eval_interval=0",
+    "--train.eval_batches=1",
+    "--train.eval_generate=0",
+    "--optim.warmup_steps=1",
+    "--logging.progress=false",
+]
 TINY_MODEL = ["--model.dim=64", "--model.n_layers=2", "--model.ffn_dim=128"]  # runs without model.init_from
 GPT2_EOS, GPT2_NEWLINE = 50256, 198  # <|endoftext|> and "\n" (our test's end-of-turn id) in GPT-2's vocabulary
 
 
 def train_run(out: Path, name: str, *extra: str) -> Path:
-    run_cli("train", *TINY_RUN, f"--train.output_dir={out}", f"--train.run_name={name}", *extra)
+    """A finished run, trained through the CLI's main in this process (test_train.py runs `train` for real)."""
+    cli_here("train", *TINY_RUN, f"--train.output_dir={out}", f"--train.run_name={name}", *extra)
     return out / name
 
 
@@ -58,14 +66,17 @@ def export(capsys):
         code = main(["export", *args])
         out, err = capsys.readouterr()
         return Outcome(code, out, err)
+
     return call
 
 
 def tree_digest(root: Path) -> dict[str, str]:
     """Every entry under `root` -> a hash of its bytes ('dir' for folders): a tree compares equal only if
     nothing was added, removed or changed."""
-    return {p.relative_to(root).as_posix(): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*"))}
+    return {
+        p.relative_to(root).as_posix(): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def assert_refused(proc, *words: str) -> None:
@@ -78,6 +89,7 @@ def assert_refused(proc, *words: str) -> None:
 
 # ----------------------------------------------------------------------------------------------------
 # Nothing deleted that the user did not name
+
 
 def test_non_empty_folder_is_refused_and_kept(run: Path, tmp_path: Path, export) -> None:
     out = tmp_path / "mine"
@@ -130,7 +142,7 @@ def test_overwrite_replaces_only_an_earlier_export(run: Path, tmp_path: Path, ex
     assert len(shards) > 1 and not (out / "model.safetensors").exists()  # the fp32 single file is gone
     for shard in shards:
         with safe_open(out / shard, framework="pt") as f:
-            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}  # noqa: SIM118 (safe_open has keys(), no iteration)
     manifest = json.loads((out / "tracetrain_export.json").read_text())
     assert set(manifest["files"]) | {"tracetrain_export.json"} == {p.name for p in out.iterdir()}
     assert manifest["source_checkpoint"] == str(next((run / "checkpoints").iterdir()).resolve())
@@ -141,6 +153,7 @@ def test_overwrite_replaces_only_an_earlier_export(run: Path, tmp_path: Path, ex
 
 # ----------------------------------------------------------------------------------------------------
 # What is written
+
 
 def test_modes_follow_the_umask(run: Path, tmp_path: Path, export) -> None:
     old = os.umask(0o027)  # the export subprocess inherits it
@@ -186,6 +199,7 @@ def test_byte_run_loads_in_transformers_and_stops_at_eos(run: Path, tmp_path: Pa
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert hf.dtype == torch.float32 and hf.generation_config.eos_token_id == 257
     from tracetrain.inference import load_trained
+
     ours = load_trained(run, "cpu").model
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -205,7 +219,7 @@ def test_byte_run_loads_in_transformers_and_stops_at_eos(run: Path, tmp_path: Pa
 def test_default_dtype_is_bf16_for_auto_precision(run: Path, tmp_path: Path, export) -> None:
     assert export(str(run), "--hf", str(tmp_path / "hf")).returncode == 0
     with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118 (safe_open has keys(), no iteration)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
@@ -216,9 +230,18 @@ def gpt2_tokenizer_folder(tmp_path: Path) -> Path:
     folder.mkdir()
     shutil.copy(shared_file("gpt2_tokenizer.json"), folder / "tokenizer.json")
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GPT2TokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-        "add_bos_token": False, "model_max_length": 1024, "chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GPT2TokenizerFast",
+                "bos_token": "<|endoftext|>",
+                "eos_token": "<|endoftext|>",
+                "add_bos_token": False,
+                "model_max_length": 1024,
+                "chat_template": template,
+            }
+        )
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [GPT2_EOS, GPT2_NEWLINE]}))
     return folder
 
@@ -226,6 +249,7 @@ def gpt2_tokenizer_folder(tmp_path: Path) -> Path:
 @pytest.mark.slow  # trains its own run (> 10 s on a busy 2-core machine)
 def test_hf_tokenizer_run_exports_tokenizer_and_every_stop_id(tmp_path: Path, export) -> None:
     from tracetrain.data.tokenizer import load_tokenizer
+
     tok_dir = gpt2_tokenizer_folder(tmp_path)
     ours = load_tokenizer(str(tok_dir))
     if not hasattr(ours, "save_hf_files"):
@@ -244,7 +268,7 @@ def test_hf_tokenizer_run_exports_tokenizer_and_every_stop_id(tmp_path: Path, ex
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     rig_to_emit(hf, GPT2_NEWLINE)  # the end-of-turn id, not EOS, must stop transformers' generate
     prompt = torch.tensor([ours.encode("Hi")])
-    assert hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist() == [GPT2_NEWLINE]
+    assert hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :].tolist() == [GPT2_NEWLINE]
     manifest = json.loads((out / "tracetrain_export.json").read_text())
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(manifest["files"])
 
@@ -254,12 +278,21 @@ def test_lora_run_peft_and_merged_exports(tmp_path: Path, export) -> None:
     """A LoRA run on a transformers base: the PEFT adapter names the base by absolute path and carries no
     surprises; the merged export keeps the base's generation defaults and adds the tokenizer's EOS."""
     peft = pytest.importorskip("peft")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=259, bos_token_id=256, eos_token_id=257)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=259,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     torch.manual_seed(0)
     base_model = transformers.AutoModelForCausalLM.from_config(cfg)
-    base_model.generation_config = transformers.GenerationConfig(bos_token_id=256, eos_token_id=[257, 10],
-                                                                 do_sample=True, temperature=0.6)
+    base_model.generation_config = transformers.GenerationConfig(
+        bos_token_id=256, eos_token_id=[257, 10], do_sample=True, temperature=0.6
+    )
     base = tmp_path / "base"
     base_model.save_pretrained(base)
     run = train_run(tmp_path / "runs", "l", f"--model.init_from={base}", "--train.mode=lora")
@@ -274,8 +307,8 @@ def test_lora_run_peft_and_merged_exports(tmp_path: Path, export) -> None:
     assert gen.eos_token_id == [257, 10] and gen.temperature == 0.6 and gen.do_sample
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     adapted = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(adapter_cfg["base_model_name_or_path"]),
-        tmp_path / "peft").eval()
+        transformers.AutoModelForCausalLM.from_pretrained(adapter_cfg["base_model_name_or_path"]), tmp_path / "peft"
+    ).eval()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(adapted(ids).logits, merged(ids).logits, atol=1e-4, rtol=0)

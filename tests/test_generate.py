@@ -5,14 +5,20 @@ import json
 
 import pytest
 import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from tracetrain.config import DataSection
 from tracetrain.data import ByteTokenizer
-from torch.nn.attention.bias import CausalBias, causal_lower_right
-
 from tracetrain.models.attention import cached_attention, lower_right_causal_mask
-from tracetrain.models.generate import (GenerationRequest, forward_last, generate_batch, generate_jsonl, left_pad,
-                                        make_cache, read_prompts_jsonl)
+from tracetrain.models.generate import (
+    GenerationRequest,
+    forward_last,
+    generate_batch,
+    generate_jsonl,
+    left_pad,
+    make_cache,
+    read_prompts_jsonl,
+)
 from tracetrain.models.kv_cache import causal_valid_mask
 from tracetrain.models.llama import ModelArgs, Transformer
 
@@ -39,8 +45,7 @@ def test_rows_match_batch_of_one(model):
     """Left padding, different budgets and stop strings: every row as it would be alone (fp32, greedy)."""
     free = generate_batch(model, [GenerationRequest(p, 12) for p in PROMPTS], NEVER, 0, decode=letters)
     stop = letters(free[2].tokens)[4:6]  # a stop string that row 2 is known to produce
-    requests = [GenerationRequest(p, n, s) for p, n, s in
-                zip(PROMPTS, [12, 5, 12, 0], [[], ["zzzz"], [stop], []])]
+    requests = [GenerationRequest(p, n, s) for p, n, s in zip(PROMPTS, [12, 5, 12, 0], [[], ["zzzz"], [stop], []])]
     together = generate_batch(model, requests, NEVER, 0, decode=letters)
     for request, result in zip(requests, together):
         alone = generate_batch(model, [request], NEVER, 0, decode=letters)[0]
@@ -56,7 +61,7 @@ def test_stop_string_cuts_text_and_ends_row(model):
     cut = text.find(stop)  # the first occurrence may be earlier than 5
     out = generate_batch(model, [GenerationRequest(PROMPTS[0], 12, ["no-such", stop])], NEVER, 0, decode=letters)[0]
     assert out.finish_reason == "stop" and out.text == text[:cut]
-    assert out.tokens == free.tokens[:cut + 2] and out.num_generated == cut + 2  # stopped on the completing token
+    assert out.tokens == free.tokens[: cut + 2] and out.num_generated == cut + 2  # stopped on the completing token
     with pytest.raises(ValueError, match="decode"):
         generate_batch(model, [GenerationRequest(PROMPTS[0], 4, [stop])], NEVER, 0)
 
@@ -69,7 +74,7 @@ def test_eos_ends_row_and_is_excluded(model):
     assert out[0].finish_reason == "eos" and out[0].tokens == free[0].tokens[:first]
     assert out[0].num_generated == first + 1
     for a, b in zip(out[1:], free[1:]):  # other rows: cut at their own EOS if they sample it, else as before
-        assert a.tokens == (b.tokens[:b.tokens.index(eos)] if eos in b.tokens else b.tokens)
+        assert a.tokens == (b.tokens[: b.tokens.index(eos)] if eos in b.tokens else b.tokens)
 
 
 def test_chunked_prefill_and_full_recompute(model):
@@ -80,18 +85,20 @@ def test_chunked_prefill_and_full_recompute(model):
         with torch.no_grad():
             for _ in range(6):
                 seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-        assert seq[len(prompt):] == result.tokens
+        assert seq[len(prompt) :] == result.tokens
 
 
 def _record_attention(monkeypatch):
     """Wrap the model's cached attention: (q shape, k shape, mask shape or 'causal') per call."""
     import tracetrain.models.llama as llama
-    from tracetrain.models.attention import cached_attention, lower_right_causal_mask
+    from tracetrain.models.attention import cached_attention
+
     seen = []
 
     def wrapper(q, k, v, mask):
         seen.append((tuple(q.shape), tuple(k.shape), "causal" if isinstance(mask, CausalBias) else tuple(mask.shape)))
         return cached_attention(q, k, v, mask)
+
     monkeypatch.setattr(llama, "cached_attention", wrapper)
     return seen
 
@@ -109,8 +116,7 @@ def test_decode_step_shapes_and_masks(model, monkeypatch):
     generate_batch(model, [GenerationRequest(p, 6) for p in PROMPTS[:2]], NEVER, 0)
     assert [c[1][2] for c in seen[::layers]] == [9, 10, 11, 12, 13, 14] and seen[-1][2] == (2, 1, 1, 14)
     seen.clear()
-    generate_batch(model, [GenerationRequest(p, 6) for p in (PROMPTS[0], PROMPTS[0][::-1])], NEVER, 0,
-                   prefill_chunk=4)
+    generate_batch(model, [GenerationRequest(p, 6) for p in (PROMPTS[0], PROMPTS[0][::-1])], NEVER, 0, prefill_chunk=4)
     assert {c[2] for c in seen} == {"causal"} and [c[1][2] for c in seen[::layers]] == [4, 8, 9, 10, 11, 12, 13, 14]
 
 
@@ -164,7 +170,7 @@ def _decode_logits(model, prompts, steps, chunk, **cache_options):
     out = []
     with torch.no_grad():
         for a in range(0, tokens.shape[1], chunk):
-            logits = forward_last(model, tokens[:, a:a + chunk], positions[:, a:a + chunk], cache)
+            logits = forward_last(model, tokens[:, a : a + chunk], positions[:, a : a + chunk], cache)
         pos = positions[:, -1:] + 1
         for _ in range(steps):
             out.append(logits)
@@ -172,8 +178,11 @@ def _decode_logits(model, prompts, steps, chunk, **cache_options):
     return torch.stack(out)
 
 
-CACHES = {"static": dict(kv_offload=False, gpu_window=0), "fixed-shape": dict(kv_offload=False, gpu_window=0,
-          fixed_shape=True), "offload": dict(kv_offload=True, gpu_window=3)}
+CACHES = {
+    "static": dict(kv_offload=False, gpu_window=0),
+    "fixed-shape": dict(kv_offload=False, gpu_window=0, fixed_shape=True),
+    "offload": dict(kv_offload=True, gpu_window=3),
+}
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
@@ -199,8 +208,20 @@ def test_gqa_generation_matches_cache_free_recompute(cache, prompts):
 def test_sampling_is_seeded_and_timings_are_filled(model):
     def run(seed):
         g = torch.Generator().manual_seed(seed)
-        return [r.tokens for r in generate_batch(model, [GenerationRequest(p, 8) for p in PROMPTS], NEVER, 0,
-                                                 temperature=1.0, top_k=20, top_p=0.9, generator=g)]
+        return [
+            r.tokens
+            for r in generate_batch(
+                model,
+                [GenerationRequest(p, 8) for p in PROMPTS],
+                NEVER,
+                0,
+                temperature=1.0,
+                top_k=20,
+                top_p=0.9,
+                generator=g,
+            )
+        ]
+
     assert run(1) == run(1) and run(1) != run(2)
     timings = {}
     generate_batch(model, [GenerationRequest(p, 8) for p in PROMPTS], NEVER, 0, timings=timings)
@@ -213,8 +234,12 @@ def test_generate_jsonl_fields_order_and_templates(tmp_path):
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=259)).eval()
     data = DataSection(kind="instruction", template="alpaca", instruction_field="question", context_field="")
-    lines = [{"prompt": "a longer prompt than the others"}, {"question": "q?", "max_new_tokens": 3},
-             {"prompt": "hi", "stop": "\n"}, {"question": "p", "stop": ["x", "y"]}]
+    lines = [
+        {"prompt": "a longer prompt than the others"},
+        {"question": "q?", "max_new_tokens": 3},
+        {"prompt": "hi", "stop": "\n"},
+        {"question": "p", "stop": ["x", "y"]},
+    ]
     src = tmp_path / "prompts.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     records = read_prompts_jsonl(src, data)
@@ -225,30 +250,58 @@ def test_generate_jsonl_fields_order_and_templates(tmp_path):
     assert [o["prompt"] for o in out] == ["a longer prompt than the others", "q?", "hi", "p"]
     assert set(out[0]) == {"prompt", "completion", "finish_reason", "tokens"}
     assert out[1]["tokens"] <= 3 and summary["prompts"] == 4 and summary["tokens"] == sum(o["tokens"] for o in out)
-    alone = generate_batch(model, [GenerationRequest([tok.bos_id] + tok.encode(records[0]["text"]), 6)],
-                           tok.eos_id, tok.pad_id, decode=tok.decode)[0]
+    alone = generate_batch(
+        model,
+        [GenerationRequest([tok.bos_id] + tok.encode(records[0]["text"]), 6)],
+        tok.eos_id,
+        tok.pad_id,
+        decode=tok.decode,
+    )[0]
     assert out[0]["completion"] == alone.text and out[0]["finish_reason"] == alone.finish_reason
     src.write_text('{"text": "no prompt field"}\n')
-    with pytest.raises(Exception, match="prompts.jsonl:1: needs a string field 'prompt' or 'question'"):
+    with pytest.raises(Exception, match=r"prompts\.jsonl:1: needs a string field 'prompt' or 'question'"):
         read_prompts_jsonl(src, data)
 
 
 def test_cli_prompts_file_end_to_end(tmp_path):
     """`tracetrain generate --prompts-file` on a real run; plain and offloaded caches write the same lines."""
+    from conftest import cli_here
     from test_train import SMALL, run_cli
 
     from tracetrain.cli import build_parser
+
     parsed, _ = build_parser()[0].parse_known_args(["generate", "RUN", "--prompt", "x"])
     if not hasattr(parsed, "prompts_file"):
         pytest.skip("the CLI's generate subcommand has no --prompts-file yet (code handed to the lead)")
-    run_cli("train", *SMALL, "--train.steps=8", "--train.eval_generate=0", f"--train.output_dir={tmp_path}",
-            "--train.run_name=r", "--logging.progress=false")
+    # The run is trained through the CLI's main in this process; `generate` runs as a real process, then
+    # (offloaded cache) in this one.
+    cli_here(
+        "train",
+        *SMALL,
+        "--train.steps=8",
+        "--train.eval_generate=0",
+        f"--train.output_dir={tmp_path}",
+        "--train.run_name=r",
+        "--logging.progress=false",
+    )
     (tmp_path / "p.jsonl").write_text('{"prompt": "reverse: abc"}\n{"instruction": "upper: q", "stop": "Q"}\n')
     outs = []
-    for extra in ([], ["--kv-offload", "--gpu-window", "2"]):
+    for run, extra in ((run_cli, []), (cli_here, ["--kv-offload", "--gpu-window", "2"])):
         out = tmp_path / f"out{len(outs)}.jsonl"
-        summary = json.loads(run_cli("generate", "--json", str(tmp_path / "r"), "--prompts-file", str(tmp_path / "p.jsonl"),
-                                     "--output", str(out), "--max-new-tokens", "6", *extra).stdout)
+        summary = json.loads(
+            run(
+                "generate",
+                "--json",
+                str(tmp_path / "r"),
+                "--prompts-file",
+                str(tmp_path / "p.jsonl"),
+                "--output",
+                str(out),
+                "--max-new-tokens",
+                "6",
+                *extra,
+            ).stdout
+        )
         assert summary["prompts"] == 2
         outs.append([json.loads(x) for x in out.read_text().splitlines()])
     assert outs[0] == outs[1] and [o["prompt"] for o in outs[0]] == ["reverse: abc", "upper: q"]
@@ -262,6 +315,7 @@ def test_cached_attention_runs_without_math_fallback_on_cuda(s, kind):
     """Llama-3 shapes (GQA ratio 4, head_dim 128) in bf16 with the math backend disabled: SDPA raises
     "No available kernel" if a call would need it. Results against float64 math."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     torch.manual_seed(0)
     dev, batch, cached = torch.device("cuda"), 2, 1000
     keys = cached + s
@@ -278,6 +332,7 @@ def test_cached_attention_runs_without_math_fallback_on_cuda(s, kind):
 
 # ----------------------------------------------------------------------------------------------------
 # Stop ids (EOS plus end-of-turn ids) and the CLI's checks of sampling options
+
 
 def test_any_stop_id_ends_row_as_eos(model):
     """Several stop ids: each row ends at the first it samples, with finish reason "eos"; an int still works."""
@@ -296,6 +351,7 @@ def test_generate_records_stops_at_an_end_of_turn_id(tmp_path):
     import shutil
 
     from conftest import shared_file
+
     from tracetrain.data.tokenizer import load_tokenizer
     from tracetrain.models.generate import generate_records
 
@@ -316,19 +372,30 @@ def test_generate_records_stops_at_an_end_of_turn_id(tmp_path):
         model.norm.weight[0] = 1.0
         model.lm_head.weight.zero_()
         model.lm_head.weight[198, 0] = 100.0
-    lines, _ = generate_records(model, tok, [{"prompt": "Hi", "text": "Hi", "stop": [], "max_new_tokens": None}],
-                                      max_new_tokens=8)
+    lines, _ = generate_records(
+        model, tok, [{"prompt": "Hi", "text": "Hi", "stop": [], "max_new_tokens": None}], max_new_tokens=8
+    )
     assert lines[0]["finish_reason"] == "eos" and lines[0]["tokens"] == 1 and lines[0]["completion"] == ""
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--batch-size=0"], "--batch-size 0"), (["--max-new-tokens=-1"], "--max-new-tokens -1"),
-    (["--top-k=-2"], "--top-k -2"), (["--temperature=-0.5"], "--temperature -0.5"),
-    (["--top-p=0"], "--top-p 0.0"), (["--top-p=1.5"], "--top-p 1.5"), (["--top-p=nan"], "--top-p nan"),
-    (["--output", "."], "--output . is a folder"), (["--output", "no/such/dir/out.jsonl"], "does not exist")])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--batch-size=0"], "--batch-size 0"),
+        (["--max-new-tokens=-1"], "--max-new-tokens -1"),
+        (["--top-k=-2"], "--top-k -2"),
+        (["--temperature=-0.5"], "--temperature -0.5"),
+        (["--top-p=0"], "--top-p 0.0"),
+        (["--top-p=1.5"], "--top-p 1.5"),
+        (["--top-p=nan"], "--top-p nan"),
+        (["--output", "."], "--output . is a folder"),
+        (["--output", "no/such/dir/out.jsonl"], "does not exist"),
+    ],
+)
 def test_cli_refuses_bad_generation_options(flags, named, capsys):
     """Checked before the model loads (the run path need not exist): exit 2, one line naming the flag."""
     from tracetrain.cli import main
+
     assert main(["generate", "no-such-run", "--prompt", "x", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
@@ -336,5 +403,6 @@ def test_cli_refuses_bad_generation_options(flags, named, capsys):
 
 def test_cli_generate_option_error_is_one_line_in_a_subprocess():
     from test_train import run_cli
+
     proc = run_cli("generate", "--json", "no-such-run", "--prompt", "x", "--batch-size=0", check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --batch-size 0: must be >= 1"

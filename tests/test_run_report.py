@@ -3,14 +3,22 @@ own records, self-contained, overlaying several runs with `tracetrain report`, a
 
 import json
 import re
+import shutil
 
 import pytest
-
+from conftest import cli_here
 from test_html_render import console_errors, render_in_browser
 from test_train import run_cli
 
-ARGS = ["--data.synthetic_examples=400", "--data.seq_len=64", "--logging.log_interval=5", "--train.eval_interval=10",
-        "--train.eval_generate=0", "--logging.progress=false", "--optim.warmup_steps=3"]
+ARGS = [
+    "--data.synthetic_examples=400",
+    "--data.seq_len=64",
+    "--logging.log_interval=5",
+    "--train.eval_interval=10",
+    "--train.eval_generate=0",
+    "--logging.progress=false",
+    "--optim.warmup_steps=3",
+]
 
 
 def _charts(page: str) -> dict[str, list[int]]:
@@ -30,8 +38,9 @@ def test_the_page_follows_the_run_and_shows_its_records(tmp_path):
         def on_step(self, step, metrics):
             seen[step] = _charts((tmp_path / "r" / "report.html").read_text())
 
-    train(None, overrides=[*ARGS, "--train.steps=20", f"--train.output_dir={tmp_path}"], run_name="r",
-          callbacks=[Peek()])
+    train(
+        None, overrides=[*ARGS, "--train.steps=20", f"--train.output_dir={tmp_path}"], run_name="r", callbacks=[Peek()]
+    )
     # Refreshed at each log interval: at step 5 the loss chart holds 5 steps, at step 15 it holds 15.
     assert seen[5]["Loss"][0] == 5 and seen[15]["Loss"][0] == 15
     page = (tmp_path / "r" / "report.html").read_text()
@@ -41,8 +50,14 @@ def test_the_page_follows_the_run_and_shows_its_records(tmp_path):
     evals = [r for r in lines if r["kind"] == "eval"]
     assert charts["Loss"] == [len(train_lines), len(evals)]  # train loss, held-out loss (10 and the final 20)
     assert len(evals) == 2
-    for title in ("Loss against tokens", "Learning rate", "Throughput", "Peak memory", "Waiting for data",
-                  "Gradient norm (dashed: skipped steps)"):
+    for title in (
+        "Loss against tokens",
+        "Learning rate",
+        "Throughput",
+        "Peak memory",
+        "Waiting for data",
+        "Gradient norm (dashed: skipped steps)",
+    ):
         assert charts[title][0] == len(train_lines), title
     assert "Model FLOPs utilisation" not in charts  # no MFU on the CPU: no empty chart either
     # The last train loss and the final held-out loss are on the cards, as logged.
@@ -52,36 +67,51 @@ def test_the_page_follows_the_run_and_shows_its_records(tmp_path):
     assert "examples_read" in page and "optim.lr" in page  # data statistics and the config
 
 
-def test_report_overlays_runs_and_never_replaces_an_unnamed_file(tmp_path, monkeypatch):
-    run_cli("train", *ARGS, "--train.steps=10", f"--train.output_dir={tmp_path}", "--train.run_name=a")
-    run_cli("train", *ARGS, "--train.steps=15", "--optim.lr=1e-3", f"--train.output_dir={tmp_path}",
-            "--train.run_name=b")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two finished runs, a (10 steps, 1 eval) and b (15 steps, 2 evals), trained in this process (the real
+    `train` command runs end to end in test_train.py); tests copy them before writing next to them."""
+    out = tmp_path_factory.mktemp("runs")
+    cli_here("train", *ARGS, "--train.steps=10", f"--train.output_dir={out}", "--train.run_name=a")
+    cli_here("train", *ARGS, "--train.steps=15", "--optim.lr=1e-3", f"--train.output_dir={out}", "--train.run_name=b")
+    return out
+
+
+def test_report_overlays_runs_and_never_replaces_an_unnamed_file(runs, tmp_path):
+    for name in ("a", "b"):
+        shutil.copytree(runs / name, tmp_path / name)
     (tmp_path / "b" / "profile").mkdir()
     (tmp_path / "b" / "profile" / "report.html").write_text("<html></html>")
-    proc = run_cli("report", "a", "b", cwd=tmp_path)
+    proc = run_cli("report", "a", "b", cwd=tmp_path)  # the real command once; the rest in this process
     page = (tmp_path / "report-a-vs-b.html").read_text()
     assert "wrote report-a-vs-b.html" in proc.stdout
     assert _charts(page)["Loss"] == [10, 1, 15, 2]  # run a: 10 steps, 1 eval; run b: 15 steps, 2 evals
     assert 'href="b/profile/report.html"' in page  # the profile report of the run that has one
-    proc = run_cli("report", "a", "b", cwd=tmp_path, check=False)
+    proc = cli_here("report", "a", "b", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: report-a-vs-b.html exists; choose the page's path with --out")
-    run_cli("report", "a", "b", "--out", "both.html", cwd=tmp_path)
+        "error: report-a-vs-b.html exists; choose the page's path with --out"
+    )
+    cli_here("report", "a", "b", "--out", "both.html", cwd=tmp_path)
     assert (tmp_path / "both.html").read_text() == page
-    proc = run_cli("report", str(tmp_path / "nope"), check=False)
+    proc = cli_here("report", str(tmp_path / "nope"), check=False)
     assert proc.returncode == 2 and "nope: not a run directory (no metrics.jsonl)" in proc.stderr
 
 
-def test_report_page_renders_in_chromium(tmp_path):
-    run_cli("train", *ARGS, "--train.steps=10", f"--train.output_dir={tmp_path}", "--train.run_name=a")
-    dom, log = render_in_browser(tmp_path / "a" / "report.html", tmp_path)
+def test_report_page_renders_in_chromium(runs, tmp_path):
+    dom, log = render_in_browser(runs / "a" / "report.html", tmp_path)
     assert not console_errors(log), console_errors(log)
     assert dom.count('<svg class="chart"') == 7 and "<polyline" in dom
 
 
 def test_report_can_be_turned_off(tmp_path):
-    run_cli("train", *ARGS, "--train.steps=5", "--logging.report=false", f"--train.output_dir={tmp_path}",
-            "--train.run_name=off")
+    cli_here(
+        "train",
+        *ARGS,
+        "--train.steps=5",
+        "--logging.report=false",
+        f"--train.output_dir={tmp_path}",
+        "--train.run_name=off",
+    )
     assert not (tmp_path / "off" / "report.html").exists()
 
 

@@ -1,13 +1,14 @@
 """The training step and loop: accumulation, NaN guard, schedule, and the real CLI end to end."""
 
 import json
-import os
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import cli_here
 
 from tracetrain.config import OptimSection, load_config
 from tracetrain.errors import TracetrainError
@@ -51,8 +52,9 @@ def test_accumulation_equals_one_large_batch():
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         assert torch.allclose(p1, p2, atol=1e-6, rtol=0)
     # And the check can fail: naive per-micro-batch means give a different gradient.
-    m3, o3 = _model_and_opt()
+    m3, _ = _model_and_opt()
     from tracetrain.train.step import loss_sum
+
     for mb in halves:
         (loss_sum(m3, mb, CTX) / (mb["labels"] != -100).sum() / 2).backward()
     naive = torch.nn.utils.clip_grad_norm_(list(m3.parameters()), float("inf"))
@@ -89,6 +91,7 @@ def test_clip_folded_into_fused_adamw_equals_clip_then_step(max_norm):
         out = train_step(m1, o1, [batch], clip_ctx)
         # The reference: the plain path (what optimizer_update does without the fused kernel).
         from tracetrain.train.step import loss_sum
+
         (loss_sum(m2, batch, CTX) / (batch["labels"] != -100).sum()).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(list(m2.parameters()), max_norm, foreach=True)
         o2.step()
@@ -139,28 +142,50 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
 def run_cli(*args: str, cwd=None, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`tracetrain ARGS` in a fresh process; `env` adds to (not replaces) this process's environment."""
     full_env = {**os.environ, **env} if env else None
-    proc = subprocess.run([sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=full_env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True, cwd=cwd, env=full_env
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"tracetrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-SMALL = ["--train.steps=24", "--train.micro_batch_size=8", "--data.synthetic_examples=600", "--data.seq_len=64",
-         "--logging.log_interval=4", "--train.eval_interval=12", "--train.eval_batches=2", "--train.eval_generate=8",
-         "--optim.warmup_steps=4"]
+SMALL = [
+    "--train.steps=24",
+    "--train.micro_batch_size=8",
+    "--data.synthetic_examples=600",
+    "--data.seq_len=64",
+    "--logging.log_interval=4",
+    "--train.eval_interval=12",
+    "--train.eval_batches=2",
+    "--train.eval_generate=8",
+    "--optim.warmup_steps=4",
+]
 
 
 def read_metrics(run_dir):
     """(train lines, eval lines during training); the final evaluation's line is left out."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return ([r for r in lines if r["kind"] == "train"],
-            [r for r in lines if r["kind"] == "eval" and not r.get("final")])
+    return (
+        [r for r in lines if r["kind"] == "train"],
+        [r for r in lines if r["kind"] == "eval" and not r.get("final")],
+    )
 
 
-def test_cli_train_writes_a_complete_run_directory(tmp_path):
-    proc = run_cli("train", *SMALL, f"--train.output_dir={tmp_path}", "--train.run_name=r1")
-    run = tmp_path / "r1"
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """The real `tracetrain train` command, end to end in its own process: (run directory, its output, the
+    wall-clock times just before it started and just after it ended). Two tests below read it."""
+    import time
+
+    out = tmp_path_factory.mktemp("small")
+    start = time.time()
+    proc = run_cli("train", *SMALL, f"--train.output_dir={out}", "--train.run_name=r1")
+    return out / "r1", proc, start, time.time()
+
+
+def test_cli_train_writes_a_complete_run_directory(small_run):
+    run, proc, _, _ = small_run
     steps, evals = read_metrics(run)
     assert [r["step"] for r in steps] == list(range(1, 25))
     assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in steps)
@@ -179,22 +204,18 @@ def test_cli_train_writes_a_complete_run_directory(tmp_path):
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
 
 
-def test_metrics_lines_carry_time_kind_and_each_steps_own_throughput(tmp_path):
-    import time
-
-    start = time.time()
-    run_cli("train", *SMALL, "--logging.log_interval=6", f"--train.output_dir={tmp_path}", "--train.run_name=m")
-    end = time.time()
-    lines = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+def test_metrics_lines_carry_time_kind_and_each_steps_own_throughput(small_run):
+    run, _, start, end = small_run
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {r["kind"] for r in lines} == {"train", "eval"}
     assert all(start <= r["time"] <= end for r in lines)
     assert [r["time"] for r in lines] == sorted(r["time"] for r in lines)
     train = [r for r in lines if r["kind"] == "train"]
     for r in train:  # the step's own tokens over its own time
         assert abs(r["tokens_per_s"] - r["tokens"] / r["step_s"]) <= 1e-6 * r["tokens_per_s"]
-    # Not the interval's figure copied onto each of its 6 lines.
-    assert len({r["tokens_per_s"] for r in train[:6]}) > 1
-    summary = json.loads((tmp_path / "m" / "summary.json").read_text())
+    # Not the interval's figure copied onto each line of the interval (SMALL logs every 4 steps).
+    assert len({r["tokens_per_s"] for r in train[:4]}) > 1
+    summary = json.loads((run / "summary.json").read_text())
     warm = summary["throughput_warmup_steps"]
     assert warm == 2 and summary["throughput_steps"] == 22  # 10% of 24 steps are warm-up
     whole = sum(r["tokens"] for r in train[warm:]) / sum(r["step_s"] for r in train[warm:])
@@ -205,11 +226,12 @@ def test_cli_user_errors_are_one_line(tmp_path):
     proc = run_cli("train", "--optim.lr=-1", check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: config key 'optim.lr': -1.0 is out of range; it must be > 0"
-    proc = run_cli("train", "--data.kind=instruction", f"--data.path={tmp_path / 'nope.jsonl'}", check=False)
+    # The same path in this process (the subprocess above shows a real exit status and stderr).
+    proc = cli_here("train", "--data.kind=instruction", f"--data.path={tmp_path / 'nope.jsonl'}", check=False)
     assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_parallel_layout_must_match_the_job():
-    proc = run_cli("train", "--parallel.tp=2", check=False)
+    proc = cli_here("train", "--parallel.tp=2", check=False)
     assert proc.returncode == 2 and "parallel." in proc.stderr and "the job has 1 rank(s)" in proc.stderr

@@ -12,8 +12,9 @@ correlated, so a random split would leak), unless `eval_path` names a separate f
 The corpus never has to fit in memory: documents are read a chunk at a time, tokenised a batch at a
 time into a flat int32 token file, and cut into rows a block at a time into row files (`token_cache.py`),
 which the dataset then reads through memory maps. Host memory stays about one batch of documents
-(the largest document, if larger) plus one block of rows, whatever the corpus size. Progress reports
-bytes read of the file, tokens so far and their rate.
+(the text of the largest document, if larger: a Hugging Face tokenizer encodes a long one a piece at a
+time, tokenizer.py) plus one block of rows, whatever the corpus size. Progress reports bytes read of the
+file, tokens so far and their rate.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tracetrain.progress import Progress, Rate, throttled
 SEPARATOR = "<|endoftext|>"
 _SEPARATOR_LINE = re.compile(r"^[ \t]*<\|endoftext\|>[ \t]*(?:\r?\n|$)", re.MULTILINE)
 _READ_CHARS = 1 << 20  # text read per chunk
-_BATCH_CHARS = 1 << 20  # text tokenised per call (a larger document is one call on its own)
+_BATCH_CHARS = 1 << 20  # text tokenised per call (a longer document: in pieces, tokenizer.PIECE_CHARS)
 _BLOCK_TOKENS = 1 << 19  # tokens cut into rows per block (bounds the row-building temporaries)
 
 

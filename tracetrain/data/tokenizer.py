@@ -22,13 +22,28 @@ Special tokens of a Hugging Face tokenizer are read, never guessed from their sp
 - a bare tokenizer.json (no tokenizer_config.json beside it): it must have exactly one special added
   token, which is then BOS, EOS and PAD at once, as in GPT-2 (`<|endoftext|>`); with any other number
   the roles cannot be told apart without the folder, so that is an error asking for it.
+
+A corpus document longer than `PIECE_CHARS` characters is encoded a piece at a time
+(`HFTokenizer.encode_batch_arrays`): one call into the Rust tokenizer holds about 150 bytes per character
+(GPT-2), so building the rows of a 40 MB document peaked at 6.2 GiB of RSS in one call and 0.6 GiB in
+pieces (benchmarks/tokenize_one_document.py, rows bit-identical). Pieces are cut where word-splitting
+pre-tokenizers put a word boundary whatever follows (`piece_spans`): before a single space between two
+non-space characters, else (no such space nearby) after a newline between two non-space characters. The
+ids are then those of one call, checked id for id on tinyshakespeare and random text for GPT-2's byte-level
+regex, a Llama-3 style Split regex and (space cuts) Metaspace. What can differ, at a cut only: a tokenizer
+that adds a start-of-text marker to every input regardless of a leading space (a `Prepend` normalizer with
+no pre-tokenizer, the layout of Llama 2's tokenizer.json) marks the first word of every piece, and with no
+pre-tokenizer its merges may also span the cut; Metaspace at a newline cut encodes the newline and the word
+after it as two words; an added token that spans a cut is not matched.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +56,13 @@ from tracetrain.errors import DataError
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' "no limit" model_max_length, written when the source folder gives none.
 _NO_MAX_LENGTH = int(1e30)
+# Characters per call into the Rust tokenizer for a long document (~150 MB of its memory at GPT-2's rate).
+PIECE_CHARS = 1 << 20
+# Cuts that leave each side's pre-tokens as they are in the whole text. The space stays with the word it
+# starts; the newline ends its side, and the non-space characters around it are never joined to it.
+_SPACE_CUT = re.compile(r"\S(?= \S)")
+_NEWLINE_CUT = re.compile(r"\S\n(?=\S)")
+_ANY_CUT = re.compile(r"\S(?= \S)|\S\n(?=\S)")
 
 
 class Tokenizer(ABC):
@@ -173,10 +195,38 @@ def _named_template(value: Any) -> str | None:
     return None
 
 
-class HFTokenizer(Tokenizer):
-    """A Hugging Face tokenizer run by the `tokenizers` library (Rust, batched): a folder or a tokenizer.json."""
+def piece_spans(text: str, piece_chars: int) -> Iterator[tuple[int, int]]:
+    """[start, end) spans that cover `text` in order, each cut at the first safe cut (module docstring) at
+    or after `piece_chars` characters: a space cut within the next quarter of that, else a newline cut
+    there, else the first cut of either kind further on. A text with no cut at all is one span."""
+    start = 0
+    while len(text) - start > piece_chars:
+        end = _first_cut(text, start + piece_chars, piece_chars // 4)
+        yield start, end
+        start = end
+    if start < len(text):
+        yield start, len(text)
 
-    def __init__(self, path: str | Path) -> None:
+
+def _first_cut(text: str, pos: int, window: int) -> int:
+    """Where the piece reaching `pos` ends (the end of `text` when no cut follows `pos`)."""
+    for pattern in (_SPACE_CUT, _NEWLINE_CUT):
+        if m := pattern.search(text, pos, pos + window):
+            return m.end()
+    m = _ANY_CUT.search(text, pos)
+    return m.end() if m else len(text)
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer run by the `tokenizers` library (Rust, batched): a folder or a tokenizer.json.
+
+    `piece_chars`: a corpus document longer than this is encoded a piece at a time (module docstring).
+    """
+
+    def __init__(self, path: str | Path, piece_chars: int = PIECE_CHARS) -> None:
+        if piece_chars < 1:
+            raise ValueError(f"piece_chars must be at least 1, got {piece_chars}")
+        self.piece_chars = piece_chars
         path = Path(path)
         folder = path if path.is_dir() else None
         if not path.is_dir() and path.name == "tokenizer.json" and (path.parent / "tokenizer_config.json").is_file():
@@ -262,6 +312,26 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # One call into Rust tokenises the whole list in parallel threads.
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        # Texts up to piece_chars in one batched call (the caller bounds the batch); each longer one a
+        # piece at a time, so that the tokenizer's memory never grows with a document.
+        is_long = [len(t) > self.piece_chars for t in texts]
+        short = iter(
+            self._tok.encode_batch([t for t, long in zip(texts, is_long) if not long], add_special_tokens=False)
+        )
+        return [
+            self._encode_in_pieces(t) if long else np.asarray(next(short).ids, dtype=np.int32)
+            for t, long in zip(texts, is_long)
+        ]
+
+    def _encode_in_pieces(self, text: str) -> np.ndarray:
+        """The ids of `text` as int32, encoded one `piece_spans` piece per call."""
+        pieces = [
+            np.asarray(self._tok.encode(text[a:b], add_special_tokens=False).ids, dtype=np.int32)
+            for a, b in piece_spans(text, self.piece_chars)
+        ]
+        return np.concatenate(pieces)
 
     def fingerprint(self) -> str:
         # The whole tokenizer.json as loaded (vocabulary, merges, normalizer, ...), plus the special ids read
