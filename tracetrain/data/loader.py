@@ -69,7 +69,8 @@ def tokenize_rows(data: DataSection, tok: Tokenizer, path: str = "") -> Iterator
     else:
         bos = [tok.bos_id] if tok.add_bos else []
         for i, doc in enumerate(iter_documents(path, "data.path", data.skip_bad_lines, data.text_field)):
-            ids = bos + tok.encode(doc) + [tok.eos_id]
+            # As training tokenises it (a long document in pieces: bounded tokenizer memory, same ids).
+            ids = bos + tok.encode_batch_arrays([doc])[0].tolist() + [tok.eos_id]
             yield TokenizedExample(f"{path}: document {i}", doc, ids, [False] + [True] * (len(ids) - 1))
 
 
