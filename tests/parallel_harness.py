@@ -96,12 +96,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-class GradCapture:
-    """Optimizer wrapper that records full gradients (after clipping) just before each update."""
+class _OptimizerWrapper:
+    """What train_step reads of an optimizer, passed through; subclasses record something around `step`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
         self.optimizer, self.module = optimizer, module
-        self.grads: list[dict[str, torch.Tensor]] = []
 
     @property
     def param_groups(self) -> list[dict]:
@@ -112,11 +111,22 @@ class GradCapture:
         return self.optimizer.defaults
 
     def step(self) -> None:
-        self.grads.append({n: full(p.grad) for n, p in self.module.named_parameters() if p.grad is not None})
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class GradCapture(_OptimizerWrapper):
+    """Optimizer wrapper that records full gradients (after clipping) just before each update."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        super().__init__(optimizer, module)
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def step(self) -> None:
+        self.grads.append({n: full(p.grad) for n, p in self.module.named_parameters() if p.grad is not None})
+        super().step()
 
 
 def train_and_record(
@@ -550,27 +560,16 @@ def _model_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     }
 
 
-class StateCapture:
+class StateCapture(_OptimizerWrapper):
     """Optimizer wrapper that records `_model_states` right after each update (before zero_grad)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
-        self.optimizer, self.module = optimizer, module
+        super().__init__(optimizer, module)
         self.after_step: dict[str, dict[str, int]] = {}
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
-
     def step(self) -> None:
-        self.optimizer.step()
+        super().step()
         self.after_step = _model_states(self.module, self.optimizer)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def model_states_drill(out_path: str, layouts: list[dict]) -> None:
