@@ -21,7 +21,7 @@ from tracetrain.models.llama import Transformer
 from tracetrain.spec import RunSpec, resolve
 from tracetrain.train.assemble import assemble
 from tracetrain.train.checkpoint import check_checkpoint, latest_checkpoint, load_weights
-from tracetrain.train.manifest import MANIFEST, STEP_DIR
+from tracetrain.train.manifest import MANIFEST, STEP_DIR, note
 from tracetrain.train.runtime import resolve_device
 
 
@@ -63,6 +63,10 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
     if cfg.train.fp8 != "none" and not fp8_runs_on(dev):
         # FP8 is only how the frozen matmuls ran: the checkpoint holds the same bf16 weights either way, so
         # an export (always on the CPU) or an evaluation without FP8 tensor cores uses them unquantised.
+        note(
+            f"{ckpt} was trained with train.fp8 = {cfg.train.fp8!r}; {dev.type} has no FP8 tensor cores, so its "
+            "weights run unquantised here (numbers can differ slightly from the run's own FP8 evaluations)"
+        )
         cfg = load_config(ckpt / "config.toml", [*(overrides or []), "--train.fp8=none"])
     # The training run's own spec on this device (lora.base_dtype honoured, as training did), and its
     # model rows: weights, MoE, LoRA, attention, kernels, FP8, recompute, compile (no optimizer).
