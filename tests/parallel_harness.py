@@ -360,7 +360,11 @@ def dcp_drill(run_dir: str) -> None:
     par, opt = setup(["--parallel.dp_shard=4"], seed=0)
     for batches in steps[:2]:
         run_step(par, opt, batches, ctx)
-    path = save_sharded(out, 2, par.module, opt, {"step": 2, "rank": info.rank}, "# config\n", keep_last=2)
+    reports: list[tuple[int, int | None]] = []  # rank 0's progress, as the console's bar would hear it
+    progress = (lambda what, done, total, unit="": reports.append((done, total))) if info.rank == 0 else None
+    path = save_sharded(
+        out, 2, par.module, opt, {"step": 2, "rank": info.rank}, "# config\n", keep_last=2, progress=progress
+    )
     saved = full_state(par.module, opt)
     for batches in steps[2:]:
         run_step(par, opt, batches, ctx)
@@ -379,6 +383,8 @@ def dcp_drill(run_dir: str) -> None:
         results[f"{name}_resumed_vs_straight"] = _subset_diff(full_state(par.module, opt), straight)
         results[f"{name}_trainer_state_step"] = trainer_state["step"]
     if info.rank == 0:
+        results["save_progress_reports"] = reports
+        results["save_tensor_bytes"] = sum(t.numel() * t.element_size() for t in saved[0].values())
         torch.save({"saved": saved, "straight": straight, "checkpoint": str(path)}, out / "dcp_reference.pt")
         (out / "dcp_results.json").write_text(json.dumps(results))
     tdist.shutdown()

@@ -37,6 +37,17 @@ def test_resume_on_same_layout_is_exact(drill: Path) -> None:
     assert r["same_layout_trainer_state_step"] == 2
 
 
+def test_sharded_save_reports_bytes_written_against_the_total(drill: Path) -> None:
+    """DCP says nothing while it writes; rank 0's console hears the shards' bytes on disk (progress.watch_bytes)."""
+    r = json.loads((drill / "dcp_results.json").read_text())
+    reports = r["save_progress_reports"]
+    assert reports, "no progress report during the sharded save"
+    done, total = reports[-1]
+    assert total >= r["save_tensor_bytes"] > 0  # weights and AdamW states, every rank's shards
+    assert done == total  # the last report, after the save: complete
+    assert all(0 <= d <= total for d, _ in reports)
+
+
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "pp2_fsdp2"])
 def test_resume_on_another_layout(drill: Path, layout: str) -> None:
     r = json.loads((drill / "dcp_results.json").read_text())

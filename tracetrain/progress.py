@@ -15,8 +15,10 @@ goes into log files, metrics files or the output of a non-zero rank (their conso
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -75,6 +77,42 @@ class ReportingList(list[T]):
             yield item
             if self.progress:
                 self.progress(self.what, i + 1, len(self), self.unit)
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` now (files that vanish while being listed count as 0)."""
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size if path.is_file() else 0
+    return total
+
+
+@contextlib.contextmanager
+def watch_bytes(
+    progress: Progress | None, what: str, folder: Path, total: int, every_s: float = 0.25
+) -> Iterator[None]:
+    """Report the bytes written under `folder` against `total` while the block runs, from a thread that
+    looks at the file sizes every `every_s` (capped at `total`: the files also hold the writer's own
+    metadata): progress for writers that report nothing themselves (torch.distributed.checkpoint). The
+    last report, after the block, is `total` of `total`: the work is done."""
+    if progress is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(every_s):
+            progress(what, min(folder_bytes(folder), total), total, "bytes")
+
+    thread = threading.Thread(target=poll, name="tracetrain-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    progress(what, total, total, "bytes")
 
 
 @contextlib.contextmanager

@@ -213,6 +213,7 @@ class _Run(RunSetup):
                     trainer_state,
                     self.config_toml,
                     self.cfg.checkpoint.keep_last,
+                    progress=progress,
                 )
             return save_checkpoint(
                 self.run_dir,

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tracetrain.errors import CheckpointError
+from tracetrain.progress import Progress, watch_bytes
 from tracetrain.safe_load import load_pt
 from tracetrain.train.checkpoint import SAVE_MARGIN_BYTES, check_checkpoint, publish, tensor_bytes
 from tracetrain.train.manifest import check_free_space, fsync_path, remove_stale, staging, temp_dir_for, write_manifest
@@ -90,10 +91,12 @@ def save_sharded(
     trainer_state: dict[str, Any],
     config_toml: str,
     keep_last: int,
+    progress: Progress | None = None,
 ) -> Path:
     """Save a checkpoint collectively (every rank calls this); returns the checkpoint folder.
 
     `model` is `ParallelModel.module` (plain-model names), `trainer_state` this rank's small state.
+    `progress` (rank 0's console) hears the bytes of the shards written so far, against the total.
     """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:08d}"
@@ -104,11 +107,15 @@ def save_sharded(
     _barrier()
     state = sharded_state(model, optimizer)
     # Global shapes (DTensor.shape): every rank computes the same total and takes the same decision.
-    check_free_space(root, final.name, tensor_bytes(state) + SAVE_MARGIN_BYTES)
+    total_bytes = tensor_bytes(state)
+    check_free_space(root, final.name, total_bytes + SAVE_MARGIN_BYTES)
     tmp = _shared_temp_dir(final)
     with staging(tmp, final.name, owner=rank == 0):
         _barrier()  # the folder exists
-        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+        # DCP reports nothing while it writes: the shards' growing files are the progress (every rank's,
+        # on a filesystem the ranks share; this rank's own otherwise).
+        with watch_bytes(progress, f"saving checkpoint at step {step}", tmp / "dcp", total_bytes):
+            dcp.save(state, checkpoint_id=str(tmp / "dcp"))
         torch.save(trainer_state, tmp / f"trainer_state_rank{rank}.pt")
         if rank == 0:
             (tmp / "config.toml").write_text(config_toml)
