@@ -18,25 +18,11 @@ from tracetrain.config import Config, load_config
 from tracetrain.models.build import materialize, model_args_from_config
 from tracetrain.parallel.apply import ParallelModel
 from tracetrain.train.optim import build_optimizer
+from tracetrain.train.smoke import TINY as SMOKE_TINY
 from tracetrain.train.step import StepContext, StepOutput, train_step
 
-TINY = [
-    "--model.dim=64",
-    "--model.n_layers=4",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.ffn_dim=128",
-    "--model.vocab_size=128",
-    "--data.seq_len=32",
-    "--train.precision=fp32",
-    "--train.device=cpu",
-    "--optim.warmup_steps=0",
-    "--optim.schedule=constant",
-    "--optim.lr=5e-2",
-    "--optim.fused=off",
-    "--optim.eps=1.0",
-    "--train.fused_ce=false",
-]
+# The smoke test's tiny fp32 model with AdamW eps = 1 (tracetrain/train/smoke.py explains why), on the CPU.
+TINY = [*SMOKE_TINY, "--train.device=cpu"]
 
 
 def tiny_config(overrides: list[str]) -> Config:
