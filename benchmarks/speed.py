@@ -80,6 +80,8 @@ VARIANTS = {
                               fp8_fused_mlp=True),
     "compile_fp8_rowwise_fused": dict(attention="flex", kernels=(), compile=True, fused_ce=True, fp8="rowwise",
                                       fp8_fused_mlp=True),
+    "compile_sdpa_fp8_rowwise_fused": dict(attention="sdpa", kernels=(), compile=True, fused_ce=True,
+                                           fp8="rowwise", fp8_fused_mlp=True),
 }
 # `--fp8`: the 7B LoRA rows (unpacked, as the peers run, with the bf16 baseline; and packed), ~6 min.
 FP8_RUNS = ("7b-lora:unpacked:compile,7b-lora:unpacked:compile_fp8,7b-lora:unpacked:compile_fp8_rowwise,"
@@ -220,7 +222,7 @@ def grad_check(case: str, data: str, variants: list[str], lr: float) -> dict:
 
 
 def profile_run(case: str, data: str, variant: str, lr: float, out_dir: Path | None) -> list[dict]:
-    """One profiled step after warm-up: GPU time by kernel (top 25), and the trace (gz) under $OUT."""
+    """One profiled step after warm-up: GPU time by kernel (top 70), and the trace (gz) under $OUT."""
     import gzip
     import shutil
     from torch.profiler import ProfilerActivity, profile
@@ -238,7 +240,7 @@ def profile_run(case: str, data: str, variant: str, lr: float, out_dir: Path | N
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
     total = sum(getattr(e, "self_device_time_total", 0) for e in events) or 1
-    top = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:25]
+    top = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:70]
     rows = [{"name": e.key[:120], "count": e.count, "ms": e.self_device_time_total / 1e3,
              "share": e.self_device_time_total / total} for e in top]
     print(f"profile {case}:{data}:{variant}: GPU total {total / 1e3:.1f} ms", flush=True)
