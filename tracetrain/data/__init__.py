@@ -2,7 +2,7 @@
 
     tok = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)  # 'auto': the checkpoint's own tokenizer
     check_vocab(tok, model_args.vocab_size)
-    train_ds, eval_ds, stats = build_datasets(cfg.data, tok)  # text: memory-mapped rows (cache_dir=...)
+    train_ds, eval_ds, stats = build_datasets(cfg.data, tok)  # memory-mapped rows (reused: cache_dir=...)
     loader = build_loader(train_ds, cfg.train.micro_batch_size, cfg.data, seed=cfg.data.seed)
     batch = next(loader)  # input_ids, labels (already shifted), position_ids, document_ids: (B, S) int64
     state = loader.state_dict()  # save with the checkpoint; loader.load_state_dict(state) to resume

@@ -36,16 +36,7 @@ from tracetrain.config import DataSection
 from tracetrain.data.chat_templates import BUILTIN_TEMPLATES, has_generation_markers, render
 from tracetrain.data.files import read_rows
 from tracetrain.data.instruction import held_out_split
-from tracetrain.data.packing import (
-    DataStats,
-    Document,
-    PackedDataset,
-    TokenizedExample,
-    empty_rows,
-    fill_row_stats,
-    pack_documents,
-    shift_labels,
-)
+from tracetrain.data.packing import DataStats, Document, Documents, TokenizedExample, compact_document
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 
@@ -299,37 +290,29 @@ def _truncate(ex: TokenizedExample, seq_len: int, stats: DataStats) -> Tokenized
     return TokenizedExample(ex.where, ex.text, ex.ids[:seq_len], ex.is_target[:seq_len])
 
 
-def _pack(
-    examples: list[TokenizedExample], data: DataSection, tok: Tokenizer, name: str, shuffle: bool
-) -> PackedDataset:
-    docs: list[Document] = [(ex.ids, shift_labels(ex.ids, ex.is_target)) for ex in examples]
-    if shuffle:  # packing is greedy in order, and neighbouring rows of a file are often alike
-        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(data.seed)).tolist()
-        docs = [docs[i] for i in order]
-    rows = pack_documents(docs, data.seq_len, tok.pad_id, data.pack) if docs else empty_rows(data.seq_len)
-    return PackedDataset(rows, name=name)
-
-
-def build_chat_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
-    """`data.kind = "chat"`: conversation file(s) -> train and eval datasets plus stats."""
+def chat_documents(data: DataSection, tok: Tokenizer) -> Documents:
+    """`data.kind = "chat"`: conversation file(s) -> both splits' documents (`record_rows` packs them)."""
     if data.tokenize == "on_the_fly":
         raise DataError(
             "config key 'data.tokenize': 'on_the_fly' is not supported for data.kind = 'chat' yet; use 'ahead'"
         )
     stats = DataStats()
-    examples = list(iter_chat_examples(data, tok, data.path, "data.path", stats))
+
+    def documents(path: str, key: str) -> list[Document]:  # int32 arrays: the text and lists are dropped
+        return [compact_document(ex.ids, ex.is_target) for ex in iter_chat_examples(data, tok, path, key, stats)]
+
+    docs = documents(data.path, "data.path")
     if data.eval_path:
-        train, eval_ = examples, list(iter_chat_examples(data, tok, data.eval_path, "data.eval_path", stats))
+        train, eval_ = docs, documents(data.eval_path, "data.eval_path")
     else:
-        train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
-        train, eval_ = [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
+        train_idx, eval_idx = held_out_split(len(docs), data.eval_fraction, data.seed)
+        train, eval_ = [docs[i] for i in train_idx], [docs[i] for i in eval_idx]
     if not train:
         raise DataError(
             f"{data.path}: no usable conversations ({stats.bad_lines_skipped} bad rows skipped; config key 'data.path')"
         )
-    stats.examples_read = len(examples) + (len(eval_) if data.eval_path else 0)
-    train_ds = _pack(train, data, tok, "train", shuffle=True)
-    eval_ds = _pack(eval_, data, tok, "eval", shuffle=False)
+    stats.examples_read = len(docs) + (len(eval_) if data.eval_path else 0)
     stats.train_examples, stats.eval_examples = len(train), len(eval_)
-    fill_row_stats(stats, train_ds, eval_ds)
-    return train_ds, eval_ds, stats
+    # Packing is greedy in order, and neighbouring rows of a file are often alike: shuffle first.
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(data.seed)).tolist()
+    return Documents([train[i] for i in order], eval_, [], stats)

@@ -29,6 +29,12 @@ RawRow = tuple[str, Any]
 _ARROW_EXTRA = "pip install 'tracetrain[parquet]'"
 
 
+def require_data_path(path: str, key: str) -> None:
+    """A data file or folder that is not there is a DataError naming the path and the config key."""
+    if not Path(path).exists():
+        raise DataError(f"data file {path} does not exist (config key '{key}')")
+
+
 def open_data_file(path: str, key: str) -> TextIO:
     """Open a data file for text reading, or raise DataError naming the path and the config key."""
     if not Path(path).is_file():
@@ -98,8 +104,7 @@ def _raw_rows(path: str, key: str, position: ReadPosition) -> Iterator[RawRow]:
     p = Path(path)
     if p.is_dir():
         return _counted(_dataset_folder_rows(p, key), position)
-    if not p.is_file():
-        raise DataError(f"data file {path} does not exist (config key '{key}')")
+    require_data_path(path, key)
     suffix = p.suffix.lower()
     if suffix == ".parquet":
         return _parquet_rows(p, position)

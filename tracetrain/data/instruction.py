@@ -25,15 +25,7 @@ from tracetrain.config import DataSection
 
 # open_data_file is re-exported: models/generate.py imports it from here.
 from tracetrain.data.files import open_data_file, read_rows  # noqa: F401
-from tracetrain.data.packing import (
-    DataStats,
-    Document,
-    PackedDataset,
-    empty_rows,
-    fill_row_stats,
-    pack_documents,
-    shift_labels,
-)
+from tracetrain.data.packing import DataStats, Document, Documents, PackedDataset, compact_document, pack_documents
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 
@@ -133,41 +125,45 @@ def held_out_split(num_examples: int, fraction: float, seed: int) -> tuple[list[
     return order[num_eval:], order[:num_eval]
 
 
+ENCODE_BATCH = 4096  # examples tokenised at a time: token lists for a batch, compact arrays after
+
+
 def tokenize_examples(
     examples: list[Example], tok: Tokenizer, seq_len: int, train_on_prompt: bool, stats: DataStats
 ) -> tuple[list[Document], list[Example]]:
-    """Examples -> (documents, the examples kept); truncations and drops are counted in `stats`."""
-    prompts = tok.encode_batch([p for p, _ in examples])
-    responses = tok.encode_batch([r for _, r in examples])
-    docs, kept = [], []
-    for example, p, r in zip(examples, prompts, responses):
-        bos = [tok.bos_id] if tok.add_bos else []
-        room = seq_len - len(bos) - len(p)  # tokens left for the response after [BOS] + prompt
-        if not example[1].strip() or room <= 0:
-            stats.examples_dropped += 1
-            continue
-        target = r + [tok.eos_id]
-        if len(target) > room:
-            target = target[:room]
-            stats.examples_truncated += 1
-        ids = bos + p + target
-        is_target = [False] * len(bos) + [train_on_prompt] * len(p) + [True] * len(target)
-        docs.append((ids, shift_labels(ids, is_target)))
-        kept.append(example)
+    """Examples -> (documents as int32 arrays, the examples kept); truncations and drops are counted in `stats`."""
+    docs: list[Document] = []
+    kept: list[Example] = []
+    bos = [tok.bos_id] if tok.add_bos else []
+    for start in range(0, len(examples), ENCODE_BATCH):
+        batch = examples[start : start + ENCODE_BATCH]
+        prompts = tok.encode_batch([p for p, _ in batch])
+        responses = tok.encode_batch([r for _, r in batch])
+        for example, p, r in zip(batch, prompts, responses):
+            room = seq_len - len(bos) - len(p)  # tokens left for the response after [BOS] + prompt
+            if not example[1].strip() or room <= 0:
+                stats.examples_dropped += 1
+                continue
+            target = r + [tok.eos_id]
+            if len(target) > room:
+                target = target[:room]
+                stats.examples_truncated += 1
+            ids = bos + p + target
+            is_target = [False] * len(bos) + [train_on_prompt] * len(p) + [True] * len(target)
+            docs.append(compact_document(ids, is_target))
+            kept.append(example)
     return docs, kept
 
 
-def datasets_from_examples(
+def examples_documents(
     train_examples: list[Example],
     eval_examples: list[Example],
     tok: Tokenizer,
     data: DataSection,
     stats: DataStats,
     source: str,
-) -> tuple[PackedDataset, PackedDataset]:
-    """Tokenise, shuffle (seeded) and pack both splits; `source` names the data in errors."""
-    if data.tokenize == "on_the_fly":
-        return _on_the_fly_train(train_examples, eval_examples, tok, data, stats)
+) -> Documents:
+    """Tokenise both splits and shuffle (seeded) the training documents; `source` names the data in errors."""
     train_docs, train_kept = tokenize_examples(train_examples, tok, data.seq_len, data.train_on_prompt, stats)
     eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
     if not train_docs:
@@ -175,37 +171,29 @@ def datasets_from_examples(
             f"{source}: no usable training examples ({len(train_examples)} read, all dropped: "
             f"empty response, or the prompt alone fills data.seq_len = {data.seq_len})"
         )
+    stats.train_examples, stats.eval_examples = len(train_kept), len(eval_kept)
     # Packing is greedy in order, so shuffle first: neighbouring file lines are often near-duplicates.
     order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(data.seed)).tolist()
-    train = PackedDataset(
-        pack_documents([train_docs[i] for i in order], data.seq_len, tok.pad_id, data.pack), name="train"
-    )
-    eval_rows = (
-        pack_documents(eval_docs, data.seq_len, tok.pad_id, data.pack) if eval_docs else empty_rows(data.seq_len)
-    )
-    eval_ = PackedDataset(eval_rows, examples=eval_kept, name="eval")
-    stats.train_examples, stats.eval_examples = len(train_kept), len(eval_kept)
-    fill_row_stats(stats, train, eval_)
-    return train, eval_
+    return Documents([train_docs[i] for i in order], eval_docs, eval_kept, stats)
 
 
-def _on_the_fly_train(
+def on_the_fly_datasets(
     train_examples: list[Example], eval_examples: list[Example], tok: Tokenizer, data: DataSection, stats: DataStats
 ) -> tuple[Any, PackedDataset]:
-    """Training rows tokenised by the loader; the (small) eval split is still tokenised ahead."""
+    """`data.tokenize = "on_the_fly"`: training rows tokenised by the loader; the (small) eval split is
+    still tokenised ahead, one example per row."""
     from tracetrain.data.on_the_fly import OnTheFlyDataset
 
     order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
     train = OnTheFlyDataset([train_examples[i] for i in order], tok, data.seq_len, data.train_on_prompt)
     eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
-    eval_rows = pack_documents(eval_docs, data.seq_len, tok.pad_id, False) if eval_docs else empty_rows(data.seq_len)
+    eval_rows = pack_documents(eval_docs, data.seq_len, tok.pad_id, False)
     stats.train_examples, stats.eval_examples = len(train), len(eval_kept)
     return train, PackedDataset(eval_rows, examples=eval_kept, name="eval")
 
 
-def build_instruction_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
-    """`data.kind = "instruction"`: JSONL file(s) -> train and eval datasets plus stats."""
-    stats = DataStats()
+def instruction_splits(data: DataSection, stats: DataStats) -> tuple[list[Example], list[Example]]:
+    """`data.kind = "instruction"`: the (train, eval) examples of the JSONL file(s); reading is counted in `stats`."""
     examples, stats.bad_lines_skipped = read_instruction_file(data.path, "data.path", data)
     if data.eval_path:
         train_examples = examples
@@ -216,8 +204,14 @@ def build_instruction_datasets(data: DataSection, tok: Tokenizer) -> tuple[Packe
         train_examples = [examples[i] for i in train_idx]
         eval_examples = [examples[i] for i in eval_idx]
     stats.examples_read = len(train_examples) + len(eval_examples)
-    train, eval_ = datasets_from_examples(train_examples, eval_examples, tok, data, stats, data.path)
-    return train, eval_, stats
+    return train_examples, eval_examples
+
+
+def instruction_documents(data: DataSection, tok: Tokenizer) -> Documents:
+    """`data.kind = "instruction"`: JSONL file(s) -> both splits' documents (`record_rows` packs them)."""
+    stats = DataStats()
+    train_examples, eval_examples = instruction_splits(data, stats)
+    return examples_documents(train_examples, eval_examples, tok, data, stats, data.path)
 
 
 def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:

@@ -11,7 +11,7 @@ run `num_workers * prefetch_factor` batches ahead, and those are simply produced
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,17 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from tracetrain.config import DataSection
-from tracetrain.data.chat import build_chat_datasets, iter_chat_examples
-from tracetrain.data.instruction import build_instruction_datasets, read_located_examples, tokenize_example
+from tracetrain.data.chat import chat_documents, iter_chat_examples
+from tracetrain.data.instruction import (
+    instruction_documents,
+    instruction_splits,
+    on_the_fly_datasets,
+    read_located_examples,
+    tokenize_example,
+)
 from tracetrain.data.packing import DataStats, PackedDataset, TokenizedExample
-from tracetrain.data.synthetic import build_synthetic_datasets, generate_examples
+from tracetrain.data.record_rows import DocumentsBuilder, build_record_datasets
+from tracetrain.data.synthetic import generate_examples, synthetic_documents, synthetic_splits
 from tracetrain.data.text import build_text_datasets, iter_documents
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
@@ -30,10 +37,10 @@ from tracetrain.progress import Progress
 
 Batch = dict[str, torch.Tensor]  # each (batch, seq_len) int64
 
-_BUILDERS: dict[str, Callable[[DataSection, Tokenizer], tuple[PackedDataset, PackedDataset, DataStats]]] = {
-    "synthetic": build_synthetic_datasets,
-    "instruction": build_instruction_datasets,
-    "chat": build_chat_datasets,
+_DOCUMENTS: dict[str, DocumentsBuilder] = {
+    "synthetic": synthetic_documents,
+    "instruction": instruction_documents,
+    "chat": chat_documents,
 }
 
 
@@ -42,12 +49,21 @@ def build_datasets(
 ) -> tuple[PackedDataset, PackedDataset, DataStats]:
     """(train, eval, stats) for `data.kind`; the eval split may have zero rows.
 
-    A text corpus is tokenised to memory-mapped row files in `cache_dir` (reused while the data,
-    tokenizer and settings are unchanged; temporary files when None), reporting to `progress`.
+    Rows are tokenised ahead into memory-mapped row files: an entry of `cache_dir` (not for the
+    synthetic task), reused while the data, tokenizer and settings are unchanged, or temporary files
+    deleted once mapped; reporting to `progress`.
+    `data.tokenize = "on_the_fly"` (instruction and synthetic data) leaves the training rows to the loader.
     """
     if data.kind == "text":
         return build_text_datasets(data, tok, cache_dir, progress)
-    return _BUILDERS[data.kind](data, tok)
+    if data.tokenize == "on_the_fly" and data.kind != "chat":
+        stats = DataStats()
+        splits = synthetic_splits(data, stats) if data.kind == "synthetic" else instruction_splits(data, stats)
+        train, eval_ = on_the_fly_datasets(*splits, tok, data, stats)
+        return train, eval_, stats
+    # The synthetic task is generated in a moment: its rows are not worth a cache entry in the run folder.
+    cache_dir = None if data.kind == "synthetic" else cache_dir
+    return build_record_datasets(data, tok, _DOCUMENTS[data.kind], cache_dir, progress)
 
 
 def tokenize_rows(data: DataSection, tok: Tokenizer, path: str = "") -> Iterator[TokenizedExample]:

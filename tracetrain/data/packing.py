@@ -21,6 +21,7 @@ Two ways to fill rows:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,10 @@ from tracetrain.labels import IGNORE_INDEX
 
 PAD_DOCUMENT = -1
 
-# A tokenised document: (token ids, shifted labels), both of the same length.
-Document = tuple[list[int], list[int]]
+# A tokenised document: (token ids, shifted labels), both of the same length; lists, or int32 arrays
+# (`compact_document`: 8 bytes a token where two lists of Python ints take ~70).
+Document = tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]
+PACK_CHUNK_ROWS = 4096  # rows packed at a time when writing rows out (`iter_packed_rows`): bounded memory
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,19 @@ class DataStats:
         return "data: " + ", ".join(parts)
 
 
+@dataclass
+class Documents:
+    """Both splits of instruction, chat or synthetic data, tokenised and waiting to be packed (record_rows.py)."""
+
+    train: list[Document]  # in packing order (shuffled with data.seed)
+    eval: list[Document]
+    eval_examples: list[tuple[str, str]]  # held-out (prompt, response) pairs for exact-match evaluation
+    stats: DataStats  # counts so far; the row counts are added when the rows are written
+
+
 class PackedDataset(Dataset):
-    """Fixed-length rows held in memory as stacked tensors; `ds[i]` is one row as a dict.
+    """Fixed-length rows as stacked int32 tensors (memory-mapped row files, token_cache.py, or in memory);
+    `ds[i]` is one row as a dict.
 
     `examples` holds the held-out (prompt_text, response_text) pairs for exact-match evaluation
     (instruction and synthetic data; empty for text). `name` says which split it is, for messages.
@@ -120,6 +134,11 @@ def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
     """labels[t] = ids[t+1] where token t+1 is a target, else -100; the last token gets -100."""
     labels = [tok if tgt else IGNORE_INDEX for tok, tgt in zip(ids[1:], is_target[1:])]
     return labels + [IGNORE_INDEX]
+
+
+def compact_document(ids: list[int], is_target: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, shifted labels) as int32 arrays: how documents wait for packing."""
+    return np.asarray(ids, dtype=np.int32), np.asarray(shift_labels(ids, is_target), dtype=np.int32)
 
 
 def _finish_rows(ids: np.ndarray, labels: np.ndarray, doc: np.ndarray) -> dict[str, torch.Tensor]:
@@ -161,17 +180,31 @@ def pack_documents(docs: list[Document], seq_len: int, pad_id: int, pack: bool) 
     pack=True: greedy in the given order (shuffle first), a new row whenever the next document does
     not fit. pack=False: one document per row, right-padded.
     """
+    chunks = list(iter_packed_rows(docs, seq_len, pad_id, pack, chunk_rows=max(1, len(docs))))
+    return chunks[0] if chunks else empty_rows(seq_len)
+
+
+def iter_packed_rows(
+    docs: list[Document], seq_len: int, pad_id: int, pack: bool, chunk_rows: int = PACK_CHUNK_ROWS
+) -> Iterator[dict[str, torch.Tensor]]:
+    """`pack_documents`'s rows, `chunk_rows` at a time (the four tensors of consecutive rows each), so
+    that writing them out never holds more than a chunk of rows."""
     slots = _row_slots([len(ids) for ids, _ in docs], seq_len, pack)
     num_rows = slots[-1][0] + 1 if slots else 0
-    ids = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
-    labels = np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int64)
-    doc = np.full((num_rows, seq_len), PAD_DOCUMENT, dtype=np.int64)
-    for d, ((doc_ids, doc_labels), (row, offset)) in enumerate(zip(docs, slots)):
-        end = offset + len(doc_ids)
-        ids[row, offset:end] = doc_ids
-        labels[row, offset:end] = doc_labels
-        doc[row, offset:end] = d
-    return _finish_rows(ids, labels, doc)
+    d = 0
+    for first in range(0, num_rows, chunk_rows):
+        rows = min(chunk_rows, num_rows - first)
+        ids = np.full((rows, seq_len), pad_id, dtype=np.int64)
+        labels = np.full((rows, seq_len), IGNORE_INDEX, dtype=np.int64)
+        doc = np.full((rows, seq_len), PAD_DOCUMENT, dtype=np.int64)
+        while d < len(docs) and slots[d][0] < first + rows:
+            (doc_ids, doc_labels), (row, offset) = docs[d], slots[d]
+            end = offset + len(doc_ids)
+            ids[row - first, offset:end] = doc_ids
+            labels[row - first, offset:end] = doc_labels
+            doc[row - first, offset:end] = d
+            d += 1
+        yield _finish_rows(ids, labels, doc)
 
 
 def stream_row_spans(seg_starts: np.ndarray, seg_ends: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:

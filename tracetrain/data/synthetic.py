@@ -20,8 +20,8 @@ import string
 from collections.abc import Callable
 
 from tracetrain.config import DataSection
-from tracetrain.data.instruction import Example, datasets_from_examples, format_prompt, held_out_split
-from tracetrain.data.packing import DataStats, PackedDataset
+from tracetrain.data.instruction import Example, examples_documents, format_prompt, held_out_split
+from tracetrain.data.packing import DataStats, Documents
 from tracetrain.data.tokenizer import Tokenizer
 
 TASKS: dict[str, Callable[[str], str]] = {
@@ -49,12 +49,15 @@ def generate_examples(num_examples: int, seed: int) -> list[Example]:
     return examples
 
 
-def build_synthetic_datasets(data: DataSection, tok: Tokenizer) -> tuple[PackedDataset, PackedDataset, DataStats]:
-    """`data.kind = "synthetic"`: generated examples -> train and eval datasets plus stats."""
+def synthetic_splits(data: DataSection, stats: DataStats) -> tuple[list[Example], list[Example]]:
+    """`data.kind = "synthetic"`: the generated (train, eval) examples."""
     examples = generate_examples(data.synthetic_examples, data.seed)
     train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
-    stats = DataStats(examples_read=len(examples))
-    train, eval_ = datasets_from_examples(
-        [examples[i] for i in train_idx], [examples[i] for i in eval_idx], tok, data, stats, "synthetic task"
-    )
-    return train, eval_, stats
+    stats.examples_read = len(examples)
+    return [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
+
+
+def synthetic_documents(data: DataSection, tok: Tokenizer) -> Documents:
+    """`data.kind = "synthetic"`: generated examples -> both splits' documents (`record_rows` packs them)."""
+    stats = DataStats()
+    return examples_documents(*synthetic_splits(data, stats), tok, data, stats, "synthetic task")

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tracetrain.config import DataSection
-from tracetrain.data.files import ReadPosition, is_record_file, iter_rows, open_data_file
+from tracetrain.data.files import ReadPosition, is_record_file, iter_rows, open_data_file, require_data_path
 from tracetrain.data.instruction import string_fields
 from tracetrain.data.packing import IGNORE_INDEX, DataStats, PackedDataset, stream_row_spans, stream_rows
 from tracetrain.data.token_cache import content_digest, entry_key, open_or_build, row_writers
@@ -287,8 +287,8 @@ def build_text_datasets(
     settings are unchanged), or, without one, temporary files deleted once mapped.
     """
     for key, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
-        if path and not Path(path).exists():
-            raise DataError(f"data file {path} does not exist (config key '{key}')")
+        if path:
+            require_data_path(path, key)
     key = _entry_key(data, tok, progress) if cache_dir is not None else ""
     splits, meta, _ = open_or_build(cache_dir, key, lambda folder: _build_rows(data, tok, folder, progress))
     stats = DataStats(**meta["stats"])

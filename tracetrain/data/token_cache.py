@@ -1,17 +1,19 @@
-"""Tokenised rows on disk, memory-mapped: a text corpus larger than memory trains from a file of rows.
+"""Tokenised rows on disk, memory-mapped: data larger than memory trains from a file of rows.
 
-One entry is a folder of flat int32 arrays, (num_rows, seq_len) each, per split:
+Every `data.kind` tokenised ahead (text corpora, instruction and chat files, the synthetic task) ends up
+here. One entry is a folder of flat int32 arrays, (num_rows, seq_len) each, per split:
 
-    <cache_dir>/text-<key>/train.input_ids.i32   train.labels.i32   train.position_ids.i32   ...
-                           eval.input_ids.i32    ...
-                           meta.json             row counts and the data statistics, written last
+    <cache_dir>/<kind>-<key>/train.input_ids.i32   train.labels.i32   train.position_ids.i32   ...
+                             eval.input_ids.i32    ...
+                             meta.json             row counts, the data statistics (and the held-out
+                                                   prompt/response pairs of instruction data), written last
 
 `key` is a hash of everything the rows depend on: the data file's bytes (and the held-out file's), the
-tokenizer (its tokenizer.json and special ids), and the data settings that shape rows (seq_len, pack,
-eval_fraction, text_field, skip_bad_lines). So a second run on the same data reuses the rows without
-tokenising again, and a changed file is never mistaken for the old one.
+tokenizer (its tokenizer.json and special ids; a chat template's text), and the data settings that shape
+rows (seq_len, pack, eval_fraction, fields, templates, seed, ...). So a second run on the same data
+reuses the rows without tokenising again, and a changed file is never mistaken for the old one.
 
-An entry is built in `.tmp-text-<key>-<pid>` and renamed into place once complete (atomic on POSIX):
+An entry is built in `.tmp-<kind>-<key>-<pid>` and renamed into place once complete (atomic on POSIX):
 an interrupted build leaves no entry that looks usable, and of several processes building one entry
 (ranks of one job) the first rename wins and the others use it. The folder holds nothing but entries
 (the trainer's is `<train.output_dir>/.cache/data`); deleting it only costs the next run its
@@ -114,10 +116,16 @@ def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
     (folder / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
+def write_rows(out: dict[str, BinaryIO], rows: dict[str, torch.Tensor]) -> None:
+    """Append rows (the four tensors of consecutive rows) to a split's files (`row_writers`), as int32."""
+    for key in ROW_KEYS:
+        rows[key].to(torch.int32).numpy().tofile(out[key])
+
+
 def open_or_build(
-    cache_dir: str | Path | None, key: str, build: Build
+    cache_dir: str | Path | None, key: str, build: Build, kind: str = "text"
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], bool]:
-    """({split: rows}, meta, reused) for entry `key`: the cached entry when it is complete, else built now.
+    """({split: rows}, meta, reused) for entry `<kind>-<key>`: the cached entry when complete, else built now.
 
     `build(folder)` writes the split arrays (`row_writers`) and returns the meta ({"rows": {split: n},
     "seq_len": ..., "stats": {...}}).
@@ -130,14 +138,14 @@ def open_or_build(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # the maps stay valid without their names
     root = Path(cache_dir)
-    final = root / f"text-{key}"
+    final = root / f"{kind}-{key}"
     meta_found = _complete(final)
     if meta_found is not None:
         return _open_all(final, meta_found), meta_found, True
     if final.exists():  # an unfinished or damaged entry of ours: only this cache writes here
         shutil.rmtree(final, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-text-{key}-{os.getpid()}"
+    tmp = root / f".tmp-{kind}-{key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

@@ -94,7 +94,7 @@ class RunSetup:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)  # 'auto': init_from's own
         with self.reporter.status("reading and packing data") as progress:
-            cache = Path(cfg.train.output_dir) / DATA_CACHE_DIR  # a text corpus's memory-mapped rows, reused
+            cache = Path(cfg.train.output_dir) / DATA_CACHE_DIR  # memory-mapped rows, reused by later runs
             self.train_ds, self.eval_ds, stats = build_datasets(
                 cfg.data, self.tokenizer, cache_dir=cache, progress=progress
             )
