@@ -82,6 +82,8 @@ VARIANTS = {
                                       fp8_fused_mlp=True),
     "compile_sdpa_fp8_rowwise_fused": dict(attention="sdpa", kernels=(), compile=True, fused_ce=True,
                                            fp8="rowwise", fp8_fused_mlp=True),
+    # torch's own fused AdamW instead of train/optim.py's (its Triton update): the A/B of that kernel.
+    "compile_sdpa_torch_adamw": dict(attention="sdpa", kernels=(), compile=True, fused_ce=True, torch_adamw=True),
 }
 # `--fp8`: the 7B LoRA rows (unpacked, as the peers run, with the bf16 baseline; and packed), ~6 min.
 FP8_RUNS = ("7b-lora:unpacked:compile,7b-lora:unpacked:compile_fp8,7b-lora:unpacked:compile_fp8_rowwise,"
@@ -112,7 +114,10 @@ def build_variant(case: str, variant: str, lr: float):
     torch._dynamo.reset()  # each variant compiles afresh (and Dynamo's recompile limit is per process)
     run_spec = resolve(cfg, torch.device("cuda")).replace(
         fused_kernels=tuple(var["kernels"]), fp8_fused_mlp=var.get("fp8_fused_mlp", False))
-    return cfg, assemble(run_spec)
+    built = assemble(run_spec)
+    if var.get("torch_adamw"):
+        built.optimizer = torch.optim.AdamW(built.optimizer.param_groups, fused=True)
+    return cfg, built
 
 
 def variant_context(built, packed: bool):

@@ -12,6 +12,8 @@ inside a compiled block. The transforms that swap these into the model live in `
   rope.py      rotary embedding of q and k, no float32 copies of q/k in memory
   swiglu.py    silu(gate) * up, forward + backward, without saving silu(gate)
   fused_ce.py  lm_head + cross-entropy, token chunk by chunk: no full (tokens, vocab) logits
+
+Not a custom op: adamw_triton.py, the CUDA update of train/optim.py's AdamW (Triton only).
 """
 
 from __future__ import annotations
