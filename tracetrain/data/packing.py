@@ -255,11 +255,3 @@ def empty_rows(seq_len: int) -> dict[str, torch.Tensor]:
     """Zero rows, for an absent held-out split."""
     shape = (0, seq_len)
     return {k: torch.zeros(shape, dtype=torch.int64) for k in ("input_ids", "labels", "position_ids", "document_ids")}
-
-
-def fill_row_stats(stats: DataStats, train: PackedDataset, eval_: PackedDataset) -> None:
-    """Record row and token counts of the built datasets in `stats`."""
-    stats.train_sequences, stats.eval_sequences = len(train), len(eval_)
-    stats.train_tokens = int((train.rows["document_ids"] != PAD_DOCUMENT).sum())
-    stats.train_target_tokens = int((train.rows["labels"] != IGNORE_INDEX).sum())
-    stats.seq_len = train.seq_len
