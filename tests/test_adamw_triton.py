@@ -1,9 +1,14 @@
 """train/optim.py `AdamW` (its CUDA step is kernels/adamw_triton.py) against torch's fused AdamW on a GPU:
 the same parameters and moments over several steps with weight decay groups, a gradient divisor (the
 clip factor) and a skipped step (found_inf), and checkpoints that load into either. On the CPU (and
-without Triton) the class is torch's fused AdamW, which the CPU test checks."""
+without Triton) the class is torch's fused AdamW; a CPU test also runs its own step with the kernel's
+math written in torch ops, so the code around the kernel is checked on every torch the tests run on."""
 
 from __future__ import annotations
+
+import math
+import sys
+import types
 
 import pytest
 import torch
@@ -50,6 +55,33 @@ def test_on_the_cpu_it_is_torchs_fused_adamw():
     (ours, _, updated), (ref, _, _) = _run(AdamW, "cpu"), _run(torch.optim.AdamW, "cpu")
     assert updated == [True, True, True, False, True, True]
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+def _update_in_torch(p, g, m, v, step, *, lr, beta1, beta2, weight_decay, eps, grad_scale, found_inf):
+    """kernels/adamw_triton.py's math in torch ops (the kernel needs Triton and CUDA)."""
+    if found_inf is not None and float(found_inf) != 0:
+        return
+    g = g / grad_scale if grad_scale is not None else g
+    bias_correction1, bias_correction2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
+    p.sub_(lr * weight_decay * p)
+    m.mul_(beta1).add_((1 - beta1) * g)
+    v.mul_(beta2).add_((1 - beta2) * g * g)
+    p.sub_((lr / bias_correction1) * m / (v.sqrt() / math.sqrt(bias_correction2) + eps))
+
+
+def test_the_step_around_the_kernel_counts_steps_and_skips_like_torch(monkeypatch):
+    """On the CPU, with the kernel's math in torch ops: state creation, step counting, the skipped step and
+    the divisor are handled as torch's fused AdamW handles them (runs on the torch the tests run on)."""
+    monkeypatch.setitem(sys.modules, "tracetrain.kernels.adamw_triton", types.SimpleNamespace(adamw_update=_update_in_torch))
+    monkeypatch.setattr(AdamW, "_triton_applies", lambda self: True)
+    (ours, ours_opt, updated), (ref, ref_opt, _) = _run(AdamW, "cpu"), _run(torch.optim.AdamW, "cpu")
+    assert updated == [True, True, True, False, True, True]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+    for (s1, m1, v1), (s2, m2, v2) in zip(_state(ours_opt), _state(ref_opt)):
+        assert s1 == s2 == 5.0
+        torch.testing.assert_close(m1, m2, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-9)
 
 
 @needs_gpu
