@@ -34,7 +34,7 @@ import torch
 
 from tracetrain.config import DataSection
 from tracetrain.data.chat_templates import BUILTIN_TEMPLATES, has_generation_markers, render
-from tracetrain.data.files import read_rows
+from tracetrain.data.files import ReadPosition, iter_rows
 from tracetrain.data.instruction import held_out_split
 from tracetrain.data.packing import DataStats, Document, Documents, TokenizedExample, compact_document
 from tracetrain.data.tokenizer import Tokenizer
@@ -264,8 +264,8 @@ def iter_chat_examples(
     file: row N). A bad row raises DataError `<where>: <reason>`, or with `data.skip_bad_lines` is counted
     in `stats.bad_lines_skipped`; truncations are counted in `stats.examples_truncated`."""
     template = _require_template(data, tok)
-    rows, bad = read_rows(path, key, lambda r: parse_conversation(r, data.messages_field), data.skip_bad_lines)
-    stats.bad_lines_skipped += bad
+    position = ReadPosition()  # rows are read one at a time: a file larger than memory is never held whole
+    rows = iter_rows(path, key, lambda r: parse_conversation(r, data.messages_field), data.skip_bad_lines, position)
     for where, messages in rows:
         try:
             ex = _truncate(tokenize_conversation(template, tok, messages, data.train_on_prompt), data.seq_len, stats)
@@ -277,6 +277,7 @@ def iter_chat_examples(
             stats.bad_lines_skipped += 1
             continue
         yield TokenizedExample(where, ex.text, ex.ids, ex.is_target)
+    stats.bad_lines_skipped += position.bad  # the file's unreadable rows, known once it is read
 
 
 def _truncate(ex: TokenizedExample, seq_len: int, stats: DataStats) -> TokenizedExample:

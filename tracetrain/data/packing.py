@@ -36,7 +36,7 @@ PAD_DOCUMENT = -1
 # A tokenised document: (token ids, shifted labels), both of the same length; lists, or int32 arrays
 # (`compact_document`: 8 bytes a token where two lists of Python ints take ~70).
 Document = tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]
-PACK_CHUNK_ROWS = 4096  # rows packed at a time when writing rows out (`iter_packed_rows`): bounded memory
+PACK_CHUNK_TOKENS = 1 << 20  # token slots packed at a time when writing rows out (`iter_packed_rows`): ~60 MB
 
 
 @dataclass(frozen=True)
@@ -185,10 +185,11 @@ def pack_documents(docs: list[Document], seq_len: int, pad_id: int, pack: bool) 
 
 
 def iter_packed_rows(
-    docs: list[Document], seq_len: int, pad_id: int, pack: bool, chunk_rows: int = PACK_CHUNK_ROWS
+    docs: list[Document], seq_len: int, pad_id: int, pack: bool, chunk_rows: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """`pack_documents`'s rows, `chunk_rows` at a time (the four tensors of consecutive rows each), so
-    that writing them out never holds more than a chunk of rows."""
+    """`pack_documents`'s rows, `chunk_rows` at a time (default: PACK_CHUNK_TOKENS worth; the four tensors
+    of consecutive rows each), so that writing them out never holds more than a chunk of rows."""
+    chunk_rows = chunk_rows or max(1, PACK_CHUNK_TOKENS // seq_len)
     slots = _row_slots([len(ids) for ids, _ in docs], seq_len, pack)
     num_rows = slots[-1][0] + 1 if slots else 0
     d = 0

@@ -3,7 +3,7 @@
 A builder (`instruction_documents`, `chat_documents`, `synthetic_documents`) reads and tokenises the
 examples into `Documents`: both splits as compact int32 documents, the training ones already in packing
 order (a seeded shuffle), plus the held-out prompt/response pairs for exact-match evaluation and the
-counts. `build_record_datasets` packs them `PACK_CHUNK_ROWS` rows at a time into an entry of the token
+counts. `build_record_datasets` packs them a million token slots at a time into an entry of the token
 cache (token_cache.py) and maps it. The entry's key covers the data files' bytes, the tokenizer, the chat
 template's text and every data setting that shapes rows, so a second run on the same data reuses the
 rows without reading the file again, and a run's rows stay out of its resident memory (and are shared by
