@@ -231,7 +231,8 @@ def _per_step(
         breakdown["CPU AdamW (FSDP offload)"] = local * CPU_ADAM_BYTES_PER_PARAM / hw.cpu_bytes_s
     else:
         breakdown["grad accumulation"] = accum / bw
-        breakdown["optimizer"] = local * tr.adamw_bytes_per_param(inp.fused_adamw) / bw
+        clip_folded = inp.num_gpus == 1 and inp.precision != "fp16"  # train/step.py `fold_clip`
+        breakdown["optimizer"] = local * tr.adamw_bytes_per_param(inp.fused_adamw, clip_folded) / bw
     _dp_sync(inp, hw, mb, sp.total, train, sp.num_blocks, breakdown, comm_total)
     _offload_transfers(inp, hw, mb, breakdown, comm_total)
 

@@ -22,7 +22,8 @@ Outside the blocks: embedding 2x*d, final RMSNorm, lm_head input cast, loss forw
 
 Per step and parameter (not per token): autocast weight casts 6 bytes per cast weight and forward,
 fp32 weight-grad casts 6 (bf16 -> fp32), accumulation into .grad 12 from the second micro-batch on,
-fused AdamW 28 (read p, g, m, v; write p, m, v), foreach AdamW ~80 (eight passes), grad-norm clipping 12.
+fused AdamW 28 (read p, g, m, v; write p, m, v), foreach AdamW ~80 (eight passes), grad-norm clipping 12
+(4, the norm alone, where the clip factor is folded into the fused update: one process, no loss scaler).
 The test in tests/test_plan_time.py checks the per-token totals against every aten op of a real
 forward + backward on CPU.
 """
@@ -204,9 +205,11 @@ def outside_backward(args: ModelArgs, nm: Numerics, *, last: bool, fused_ce: boo
     return t + norm_backward(d, nm)
 
 
-def adamw_bytes_per_param(fused: bool) -> float:
-    """HBM bytes per fp32 trainable parameter of one AdamW step (+ clip_grad_norm_'s norm and scale)."""
-    return (28.0 if fused else 80.0) + 12.0
+def adamw_bytes_per_param(fused: bool, clip_folded: bool = False) -> float:
+    """HBM bytes per fp32 trainable parameter of one AdamW step plus the gradient clipping: the norm and
+    the scale (clip_grad_norm_, 12), or only the norm (4) where the trainer folds the clip factor into the
+    fused update (train/step.py `fold_clip`: one process, no loss scaler; train/optim.py's kernel)."""
+    return (28.0 if fused else 80.0) + (4.0 if fused and clip_folded else 12.0)
 
 
 def fused_ce_weight_bytes(args: ModelArgs, nm: Numerics, num_chunks: int) -> float:
