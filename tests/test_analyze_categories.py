@@ -81,6 +81,7 @@ REAL_KERNELS = [
         "float*>(...)",
         "optimizer",
     ),
+    ("_adamw_kernel", "optimizer"),  # tracetrain's own AdamW update (kernels/adamw_triton.py)
     (
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>(int, float, "
         "c10::BFloat16 const*, c10::BFloat16 const*, c10::BFloat16 const*, float*, float*, c10::BFloat16*)",
