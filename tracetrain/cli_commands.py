@@ -100,6 +100,17 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
         raise TracetrainError(f"--output {output}: folder {output.parent} does not exist")
     loaded = load_trained(a.path, a.device, overrides)
     data = loaded.cfg.data
+    sampling: dict[str, Any] = {  # the same for chat and for plain prompts
+        "max_new_tokens": a.max_new_tokens,
+        "stop": a.stop,
+        "temperature": a.temperature,
+        "top_k": a.top_k,
+        "top_p": a.top_p,
+        "generator": torch.Generator(device=loaded.device).manual_seed(a.seed),
+        "dtype": {"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
+        "kv_offload": a.kv_offload,
+        "gpu_window": a.gpu_window,
+    }
     if a.chat:  # the run's chat template around each --prompt (and --system), answered until end-of-turn
         from tracetrain.models.chat import generate_chat
 
@@ -109,15 +120,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
             loaded.cfg,
             a.prompt,
             a.system,
-            max_new_tokens=a.max_new_tokens,
-            stop=a.stop,
-            temperature=a.temperature,
-            top_k=a.top_k,
-            top_p=a.top_p,
-            generator=torch.Generator(device=loaded.device).manual_seed(a.seed),
-            dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
-            kv_offload=a.kv_offload,
-            gpu_window=a.gpu_window,
+            **sampling,
         )
     else:
         records = (
@@ -129,16 +132,8 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
             loaded.model,
             loaded.tokenizer,
             records,
-            max_new_tokens=a.max_new_tokens,
-            stop=a.stop,
             batch_size=a.batch_size,
-            temperature=a.temperature,
-            top_k=a.top_k,
-            top_p=a.top_p,
-            generator=torch.Generator(device=loaded.device).manual_seed(a.seed),
-            dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
-            kv_offload=a.kv_offload,
-            gpu_window=a.gpu_window,
+            **sampling,
         )
     text = "".join(json.dumps(line) + "\n" for line in lines)
     if output is not None:
