@@ -92,22 +92,25 @@ def load_hf_dataset(path: str, split: str, key: str) -> Any:
     with _offline():
         try:
             return datasets.load_dataset(name, config, split=split)
-        except ValueError as e:  # found, but not that split or config
-            if "split" in str(e).lower() or "config" in str(e).lower():
-                raise DataError(f"{path} (config key '{key}'): {str(e).splitlines()[0]}") from None
-        except (ConnectionError, FileNotFoundError, OSError):
-            pass  # not in the datasets cache: try the Hub cache's raw files
+        except (ConnectionError, OSError, ValueError) as e:  # not prepared in the datasets cache, or not so
+            prepared_error = e
         try:
             folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
         except (OSError, ValueError):
+            if isinstance(prepared_error, ValueError):  # found, but not that split or config
+                raise DataError(f"{path} (config key '{key}'): {_first_line(prepared_error)}") from None
             raise DataError(
                 f"{path} (config key '{key}'): dataset {name!r} is not in the local Hugging Face cache "
-                f"and this machine reads it offline; {_how_to_get(name)}"
+                f"and is read offline; {_how_to_get(name)}"
             ) from None
         try:
             return datasets.load_dataset(folder, config, split=split)
-        except ValueError as e:
-            raise DataError(f"{path} (config key '{key}'): {str(e).splitlines()[0]}") from None
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path} (config key '{key}'): {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def hf_batches(path: str, split: str, key: str) -> tuple[Iterator[Any], int]:
