@@ -160,6 +160,14 @@ SOURCE = '[[data.sources]]\npath = "a.jsonl"\n'
             '[data]\nkind = "instruction"\nsources = ["a.jsonl"]\n',
             r"'data.sources': \['a.jsonl'\] is not a list of tables",
         ),
+        (
+            '[data]\nkind = "instruction"\n' + SOURCE + 'kind = "chat"\nformat = "alpaca"\n',
+            r"'data.sources\[0\].format': 'alpaca' is for instruction sources",
+        ),
+        (
+            '[data]\nkind = "chat"\nformat = "dolly"\npath = "c.jsonl"\n',
+            r"'data.format': 'dolly' is for instruction data",
+        ),
     ],
 )
 def test_bad_sources_are_one_line_errors_naming_the_key(tmp_path: Path, toml: str, message: str) -> None:

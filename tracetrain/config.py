@@ -297,6 +297,11 @@ def _check_sources(data: DataSection, where: str) -> None:
     for i, source in enumerate(data.sources):
         if not source.path:
             raise ConfigError(f"{where}config key 'data.sources[{i}].path' is required (a data file or hf:NAME)")
+        if source.format and (source.kind or data.kind) != "instruction":
+            raise ConfigError(
+                f"{where}config key 'data.sources[{i}].format': {source.format!r} is for instruction sources; "
+                "this one is chat"
+            )
 
 
 def _field(section: type, name: str) -> dataclasses.Field:
@@ -311,6 +316,12 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             f"({cfg.train.epochs}) are both set; set one (epochs sizes the run from the data)"
         )
     _check_sources(cfg.data, where)
+    kinds = {s.kind or cfg.data.kind for s in cfg.data.sources} or {cfg.data.kind}
+    if cfg.data.format != "auto" and "instruction" not in kinds:
+        raise ConfigError(
+            f"{where}config key 'data.format': {cfg.data.format!r} is for instruction data; it is ignored with "
+            f"data.kind = {cfg.data.kind!r} (chat rows are recognised by their messages or conversations field)"
+        )
     if cfg.data.kind in ("instruction", "chat", "text") and not cfg.data.path and not cfg.data.sources:
         raise ConfigError(f"{where}config key 'data.path' is required when data.kind = '{cfg.data.kind}'")
     if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind == "text"):
