@@ -144,3 +144,15 @@ def test_partial_drops_are_counted_with_their_lengths(tmp_path: Path) -> None:
     )
     assert f"95% fit whole in  data.seq_len = {stats.seq_len_keeps_95}" in text
     assert "format            alpaca (auto: instruction/input/output)" in text
+
+
+def test_generation_prompt_rows_read_the_alpaca_input() -> None:
+    """A prompts file in the training data's format is templated as training templated it."""
+    from tracetrain.models.generate import prompt_record
+
+    row = {"instruction": "Add the numbers.", "input": "2 and 3"}
+    assert prompt_record(row, data(path="x.jsonl"))["text"] == format_prompt("alpaca", "Add the numbers.", "2 and 3")
+    dolly = {"instruction": "Summarise.", "context": "A long text."}
+    assert prompt_record(dolly, data(path="x.jsonl"))["text"] == format_prompt("alpaca", "Summarise.", "A long text.")
+    named = data(path="x.jsonl", instruction_field="question", context_field="")
+    assert prompt_record({"question": "Why?", "input": "x"}, named)["text"] == format_prompt("alpaca", "Why?")

@@ -85,3 +85,18 @@ def resolve_fields(data: DataSection, first_row: dict[str, Any], key: str) -> Ro
         f"data.format = 'auto' recognises no instruction format in this row (fields: {present}; known: "
         f"alpaca, dolly, prompt_completion); {hint}"
     )
+
+
+def prompt_fields(data: DataSection, row: dict[str, Any]) -> tuple[str, str]:
+    """(instruction field, context field) of a prompt row for generation (a row with no response): the
+    configured fields, the named format's, or for 'auto' the format whose instruction and context fields
+    the row has (Alpaca's `input`, Dolly's `context`)."""
+    if data.format == "fields" or (data.format == "auto" and fields_set(data)):
+        return data.instruction_field, data.context_field
+    if data.format != "auto":
+        instruction, context, _ = NAMED_FORMATS[data.format]
+        return instruction, context
+    for instruction, context, _ in NAMED_FORMATS.values():
+        if instruction in row and context and context in row:
+            return instruction, context
+    return data.instruction_field, data.context_field
