@@ -93,8 +93,38 @@ def _describe(tp: Any) -> str:
     return names[kinds[-1]] + (" (or omitted)" if optional else "")
 
 
-def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
-    tp = typing.get_type_hints(_SECTION_OWNER[key.split(".")[0]])[f.name]
+def table_type(tp: Any) -> type | None:
+    """The dataclass a `list[Table]` field holds (TOML `[[section.key]]` tables), else None."""
+    if typing.get_origin(tp) is list:
+        (arg,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(arg):
+            return arg  # type: ignore[return-value]  # a dataclass type, not an instance
+    return None
+
+
+def _check_tables(key: str, table: type, value: Any) -> list[Any]:
+    """A list of tables -> a list of `table` instances, each key checked as a field is (errors name `key[i].name`)."""
+    fields = {f.name: f for f in dataclasses.fields(table)}
+    if not isinstance(value, list) or not all(isinstance(v, dict | table) for v in value):
+        raise ConfigError(
+            f"config key '{key}': {value!r} is not a list of tables ([[{key}]] entries with {', '.join(fields)})"
+        )
+    out = []
+    for i, entry in enumerate(value):
+        items = entry if isinstance(entry, dict) else dataclasses.asdict(entry)
+        checked = {}
+        for name, v in items.items():
+            if name not in fields:
+                raise ConfigError(f"unknown config key '{key}[{i}].{name}'; allowed: {', '.join(fields)}")
+            checked[name] = _check_value(f"{key}[{i}].{name}", fields[name], v, table)
+        out.append(table(**checked))
+    return out
+
+
+def _check_value(key: str, f: dataclasses.Field, value: Any, owner: type | None = None) -> Any:
+    tp = typing.get_type_hints(owner or _SECTION_OWNER[key.split(".")[0]])[f.name]
+    if (table := table_type(tp)) is not None:
+        return _check_tables(key, table, value)
     kinds, optional = _allowed_types(tp)
     if value is None and optional:
         return None
@@ -247,6 +277,33 @@ def _check_data_path_used(data: DataSection, where: str) -> None:
             )
 
 
+def _check_sources(data: DataSection, where: str) -> None:
+    """`[[data.sources]]` replaces data.path: the settings that would be silently ignored are refused."""
+    if not data.sources:
+        return
+    for key, value, why in (
+        ("data.path", data.path, "set data.path or [[data.sources]], not both"),
+        ("data.eval_path", data.eval_path, "each source holds out data.eval_fraction instead"),
+    ):
+        if value:
+            raise ConfigError(f"{where}config key '{key}': {value!r} is not used with data.sources; {why}")
+    if data.kind not in ("instruction", "chat"):
+        raise ConfigError(
+            f"{where}config key 'data.kind': {data.kind!r} cannot be mixed from data.sources; use 'instruction' "
+            "or 'chat' (the kind of sources that do not set their own)"
+        )
+    if data.tokenize == "on_the_fly":
+        raise ConfigError(f"{where}config key 'data.tokenize': 'on_the_fly' is not supported with data.sources")
+    for i, source in enumerate(data.sources):
+        if not source.path:
+            raise ConfigError(f"{where}config key 'data.sources[{i}].path' is required (a data file or hf:NAME)")
+        if source.format and (source.kind or data.kind) != "instruction":
+            raise ConfigError(
+                f"{where}config key 'data.sources[{i}].format': {source.format!r} is for instruction sources; "
+                "this one is chat"
+            )
+
+
 def _field(section: type, name: str) -> dataclasses.Field:
     return next(f for f in dataclasses.fields(section) if f.name == name)
 
@@ -258,7 +315,14 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             f"{where}config keys 'train.steps' ({cfg.train.steps}) and 'train.epochs' "
             f"({cfg.train.epochs}) are both set; set one (epochs sizes the run from the data)"
         )
-    if cfg.data.kind in ("instruction", "chat", "text") and not cfg.data.path:
+    _check_sources(cfg.data, where)
+    kinds = {s.kind or cfg.data.kind for s in cfg.data.sources} or {cfg.data.kind}
+    if cfg.data.format != "auto" and "instruction" not in kinds:
+        raise ConfigError(
+            f"{where}config key 'data.format': {cfg.data.format!r} is for instruction data; it is ignored with "
+            f"data.kind = {cfg.data.kind!r} (chat rows are recognised by their messages or conversations field)"
+        )
+    if cfg.data.kind in ("instruction", "chat", "text") and not cfg.data.path and not cfg.data.sources:
         raise ConfigError(f"{where}config key 'data.path' is required when data.kind = '{cfg.data.kind}'")
     if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind == "text"):
         raise ConfigError(
@@ -353,6 +417,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an entry of a list of tables, written inline
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
@@ -367,6 +433,27 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def _allowed_text(owner: type, f: dataclasses.Field) -> str:
+    m = f.metadata
+    choices = field_choices(owner, f.name)
+    if choices:
+        return " / ".join(repr(c) if c == "" else c for c in choices)
+    bounds = (
+        f">= {m['ge']}" if m.get("ge") is not None else "",
+        f"> {m['gt']}" if m.get("gt") is not None else "",
+        f"<= {m['le']}" if m.get("le") is not None else "",
+    )
+    return " ".join(s for s in bounds if s)
+
+
+def _table_rows(name: str, table: type) -> list[str]:
+    """Reference rows for the keys of each entry of a list-of-tables field (`sources[].path`, ...)."""
+    return [
+        f"| `{name}[].{f.name}` | `{_toml_value(f.default)}` | {_allowed_text(table, f)} | {f.metadata['doc']} |"
+        for f in dataclasses.fields(table)
+    ]
+
+
 def reference_markdown() -> str:
     """The config reference (every section and key, default and doc) as Markdown, for the docs."""
     out: list[str] = []
@@ -374,22 +461,11 @@ def reference_markdown() -> str:
         out += [f"### [{sf.name}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(sf.default_factory()):  # type: ignore[operator]  # sections have factories
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]  # list fields
-            m = f.metadata
-            choices = field_choices(sf.default_factory, f.name)  # type: ignore[arg-type]  # a section class
-            allowed = (
-                " / ".join(choices)
-                if choices
-                else " ".join(
-                    s
-                    for s in (
-                        f">= {m['ge']}" if m.get("ge") is not None else "",
-                        f"> {m['gt']}" if m.get("gt") is not None else "",
-                        f"<= {m['le']}" if m.get("le") is not None else "",
-                    )
-                    if s
-                )
-            )
+            allowed = _allowed_text(sf.default_factory, f)  # type: ignore[arg-type]  # a section class
             shown = "(preset)" if default is None else f"`{_toml_value(default)}`"
-            out.append(f"| `{f.name}` | {shown} | {allowed} | {m['doc']} |")
+            out.append(f"| `{f.name}` | {shown} | {allowed} | {f.metadata['doc']} |")
+            table = table_type(typing.get_type_hints(sf.default_factory)[f.name])
+            if table is not None:
+                out += _table_rows(f.name, table)
         out.append("")
     return "\n".join(out)

@@ -35,6 +35,22 @@ class ModelSection:
     moe_aux_loss_coef: float = fld(0.01, "MoE: weight of the load-balancing loss.", ge=0)
 
 
+InstructionFormat = Literal["auto", "alpaca", "dolly", "prompt_completion", "fields"]
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One entry of `[[data.sources]]`: a data file (or `hf:NAME`) mixed into training by weight."""
+
+    path: str = fld("", "Data file, datasets folder or hf:NAME[:CONFIG] (required).")
+    weight: float = fld(1.0, "Share of training examples, relative to the other sources' weights.", gt=0)
+    kind: Literal["", "instruction", "chat"] = fld("", "This source's data kind ('' = data.kind).")
+    format: Literal["", "auto", "alpaca", "dolly", "prompt_completion", "fields"] = fld(
+        "", "Instruction source: its row format ('' = data.format)."
+    )
+    split: str = fld("", "Split of an hf: dataset or DatasetDict folder ('' = data.split).")
+
+
 @dataclass(frozen=True)
 class DataSection:
     kind: Literal["synthetic", "instruction", "chat", "text"] = fld(
@@ -48,6 +64,15 @@ class DataSection:
         "takes a plain text file). Unused for synthetic.",
     )
     eval_path: str = fld("", "Held-out data file; '' = split eval_fraction off the training data.")
+    split: str = fld(
+        "train", "Split read from data.path when it is hf:NAME (Hugging Face cache, offline) or a DatasetDict folder."
+    )
+    eval_split: str = fld("test", "Split read from data.eval_path when it is hf:NAME or a DatasetDict folder.")
+    sources: list[DataSource] = fld(
+        [],
+        "Several training sources mixed by weight ([[data.sources]] tables: path, weight, kind, format, "
+        "split); replaces data.path; each holds out data.eval_fraction.",
+    )
     eval_fraction: float = fld(0.05, "Share of examples held out for eval when eval_path is ''.", ge=0, le=0.5)
     tokenizer: str = fld(
         "auto",
@@ -56,6 +81,12 @@ class DataSection:
     )
     seq_len: int = fld(128, "Tokens per training sequence.", gt=1)
     pack: bool = fld(True, "Pack several examples into each sequence (document-masked attention).")
+    format: InstructionFormat = fld(
+        "auto",
+        "Instruction rows: 'alpaca' (instruction/input/output), 'dolly' (instruction/context/response), "
+        "'prompt_completion', 'fields' (the *_field keys), or 'auto' (from the first row; 'fields' when a "
+        "*_field key is set).",
+    )
     template: Literal["alpaca", "plain", "chatml"] = fld("alpaca", "Prompt template for instruction data.")
     chat_template: str = fld(
         "auto",
@@ -68,9 +99,9 @@ class DataSection:
         "ShareGPT 'conversations' ({from, value}) are read too.",
     )
     text_field: str = fld("text", "Text data in JSONL/JSON/Parquet/datasets form: the field holding each document.")
-    instruction_field: str = fld("instruction", "JSONL field holding the instruction / question / prompt.")
-    context_field: str = fld("context", "JSONL field holding optional context ('' = none).")
-    response_field: str = fld("response", "JSONL field holding the target response / answer.")
+    instruction_field: str = fld("instruction", "data.format = 'fields': field holding the instruction / prompt.")
+    context_field: str = fld("context", "data.format = 'fields': field holding optional context ('' = none).")
+    response_field: str = fld("response", "data.format = 'fields': field holding the target response / answer.")
     train_on_prompt: bool = fld(
         False,
         "Also compute loss on prompt tokens (default: response only; for chat: "

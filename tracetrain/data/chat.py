@@ -258,14 +258,15 @@ def render_generation_prompt(template: str, tok: Tokenizer, messages: list[dict[
 
 
 def iter_chat_examples(
-    data: DataSection, tok: Tokenizer, path: str, key: str, stats: DataStats
+    data: DataSection, tok: Tokenizer, path: str, key: str, stats: DataStats, split: str = "train"
 ) -> Iterator[TokenizedExample]:
     """Every usable conversation of `path`, tokenised and cut to `data.seq_len` (`where` = file:line or
     file: row N). A bad row raises DataError `<where>: <reason>`, or with `data.skip_bad_lines` is counted
     in `stats.bad_lines_skipped`; truncations are counted in `stats.examples_truncated`."""
     template = _require_template(data, tok)
     position = ReadPosition()  # rows are read one at a time: a file larger than memory is never held whole
-    rows = iter_rows(path, key, lambda r: parse_conversation(r, data.messages_field), data.skip_bad_lines, position)
+    parse = lambda r: parse_conversation(r, data.messages_field)  # noqa: E731
+    rows = iter_rows(path, key, parse, data.skip_bad_lines, position, split)
     for where, messages in rows:
         try:
             ex = _truncate(tokenize_conversation(template, tok, messages, data.train_on_prompt), data.seq_len, stats)
@@ -291,7 +292,7 @@ def _truncate(ex: TokenizedExample, seq_len: int, stats: DataStats) -> Tokenized
     return TokenizedExample(ex.where, ex.text, ex.ids[:seq_len], ex.is_target[:seq_len])
 
 
-def chat_documents(data: DataSection, tok: Tokenizer) -> Documents:
+def chat_documents(data: DataSection, tok: Tokenizer, key: str = "data.path") -> Documents:
     """`data.kind = "chat"`: conversation file(s) -> both splits' documents (`record_rows` packs them)."""
     if data.tokenize == "on_the_fly":
         raise DataError(
@@ -299,18 +300,19 @@ def chat_documents(data: DataSection, tok: Tokenizer) -> Documents:
         )
     stats = DataStats()
 
-    def documents(path: str, key: str) -> list[Document]:  # int32 arrays: the text and lists are dropped
-        return [compact_document(ex.ids, ex.is_target) for ex in iter_chat_examples(data, tok, path, key, stats)]
+    def documents(path: str, key: str, split: str) -> list[Document]:  # int32 arrays: text and lists dropped
+        examples = iter_chat_examples(data, tok, path, key, stats, split)
+        return [compact_document(ex.ids, ex.is_target) for ex in examples]
 
-    docs = documents(data.path, "data.path")
+    docs = documents(data.path, key, data.split)
     if data.eval_path:
-        train, eval_ = docs, documents(data.eval_path, "data.eval_path")
+        train, eval_ = docs, documents(data.eval_path, "data.eval_path", data.eval_split)
     else:
         train_idx, eval_idx = held_out_split(len(docs), data.eval_fraction, data.seed)
         train, eval_ = [docs[i] for i in train_idx], [docs[i] for i in eval_idx]
     if not train:
         raise DataError(
-            f"{data.path}: no usable conversations ({stats.bad_lines_skipped} bad rows skipped; config key 'data.path')"
+            f"{data.path}: no usable conversations ({stats.bad_lines_skipped} bad rows skipped; config key '{key}')"
         )
     stats.examples_read = len(docs) + (len(eval_) if data.eval_path else 0)
     stats.train_examples, stats.eval_examples = len(train), len(eval_)

@@ -4,7 +4,8 @@
     JSON array             a `.json` file holding one list of objects
     Parquet                a `.parquet` file (needs pyarrow: `pip install tracetrain[parquet]`)
     datasets folder        what `datasets.Dataset.save_to_disk` writes (Arrow files + state.json), or a
-                           DatasetDict folder, whose "train" split is read (needs pyarrow too)
+                           DatasetDict folder, whose split `split` ("train" unless said) is read (needs pyarrow too)
+    hf:NAME[:CONFIG]       a Hugging Face dataset from the local cache, offline (hf_datasets.py)
 
 Every row is located for error messages: `file:LINE` for JSONL, `file: row N` (0-based) for arrays,
 Parquet and datasets folders. A bad row raises one-line DataError `<where>: <reason>`, or, with
@@ -20,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+from tracetrain.data.hf_datasets import hf_batches, hf_files, is_hf
+from tracetrain.data.token_cache import content_digest, files_digest
 from tracetrain.errors import DataError
+from tracetrain.progress import Progress
 
 T = TypeVar("T")
 # (where, the row's value or the DataError that says why it is unreadable)
@@ -30,9 +34,17 @@ _ARROW_EXTRA = "pip install 'tracetrain[parquet]'"
 
 
 def require_data_path(path: str, key: str) -> None:
-    """A data file or folder that is not there is a DataError naming the path and the config key."""
-    if not Path(path).exists():
+    """A data file or folder that is not there is a DataError naming the path and the config key
+    (an hf: dataset is looked up when it is read)."""
+    if not is_hf(path) and not Path(path).exists():
         raise DataError(f"data file {path} does not exist (config key '{key}')")
+
+
+def data_digest(path: str, key: str, split: str, progress: Progress | None = None) -> str:
+    """A hash of the bytes `path` holds: a file, a folder, or the Arrow files of an hf: dataset's split."""
+    if is_hf(path):
+        return f"{path} [{split}] " + files_digest([Path(f) for f in hf_files(path, split, key)], None, path, progress)
+    return content_digest(path, progress)
 
 
 def open_data_file(path: str, key: str) -> TextIO:
@@ -44,7 +56,7 @@ def open_data_file(path: str, key: str) -> TextIO:
 
 def is_record_file(path: str) -> bool:
     """Does `path` hold rows of fields (JSONL, JSON, Parquet, a datasets folder) rather than plain text?"""
-    return Path(path).is_dir() or Path(path).suffix.lower() in (".jsonl", ".json", ".parquet")
+    return is_hf(path) or Path(path).is_dir() or Path(path).suffix.lower() in (".jsonl", ".json", ".parquet")
 
 
 @dataclass
@@ -61,7 +73,7 @@ class ReadPosition:
 
 
 def read_rows(
-    path: str, key: str, parse: Callable[[dict[str, Any]], T], skip_bad_lines: bool
+    path: str, key: str, parse: Callable[[dict[str, Any]], T], skip_bad_lines: bool, split: str = "train"
 ) -> tuple[list[tuple[str, T]], int]:
     """`parse` applied to every row of `path` -> ([(where, parsed row)], number of bad rows skipped).
 
@@ -69,18 +81,24 @@ def read_rows(
     Raises DataError when no row is usable.
     """
     position = ReadPosition()
-    out = list(iter_rows(path, key, parse, skip_bad_lines, position))
+    out = list(iter_rows(path, key, parse, skip_bad_lines, position, split))
     return out, position.bad
 
 
 def iter_rows(
-    path: str, key: str, parse: Callable[[dict[str, Any]], T], skip_bad_lines: bool, position: ReadPosition
+    path: str,
+    key: str,
+    parse: Callable[[dict[str, Any]], T],
+    skip_bad_lines: bool,
+    position: ReadPosition,
+    split: str = "train",
 ) -> Iterator[tuple[str, T]]:
-    """`read_rows` one row at a time, for files larger than memory; `position` follows the reading.
+    """`read_rows` one row at a time, for files larger than memory; `position` follows the reading;
+    `split`: the split read from an hf: dataset or a DatasetDict folder.
 
     Raises DataError (once every row is read) when no row was usable.
     """
-    for where, value in _raw_rows(path, key, position):
+    for where, value in _raw_rows(path, key, position, split):
         try:
             if isinstance(value, DataError):
                 raise value
@@ -99,11 +117,14 @@ def iter_rows(
         raise DataError(f"{path}: no usable examples ({what}; config key '{key}')")
 
 
-def _raw_rows(path: str, key: str, position: ReadPosition) -> Iterator[RawRow]:
+def _raw_rows(path: str, key: str, position: ReadPosition, split: str) -> Iterator[RawRow]:
     """Every row of `path`, in the format its name (and, for .json, its first character) says."""
+    if is_hf(path):
+        batches, position.total = hf_batches(path, split, key)
+        return _counted(_table_rows(batches, f"{path} [{split}]"), position)
     p = Path(path)
     if p.is_dir():
-        return _counted(_dataset_folder_rows(p, key), position)
+        return _counted(_dataset_folder_rows(p, key, split), position)
     require_data_path(path, key)
     suffix = p.suffix.lower()
     if suffix == ".parquet":
@@ -247,16 +268,16 @@ def _parquet_rows(path: Path, position: ReadPosition) -> Iterator[RawRow]:
     return _counted(_table_rows(batches, str(path)), position)
 
 
-def _dataset_folder_rows(folder: Path, key: str) -> Iterator[RawRow]:
+def _dataset_folder_rows(folder: Path, key: str, split: str) -> Iterator[RawRow]:
     """A `save_to_disk` folder: its Arrow stream files, in the order state.json lists them."""
     if (folder / "dataset_dict.json").is_file():
         splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
-        if "train" not in splits:
+        if split not in splits:
             raise DataError(
-                f"{folder}: a DatasetDict folder without a 'train' split (splits: "
+                f"{folder}: a DatasetDict folder without a '{split}' split (splits: "
                 f"{', '.join(splits) or 'none'}); point config key '{key}' at one split's folder"
             )
-        folder = folder / "train"
+        folder = folder / split
     state = folder / "state.json"
     if not state.is_file():
         raise DataError(

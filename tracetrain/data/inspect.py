@@ -27,7 +27,7 @@ import torch
 
 from tracetrain.config import Config
 from tracetrain.data.loader import build_datasets, tokenize_rows
-from tracetrain.data.packing import IGNORE_INDEX, PAD_DOCUMENT, TokenizedExample
+from tracetrain.data.packing import IGNORE_INDEX, PAD_DOCUMENT, DataStats, TokenizedExample
 from tracetrain.data.tokenizer import Tokenizer, load_tokenizer
 from tracetrain.progress import Progress, live_progress
 
@@ -155,13 +155,15 @@ def inspect_data(cfg: Config, num_examples: int = 0, progress: Progress | None =
     train, eval_ = _split_stats(train_rows), _split_stats(eval_rows)
     stats = {
         "kind": cfg.data.kind,
-        "path": cfg.data.path,
+        "path": cfg.data.path or ", ".join(s.path for s in cfg.data.sources),
         "tokenizer": tok.name,
         "seq_len": seq_len,
         "pack": cfg.data.pack,
         "bad_rows_skipped": data_stats.bad_lines_skipped,
         "truncated": data_stats.examples_truncated,
         "dropped": data_stats.examples_dropped,
+        "format": data_stats.format,
+        "sources": data_stats.sources,
         "train": train,
         "eval": eval_,
         "data_stats": data_stats.as_dict(),
@@ -191,10 +193,32 @@ def examples_json(report: DataReport) -> list[dict[str, Any]]:
     return [example_json(v) for v in report.examples]
 
 
+def _source_lines(stats: dict[str, Any]) -> list[tuple[str, str]]:
+    """One line per source of data.sources: what it was asked for and what it gave."""
+    return [
+        (
+            f"source {i}",
+            f"{row['path']} ({row['kind']}): weight {row['share_wanted']:.0%} -> {row['examples_drawn']:,} of "
+            f"{row['train_examples']:,} examples (x{row['repeats']:g}), {row['tokens']:,} tokens; realised "
+            f"{row['share_examples']:.1%} of examples, {row['share_tokens']:.1%} of tokens",
+        )
+        for i, row in enumerate(stats["sources"])
+    ]
+
+
+def _dropped(stats: dict[str, Any]) -> str:
+    ds = stats["data_stats"]
+    note = DataStats(**ds).too_long_note(stats["seq_len"]) if ds["dropped_too_long"] else ""
+    return f"{stats['dropped']:,}" + (f" ({note})" if note else "")
+
+
 def _stat_lines(stats: dict[str, Any]) -> list[tuple[str, str]]:
     tr, ev = stats["train"], stats["eval"]
+    keeps_95 = stats["data_stats"]["seq_len_keeps_95"]
     return [
         ("data", f"{stats['kind']}" + (f" ({stats['path']})" if stats["path"] else "")),
+        *([("format", stats["format"])] if stats["format"] else []),
+        *_source_lines(stats),
         ("tokenizer", str(stats["tokenizer"])),
         ("examples", f"{tr['examples']:,} train / {ev['examples']:,} eval"),
         (
@@ -204,8 +228,9 @@ def _stat_lines(stats: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("tokens", f"{tr['tokens']:,} train, {tr['trained_tokens']:,} trained ({tr['trained_share']:.1%})"),
         ("length", f"min {tr['length_min']}, mean {tr['length_mean']:.1f}, max {tr['length_max']} tokens"),
+        *([("95% fit whole in", f"data.seq_len = {keeps_95}")] if keeps_95 else []),
         ("truncated", f"{stats['truncated']:,}"),
-        ("dropped", f"{stats['dropped']:,}"),
+        ("dropped", _dropped(stats)),
         ("bad rows skipped", f"{stats['bad_rows_skipped']:,}"),
     ]
 

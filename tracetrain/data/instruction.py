@@ -25,6 +25,7 @@ from tracetrain.config import DataSection
 
 # open_data_file is re-exported: models/generate.py imports it from here.
 from tracetrain.data.files import open_data_file, read_rows  # noqa: F401
+from tracetrain.data.formats import RowFields, resolve_fields
 from tracetrain.data.packing import DataStats, Document, Documents, PackedDataset, compact_document, pack_documents
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
@@ -78,35 +79,29 @@ def string_fields(row: dict[str, Any], required: list[str], optional: list[str])
     return out
 
 
-def read_records(
-    path: str, key: str, required: list[str], optional: list[str], skip_bad_lines: bool
-) -> tuple[list[tuple[str, dict[str, str]]], int]:
-    """String fields of every row of a data file (JSONL, JSON array, Parquet, datasets folder) ->
-    ([(where, fields)], bad rows skipped). A bad row raises DataError `<where>: ...` unless `skip_bad_lines`."""
-    return read_rows(path, key, lambda row: string_fields(row, required, optional), skip_bad_lines)
+def read_instruction_file(
+    path: str, key: str, data: DataSection, split: str = "train"
+) -> tuple[list[Example], int, RowFields]:
+    """A data file -> (templated examples, bad rows skipped, the row format read), fields by `data.format`."""
+    examples, bad, fields = read_located_examples(path, key, data, split)
+    return [ex for _, ex in examples], bad, fields
 
 
-def read_instruction_file(path: str, key: str, data: DataSection) -> tuple[list[Example], int]:
-    """A data file -> (templated examples, bad rows skipped), fields named by the data config."""
-    examples, bad = read_located_examples(path, key, data)
-    return [ex for _, ex in examples], bad
-
-
-def read_located_examples(path: str, key: str, data: DataSection) -> tuple[list[tuple[str, Example]], int]:
+def read_located_examples(
+    path: str, key: str, data: DataSection, split: str = "train"
+) -> tuple[list[tuple[str, Example]], int, RowFields]:
     """As `read_instruction_file`, each example with its location ("file:LINE" / "file: row N")."""
-    optional = [data.context_field] if data.context_field else []
-    records, bad = read_records(path, key, [data.instruction_field, data.response_field], optional, data.skip_bad_lines)
-    examples = [
-        (
-            where,
-            (
-                format_prompt(data.template, r[data.instruction_field], r.get(data.context_field, "")),
-                r[data.response_field],
-            ),
-        )
-        for where, r in records
-    ]
-    return examples, bad
+    resolved: list[RowFields] = []  # decided once, from the first readable row
+
+    def parse(row: dict[str, Any]) -> Example:
+        if not resolved:
+            resolved.append(resolve_fields(data, row, key))
+        f = resolved[0]
+        r = string_fields(row, [f.instruction, f.response], [f.context] if f.context else [])
+        return format_prompt(data.template, r[f.instruction], r.get(f.context, "")), r[f.response]
+
+    examples, bad = read_rows(path, key, parse, data.skip_bad_lines, split)
+    return examples, bad, resolved[0]  # read_rows raises when no row was usable
 
 
 def tokenize_example(example: Example, tok: Tokenizer, train_on_prompt: bool) -> tuple[list[int], list[bool]]:
@@ -128,21 +123,36 @@ def held_out_split(num_examples: int, fraction: float, seed: int) -> tuple[list[
 ENCODE_BATCH = 4096  # examples tokenised at a time: token lists for a batch, compact arrays after
 
 
+# (whole lengths of every example read, whole lengths of those dropped for length), in tokens
+LengthLog = tuple[list[int], list[int]]
+
+
 def tokenize_examples(
-    examples: list[Example], tok: Tokenizer, seq_len: int, train_on_prompt: bool, stats: DataStats
+    examples: list[Example],
+    tok: Tokenizer,
+    seq_len: int,
+    train_on_prompt: bool,
+    stats: DataStats,
+    lengths: LengthLog | None = None,
 ) -> tuple[list[Document], list[Example]]:
-    """Examples -> (documents as int32 arrays, the examples kept); truncations and drops are counted in `stats`."""
+    """Examples -> (documents as int32 arrays, the examples kept); truncations and drops are counted in
+    `stats`, and whole lengths appended to `lengths` (for `DataStats.record_lengths`)."""
     docs: list[Document] = []
     kept: list[Example] = []
     bos = [tok.bos_id] if tok.add_bos else []
+    all_lengths, dropped_lengths = lengths if lengths is not None else ([], [])
     for start in range(0, len(examples), ENCODE_BATCH):
         batch = examples[start : start + ENCODE_BATCH]
         prompts = tok.encode_batch([p for p, _ in batch])
         responses = tok.encode_batch([r for _, r in batch])
         for example, p, r in zip(batch, prompts, responses):
+            whole = len(bos) + len(p) + len(r) + 1  # [BOS] prompt response EOS
+            all_lengths.append(whole)
             room = seq_len - len(bos) - len(p)  # tokens left for the response after [BOS] + prompt
             if not example[1].strip() or room <= 0:
                 stats.examples_dropped += 1
+                if room <= 0:
+                    dropped_lengths.append(whole)
                 continue
             target = r + [tok.eos_id]
             if len(target) > room:
@@ -164,12 +174,17 @@ def examples_documents(
     source: str,
 ) -> Documents:
     """Tokenise both splits and shuffle (seeded) the training documents; `source` names the data in errors."""
-    train_docs, train_kept = tokenize_examples(train_examples, tok, data.seq_len, data.train_on_prompt, stats)
-    eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
+    lengths: LengthLog = ([], [])
+    train_docs, train_kept = tokenize_examples(train_examples, tok, data.seq_len, data.train_on_prompt, stats, lengths)
+    eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats, lengths)
+    stats.record_lengths(*lengths)
     if not train_docs:
+        empty = stats.examples_dropped - stats.dropped_too_long
+        reasons = [stats.too_long_note(data.seq_len)] if stats.dropped_too_long else []
+        reasons += [f"{empty} with an empty response"] if empty else []
         raise DataError(
-            f"{source}: no usable training examples ({len(train_examples)} read, all dropped: "
-            f"empty response, or the prompt alone fills data.seq_len = {data.seq_len})"
+            f"{source}: no usable training examples ({stats.examples_read} read, every training example "
+            f"dropped; {'; '.join(reasons)})"
         )
     stats.train_examples, stats.eval_examples = len(train_kept), len(eval_kept)
     # Packing is greedy in order, so shuffle first: neighbouring file lines are often near-duplicates.
@@ -192,12 +207,16 @@ def on_the_fly_datasets(
     return train, PackedDataset(eval_rows, examples=eval_kept, name="eval")
 
 
-def instruction_splits(data: DataSection, stats: DataStats) -> tuple[list[Example], list[Example]]:
-    """`data.kind = "instruction"`: the (train, eval) examples of the JSONL file(s); reading is counted in `stats`."""
-    examples, stats.bad_lines_skipped = read_instruction_file(data.path, "data.path", data)
+def instruction_splits(
+    data: DataSection, stats: DataStats, key: str = "data.path"
+) -> tuple[list[Example], list[Example]]:
+    """`data.kind = "instruction"`: the (train, eval) examples of the data file(s); reading is counted in
+    `stats`. `key` names data.path in messages (a source of data.sources passes its own)."""
+    examples, stats.bad_lines_skipped, fields = read_instruction_file(data.path, key, data, data.split)
+    stats.format = fields.describe()
     if data.eval_path:
         train_examples = examples
-        eval_examples, bad = read_instruction_file(data.eval_path, "data.eval_path", data)
+        eval_examples, bad, _ = read_instruction_file(data.eval_path, "data.eval_path", data, data.eval_split)
         stats.bad_lines_skipped += bad
     else:
         train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
@@ -207,10 +226,10 @@ def instruction_splits(data: DataSection, stats: DataStats) -> tuple[list[Exampl
     return train_examples, eval_examples
 
 
-def instruction_documents(data: DataSection, tok: Tokenizer) -> Documents:
-    """`data.kind = "instruction"`: JSONL file(s) -> both splits' documents (`record_rows` packs them)."""
+def instruction_documents(data: DataSection, tok: Tokenizer, key: str = "data.path") -> Documents:
+    """`data.kind = "instruction"`: data file(s) -> both splits' documents (`record_rows` packs them)."""
     stats = DataStats()
-    train_examples, eval_examples = instruction_splits(data, stats)
+    train_examples, eval_examples = instruction_splits(data, stats, key)
     return examples_documents(train_examples, eval_examples, tok, data, stats, data.path)
 
 

@@ -11,6 +11,7 @@ run `num_workers * prefetch_factor` batches ahead, and those are simply produced
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from tracetrain.data.instruction import (
     read_located_examples,
     tokenize_example,
 )
+from tracetrain.data.mixture import mixture_documents, source_section
 from tracetrain.data.packing import DataStats, PackedDataset, TokenizedExample
 from tracetrain.data.record_rows import DocumentsBuilder, build_record_datasets
 from tracetrain.data.synthetic import generate_examples, synthetic_documents, synthetic_splits
@@ -54,6 +56,8 @@ def build_datasets(
     deleted once mapped; reporting to `progress`.
     `data.tokenize = "on_the_fly"` (instruction and synthetic data) leaves the training rows to the loader.
     """
+    if data.sources:
+        return build_record_datasets(data, tok, mixture_documents, cache_dir, progress)
     if data.kind == "text":
         return build_text_datasets(data, tok, cache_dir, progress)
     if data.tokenize == "on_the_fly" and data.kind != "chat":
@@ -73,18 +77,23 @@ def tokenize_rows(data: DataSection, tok: Tokenizer, path: str = "") -> Iterator
     For inspection (statistics, showing trained tokens). Chat conversations are cut to `data.seq_len`
     as in training; other kinds are whole. Bad rows raise or are skipped as in `build_datasets`.
     """
+    if data.sources and not path:  # the sources in turn, one example of each at a time
+        sources = [tokenize_rows(source_section(data, i), tok) for i in range(len(data.sources))]
+        yield from (ex for group in itertools.zip_longest(*sources) for ex in group if ex is not None)
+        return
     path = path or data.path
     if data.kind == "chat":
-        yield from iter_chat_examples(data, tok, path, "data.path", DataStats())
+        yield from iter_chat_examples(data, tok, path, "data.path", DataStats(), data.split)
     elif data.kind == "instruction":
-        for where, ex in read_located_examples(path, "data.path", data)[0]:
+        for where, ex in read_located_examples(path, "data.path", data, data.split)[0]:
             yield TokenizedExample(where, ex[0] + ex[1], *tokenize_example(ex, tok, data.train_on_prompt))
     elif data.kind == "synthetic":
         for i, ex in enumerate(generate_examples(data.synthetic_examples, data.seed)):
             yield TokenizedExample(f"synthetic: {i}", ex[0] + ex[1], *tokenize_example(ex, tok, data.train_on_prompt))
     else:
         bos = [tok.bos_id] if tok.add_bos else []
-        for i, doc in enumerate(iter_documents(path, "data.path", data.skip_bad_lines, data.text_field)):
+        docs = iter_documents(path, "data.path", data.skip_bad_lines, data.text_field, split=data.split)
+        for i, doc in enumerate(docs):
             # As training tokenises it (a long document in pieces: bounded tokenizer memory, same ids).
             ids = bos + tok.encode_batch_arrays([doc])[0].tolist() + [tok.eos_id]
             yield TokenizedExample(f"{path}: document {i}", doc, ids, [False] + [True] * (len(ids) - 1))

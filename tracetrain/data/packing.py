@@ -64,9 +64,36 @@ class DataStats:
     train_tokens: int = 0  # real (non-padding) tokens in the training rows
     train_target_tokens: int = 0  # tokens that carry a loss (labels != -100)
     seq_len: int = 0
+    format: str = ""  # instruction data: the row format read, e.g. "alpaca (auto: instruction/input/output)"
+    # Examples dropped because the prompt alone fills seq_len (counted in examples_dropped too), their
+    # whole lengths in tokens, and the seq_len that would fit 95% of all examples whole (0: not measured).
+    dropped_too_long: int = 0
+    dropped_length_p50: int = 0
+    dropped_length_p90: int = 0
+    dropped_length_max: int = 0
+    seq_len_keeps_95: int = 0
+    sources: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # data.sources: one dict each
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def record_lengths(self, lengths: Sequence[int], dropped_lengths: Sequence[int]) -> None:
+        """Whole lengths (tokens) of every example read, and of those dropped for length -> the length fields."""
+        if len(lengths):
+            self.seq_len_keeps_95 = int(np.ceil(np.percentile(lengths, 95)))
+        if len(dropped_lengths):
+            self.dropped_too_long += len(dropped_lengths)
+            p50, p90 = np.percentile(dropped_lengths, [50, 90])
+            self.dropped_length_p50, self.dropped_length_p90 = int(np.ceil(p50)), int(np.ceil(p90))
+            self.dropped_length_max = int(max(dropped_lengths))
+
+    def too_long_note(self, seq_len: int) -> str:
+        """'N longer than data.seq_len = S (lengths p50 / p90 / max ...; data.seq_len = W keeps 95% whole)'."""
+        return (
+            f"{self.dropped_too_long} with a prompt that alone fills data.seq_len = {seq_len} (their lengths: "
+            f"p50 {self.dropped_length_p50}, p90 {self.dropped_length_p90}, max {self.dropped_length_max} "
+            f"tokens; data.seq_len = {self.seq_len_keeps_95} would keep 95% of examples whole)"
+        )
 
     def summary(self) -> str:
         """One line for the console."""
@@ -84,6 +111,15 @@ class DataStats:
         ):
             if count:
                 parts.append(f"{count} {what}")
+        if self.dropped_too_long:
+            parts[-1] += f" ({self.too_long_note(self.seq_len)})"
+        if self.format:
+            parts.insert(0, f"format {self.format}")
+        for row in self.sources:
+            parts.append(
+                f"{row['path']}: {row['share_examples']:.0%} of examples (weight {row['share_wanted']:.0%}, "
+                f"x{row['repeats']:g}), {row['share_tokens']:.0%} of tokens"
+            )
         return "data: " + ", ".join(parts)
 
 

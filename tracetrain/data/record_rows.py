@@ -18,27 +18,36 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain.config import DataSection
-from tracetrain.data.files import require_data_path
+from tracetrain.data.files import data_digest, require_data_path
 from tracetrain.data.packing import IGNORE_INDEX, PAD_DOCUMENT, DataStats, Documents, PackedDataset, iter_packed_rows
-from tracetrain.data.token_cache import content_digest, entry_key, open_or_build, row_writers, write_rows
+from tracetrain.data.token_cache import entry_key, open_or_build, row_writers, write_rows
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.progress import Progress
 
 DocumentsBuilder = Callable[[DataSection, Tokenizer], Documents]
 
 # Data settings that do not change the rows: the loader's, and the files (which enter as digests).
-_NOT_IN_KEY = frozenset({"path", "eval_path", "tokenizer", "num_workers", "pin_memory", "prefetch_factor"})
+_NOT_IN_KEY = frozenset({"path", "eval_path", "sources", "tokenizer", "num_workers", "pin_memory", "prefetch_factor"})
 
 
 def _entry_key(data: DataSection, tok: Tokenizer, progress: Progress | None) -> str:
     from tracetrain.data.chat import resolve_chat_template  # chat.py imports packing, as this module does
 
     parts: dict[str, Any] = {k: v for k, v in dataclasses.asdict(data).items() if k not in _NOT_IN_KEY}
-    for key, path in (("path", data.path), ("eval_path", data.eval_path)):
+    for key, path, split in (("path", data.path, data.split), ("eval_path", data.eval_path, data.eval_split)):
         used = path and data.kind != "synthetic"
-        parts[key] = [Path(path).suffix.lower(), content_digest(path, progress)] if used else ""
+        parts[key] = [Path(path).suffix.lower(), data_digest(path, f"data.{key}", split, progress)] if used else ""
+    parts["sources"] = [
+        [
+            {k: v for k, v in dataclasses.asdict(s).items() if k != "path"},
+            Path(s.path).suffix.lower(),
+            data_digest(s.path, f"data.sources[{i}].path", s.split or data.split, progress),
+        ]
+        for i, s in enumerate(data.sources)
+    ]
     parts["tokenizer"] = tok.fingerprint()
-    parts["chat_template_text"] = resolve_chat_template(data, tok) if data.kind == "chat" else ""
+    chat = data.kind == "chat" or any(s.kind == "chat" for s in data.sources)
+    parts["chat_template_text"] = resolve_chat_template(data, tok) if chat else ""
     return entry_key(parts)
 
 
@@ -52,7 +61,9 @@ def build_record_datasets(
     """(train, eval, stats) of `data` through `builder`, rows memory-mapped from an entry of `cache_dir`
     (reused while the data, tokenizer and settings are unchanged), or from temporary files deleted once
     mapped when `cache_dir` is None."""
-    for name, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+    named = [("data.path", data.path), ("data.eval_path", data.eval_path)]
+    named += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(data.sources)]
+    for name, path in named:
         if path and data.kind != "synthetic":
             require_data_path(path, name)  # before hashing it: one line, as reading it would say
     key = _entry_key(data, tok, progress) if cache_dir is not None else ""

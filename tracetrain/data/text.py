@@ -30,10 +30,17 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tracetrain.config import DataSection
-from tracetrain.data.files import ReadPosition, is_record_file, iter_rows, open_data_file, require_data_path
+from tracetrain.data.files import (
+    ReadPosition,
+    data_digest,
+    is_record_file,
+    iter_rows,
+    open_data_file,
+    require_data_path,
+)
 from tracetrain.data.instruction import string_fields
 from tracetrain.data.packing import IGNORE_INDEX, DataStats, PackedDataset, stream_row_spans, stream_rows
-from tracetrain.data.token_cache import content_digest, entry_key, open_or_build, row_writers
+from tracetrain.data.token_cache import entry_key, open_or_build, row_writers
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 from tracetrain.progress import Progress, Rate, throttled
@@ -46,7 +53,12 @@ _BLOCK_TOKENS = 1 << 19  # tokens cut into rows per block (bounds the row-buildi
 
 
 def iter_documents(
-    path: str, key: str, skip_bad_lines: bool, text_field: str = "text", position: ReadPosition | None = None
+    path: str,
+    key: str,
+    skip_bad_lines: bool,
+    text_field: str = "text",
+    position: ReadPosition | None = None,
+    split: str = "train",
 ) -> Iterator[str]:
     """The documents of a corpus, one at a time, in file order; whitespace-only documents are left out.
 
@@ -57,7 +69,7 @@ def iter_documents(
     position = position if position is not None else ReadPosition()
     if is_record_file(path):
         parse = lambda row: string_fields(row, [text_field], [])[text_field]  # noqa: E731
-        docs: Iterator[str] = (doc for _, doc in iter_rows(path, key, parse, skip_bad_lines, position))
+        docs: Iterator[str] = (doc for _, doc in iter_rows(path, key, parse, skip_bad_lines, position, split))
     else:
         docs = _text_file_documents(path, key, position)
     return (d for d in docs if d.strip())
@@ -131,12 +143,12 @@ class TokenStream:
 
 
 def tokenize_to_file(
-    path: str, key: str, data: DataSection, tok: Tokenizer, out: Path, progress: Progress | None
+    path: str, key: str, data: DataSection, tok: Tokenizer, out: Path, progress: Progress | None, split: str = "train"
 ) -> TokenStream:
     """Every document of `path`, tokenised a batch at a time, appended to `out`; documents that reach
     no batch limit are tokenised together (one call into the tokenizer per ~1 MB of text)."""
     position = ReadPosition()
-    docs = iter_documents(path, key, data.skip_bad_lines, data.text_field, position)
+    docs = iter_documents(path, key, data.skip_bad_lines, data.text_field, position, split)
     lengths = array("q")  # tokens per document, BOS and EOS included
     rate, name = Rate(), Path(path).name
     report = throttled(progress)
@@ -231,11 +243,13 @@ def _num_docs_in(doc_ends: np.ndarray, lo: int, hi: int) -> int:
 def _build_rows(data: DataSection, tok: Tokenizer, folder: Path, progress: Progress | None) -> dict[str, Any]:
     """Tokenise the corpus (and the held-out file) into `folder` and cut both splits into row arrays there."""
     stats = DataStats(seq_len=data.seq_len)
-    stream = tokenize_to_file(data.path, "data.path", data, tok, folder / "tokens.i32", progress)
+    stream = tokenize_to_file(data.path, "data.path", data, tok, folder / "tokens.i32", progress, data.split)
     num_tokens = len(stream.tokens)
     stats.bad_lines_skipped, stats.examples_read = stream.bad_rows, len(stream.doc_ends)
     if data.eval_path:
-        eval_stream = tokenize_to_file(data.eval_path, "data.eval_path", data, tok, folder / "eval.i32", progress)
+        eval_stream = tokenize_to_file(
+            data.eval_path, "data.eval_path", data, tok, folder / "eval.i32", progress, data.eval_split
+        )
         stats.bad_lines_skipped += eval_stream.bad_rows
         stats.examples_read += len(eval_stream.doc_ends)
         parts = {"train": (stream, 0, num_tokens), "eval": (eval_stream, 0, len(eval_stream.tokens))}
@@ -264,9 +278,13 @@ def _entry_key(data: DataSection, tok: Tokenizer, progress: Progress | None) -> 
     return entry_key(
         {
             "kind": "text",
-            "path": content_digest(data.path, progress),
+            "path": data_digest(data.path, "data.path", data.split, progress),
+            "split": data.split,
             "records": is_record_file(data.path),  # the same bytes read as rows or as plain text
-            "eval_path": content_digest(data.eval_path, progress) if data.eval_path else "",
+            "eval_path": data_digest(data.eval_path, "data.eval_path", data.eval_split, progress)
+            if data.eval_path
+            else "",
+            "eval_split": data.eval_split,
             "eval_records": is_record_file(data.eval_path) if data.eval_path else False,
             "eval_fraction": data.eval_fraction,
             "text_field": data.text_field,

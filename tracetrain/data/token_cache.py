@@ -52,17 +52,22 @@ def content_digest(path: str, progress: Progress | None = None) -> str:
     """blake2b of a file's bytes, or of every file under a folder (relative names and bytes, in name order)."""
     root = Path(path)
     files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    return files_digest(files, root if root.is_dir() else None, root.name, progress)
+
+
+def files_digest(files: list[Path], root: Path | None, label: str, progress: Progress | None = None) -> str:
+    """blake2b of the files' bytes in the order given (with their names relative to `root`, when given)."""
     total = sum(f.stat().st_size for f in files)
     h = hashlib.blake2b(digest_size=16)
     done = 0
     for file in files:
-        h.update(str(file.relative_to(root)).encode() if root.is_dir() else b"")
+        h.update(str(file.relative_to(root)).encode() if root is not None else b"")
         with open(file, "rb") as f:
             while chunk := f.read(_HASH_CHUNK_BYTES):
                 h.update(chunk)
                 done += len(chunk)
                 if progress:
-                    progress(f"checking {root.name}", done, total, "bytes")
+                    progress(f"checking {label}", done, total, "bytes")
     return h.hexdigest()
 
 

@@ -375,25 +375,27 @@ def generate(
 def prompt_record(obj: dict[str, Any], data: Any, raw: bool = False) -> dict[str, Any]:
     """One prompt (a JSON object) -> {"prompt", "text", "stop", "max_new_tokens"}; ValueError if malformed.
 
-    The object holds `prompt`, or the run's instruction field (and context field, if the data config
-    names one). Both are wrapped in the run's prompt template, as the model saw prompts in training,
+    The object holds `prompt`, or the run's instruction field and optional context field (as
+    `data.format` names them: Alpaca's `input`, Dolly's `context`, or the configured fields). Both are wrapped in the run's prompt template, as the model saw prompts in training,
     unless `raw` (a `prompt` is then sent as is). Optional: `stop` (a string or a list of strings) and
     `max_new_tokens`. `data` is the run's `DataSection`.
     """
+    from tracetrain.data.formats import prompt_fields
     from tracetrain.data.instruction import format_prompt
 
     template = "plain" if data.kind == "synthetic" else data.template
     templated = data.kind in ("instruction", "synthetic")
+    instruction_field, context_field = prompt_fields(data, obj)  # as data.format reads training rows
     if isinstance(obj.get("prompt"), str):
         prompt = obj["prompt"]
         text = prompt if raw or not templated else format_prompt(template, prompt)
-    elif isinstance(obj.get(data.instruction_field), str):
-        prompt = obj[data.instruction_field]
-        context = obj.get(data.context_field) if data.context_field else None
+    elif isinstance(obj.get(instruction_field), str):
+        prompt = obj[instruction_field]
+        context = obj.get(context_field) if context_field else None
         text = format_prompt(template if templated else "plain", prompt, context if isinstance(context, str) else "")
     else:
         raise ValueError(
-            f"needs a string field 'prompt' or {data.instruction_field!r} "
+            f"needs a string field 'prompt' or {instruction_field!r} "
             f"(fields present: {', '.join(map(repr, obj)) or 'none'})"
         )
     stop = obj.get("stop") or []

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from tracetrain.data.packing import DataStats
 from tracetrain.models.accounting import num_params
 from tracetrain.progress import Progress as ReportProgress
 from tracetrain.progress import live_progress
@@ -74,11 +75,24 @@ class Reporter:
 
     def data_stats(self, stats: Any) -> None:
         d = stats if isinstance(stats, dict) else dataclasses.asdict(stats)
-        shown = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in d.items() if isinstance(v, int))
+        # The length details of drops are said in the note on drops, not as a row of zeros.
+        lengths = ("dropped_too_long", "dropped_length_p50", "dropped_length_p90", "dropped_length_max")
+        counts = {k: v for k, v in d.items() if isinstance(v, int) and k not in lengths}
+        shown = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in counts.items())
         self.console.print(f"data: {shown}", highlight=False)
+        if d.get("format"):
+            self.console.print(f"data format: {d['format']}", highlight=False)
+        for row in d.get("sources", []):
+            self.console.print(
+                f"data source {row['path']}: {row['examples_drawn']:,} examples ({row['share_examples']:.1%}, "
+                f"weight {row['share_wanted']:.1%}, x{row['repeats']:g}), {row['share_tokens']:.1%} of tokens",
+                highlight=False,
+            )
         for key in ("bad_lines_skipped", "examples_truncated", "examples_dropped"):
             if d.get(key):
                 self.note(f"{d[key]:,} {key.replace('_', ' ')}")
+        if d.get("dropped_too_long"):
+            self.note(DataStats(**d).too_long_note(d["seq_len"]))
 
     def model_summary(
         self, args: Any, model: Any, cfg: Any, device_name: str, precision: str, flops_per_token: float
