@@ -1,0 +1,72 @@
+"""Memory of the build and load phases: what one GPU holds before the first step.
+
+The trainer builds the model on the meta device, lays out the shards (FSDP, TP, PP, EP), and only then
+materialises each rank's own part, in its final dtype (models/build.py). A parameter is initialised
+whole in fp32 from the run's seed before the rank keeps its slice, so every layout draws the same
+values: the peak of the build is the rank's shard of the weights plus one parameter in fp32, the
+largest one (the embedding or the head for a Llama vocabulary). Loading a Hugging Face checkpoint
+(`model.init_from`) reads, tensor by tensor from the memory-mapped safetensors files, the slice each
+rank owns: the GPU holds its shard and one slice in transit, the host one whole tensor staged.
+
+Both phases are phases of the memory plan (memory.py): the verdict is the largest of the build, the
+load and the step, so a run whose step fits but whose weights cannot be materialised does not "fit".
+"""
+
+from __future__ import annotations
+
+from tracetrain.plan.activations import Affine
+from tracetrain.plan.inputs import PlanInput
+from tracetrain.plan.params import StageParams
+
+INIT_BYTES_PER_PARAM = 4  # a parameter is drawn in fp32, then cast to its final dtype and sliced
+CHECKPOINT_BYTES_PER_PARAM = 2  # Hugging Face Llama checkpoints are stored in bf16
+
+BUILD_PHASE = "build (materialise)"
+LOAD_PHASE = "load (checkpoint)"
+SHARD_ITEM = "weights (materialised shard)"
+INIT_ITEM = "one parameter initialising (fp32)"
+LOAD_ITEM = "one checkpoint slice in transit"
+STAGING_ITEM = "checkpoint staging (one tensor)"
+BUILD_PHASES = (BUILD_PHASE, LOAD_PHASE)
+
+
+def largest_param(inp: PlanInput, sp: StageParams) -> int:
+    """Elements of the largest single parameter on this stage, whole (before any slicing): the
+    embedding or lm_head on the first/last stage, else a feed-forward matrix (all experts of a MoE
+    block: models/moe.py stacks them in one parameter)."""
+    a = inp.model
+    mlp = a.dim * a.ffn_dim * max(1, inp.num_experts)
+    vocab = a.vocab_size * a.dim if (sp.embedding or sp.head > a.dim) else 0
+    return max(vocab, mlp, a.dim * a.n_heads * a.head_dim)
+
+
+def shard_bytes(inp: PlanInput, sp: StageParams, base_bytes: float) -> float:
+    """Bytes of this rank's weights in their final dtype (spec.weights_dtype): a LoRA base at its dtype
+    (`base_bytes`) + fp32 adapters; full fine-tuning fp32, or bf16 when the optimizer offload keeps the
+    fp32 master on the host. Sharded over dp_shard * cp (and tp/pp/ep, already in `sp`)."""
+    full = inp.mode == "full"
+    trainable = sp.total if full else sp.adapters
+    frozen = sp.total - trainable
+    train_bytes = 2 if (full and (inp.optimizer_offload or inp.param_dtype == "bf16")) else 4
+    return (frozen * base_bytes + trainable * train_bytes) / (inp.dp_shard * inp.cp)
+
+
+def build_items(inp: PlanInput, sp: StageParams, base_bytes: float) -> tuple[dict[str, Affine], dict[str, Affine]]:
+    """GPU items of the build and load phases, and the host staging of a checkpoint load."""
+    largest = largest_param(inp, sp)
+    fsdp = inp.dp_shard * inp.cp
+    items = {
+        SHARD_ITEM: Affine(shard_bytes(inp, sp, base_bytes)),
+        INIT_ITEM: Affine(largest * INIT_BYTES_PER_PARAM),
+        LOAD_ITEM: Affine(largest * CHECKPOINT_BYTES_PER_PARAM / fsdp if inp.load_checkpoint else 0.0),
+    }
+    cpu = {STAGING_ITEM: Affine(largest * CHECKPOINT_BYTES_PER_PARAM)} if inp.load_checkpoint else {}
+    return items, cpu
+
+
+def build_phases(inp: PlanInput) -> dict[str, list[str]]:
+    """The build phase always; the load phase with a checkpoint to read."""
+    phases = {BUILD_PHASE: [SHARD_ITEM, INIT_ITEM]}
+    if inp.load_checkpoint:
+        phases[LOAD_PHASE] = [SHARD_ITEM, LOAD_ITEM]
+    return phases
