@@ -150,7 +150,7 @@ def advice(p: Plan) -> list[str]:
             out.append(
                 "optimizer states are large: shard them (FSDP/ZeRO over more GPUs) or memory.optimizer_offload=true"
             )
-    else:
+    elif m.host_bytes_per_node <= m.host_capacity_bytes:  # (a host that is too small was said above)
         mb = max_micro_batch(i)
         if mb > i.micro_batch:
             out.append(f"fits with {gib(m.spare_bytes)} spare; micro-batch could grow to {mb}")
