@@ -15,9 +15,13 @@ torch 2.11 has neither the class nor the argument (the one-GPU script's empty st
 backend, "partial_dtensor" (--spmd-backend; DTensor for the model-parallel axes only, FSDP2 over the
 "fsdp" mesh of dp_shard * cp, its mesh built with DeviceMesh._unflatten / _flatten, both in torch 2.11),
 which never builds or passes DataParallelMeshDims; the stand-in class is now a dataclass with the
-fields of torch 2.14's (shard, replicate) so that any construction still succeeds. UNRUN on a GPU when
-written (2026-11-28): checked by reading torchtitan 0.3.0's parallel_dims.py, full_dtensor.py,
-fsdp.py, llama3/parallelize.py and loss.py only.
+fields of torch 2.14's (shard, replicate) so that any construction still succeeds. Not yet run on a GPU
+when written (2026-11-28); run on the CPU (--cpu-test, gloo, torch 2.13, the "debugmodel" flavour, with
+torchtitan's expert-parallel Triton kernel module stubbed since that machine has no triton): FSDP over
+2 ranks and TP 2 (with --ac full) both train 4 steps and print their JSON line. torch 2.11's own
+DeviceMesh and fully_shard were not run: what it needs was read in torchtitan 0.3.0's parallel_dims.py,
+full_dtensor.py, fsdp.py, llama3/parallelize.py and loss.py (the one-GPU script runs the same mesh
+code on 2.11).
 
 The Trainer.Config is built in code, following torchtitan's llama3 config registry: FSDP2 over the
 data-parallel ranks (bf16 params / fp32 reduce, fp32 master weights), per-TransformerBlock torch.compile +
