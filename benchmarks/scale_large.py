@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
-from common import environment, write_result  # noqa: E402
+from common import write_result  # noqa: E402
 
 DRY_RUN = os.environ.get("SCALE_DRY_RUN") == "1"
 DRY_SHAPE = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -110,6 +110,14 @@ def planned(overrides: list[str], gpus: int, device: str) -> dict:
             "host_gib_per_node": m.host_bytes_per_node / gib, "step_s": p.step_s,
             "tokens_per_s_per_gpu": p.tokens_per_s / p.input.num_gpus, "mfu": p.mfu, "layout": p.layout(),
             "advice": p.advice}
+
+
+def environment_elsewhere() -> dict:
+    """common.environment() read in a child process: the device name needs CUDA, and a CUDA context
+    held by this driver for the whole matrix would take GPU 0's memory from every case."""
+    code = "import json, sys; sys.path.insert(0, 'benchmarks'); from common import environment; print(json.dumps(environment()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def host_memory_gib() -> float | None:
@@ -217,13 +225,13 @@ def main() -> None:
     a = p.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under an outer torchrun only rank 0 drives; each case starts its own ranks
-    n = a.gpus or (2 if DRY_RUN else torch.cuda.device_count())
+    n = a.gpus or (2 if DRY_RUN else torch.cuda.device_count())  # (counts without a CUDA context)
     matrix = cases(n)
     names = [c for c in a.cases.split(",") if c] or list(matrix)
     unknown = [c for c in names if c not in matrix]
     if unknown:
         sys.exit(f"error: unknown case(s) {unknown} for {n} GPUs; known: {', '.join(matrix)}")
-    env = environment()
+    env = environment_elsewhere()
     device = "h200" if DRY_RUN else env["device"]
     call = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     deadline = time.time() + a.budget_s
