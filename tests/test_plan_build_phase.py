@@ -86,3 +86,20 @@ def test_shard_item_is_the_bytes_one_rank_materialises(mode: str) -> None:
     items = stage_model(inp, 0).items
     assert items[SHARD_ITEM].const == real
     assert items[INIT_ITEM].const == max(p.numel() for p in model.parameters()) * 4  # the largest, in fp32
+
+
+def test_advice_does_not_say_fits_when_the_host_cannot_hold_the_offloaded_shards() -> None:
+    cfg = load_config(
+        None,
+        [
+            "--model.preset=llama3-70b",
+            "--parallel.dp_shard=4",
+            "--parallel.fsdp_cpu_offload=true",
+            "--memory.recompute=full",
+            "--train.micro_batch_size=1",
+        ],
+    )
+    p = plan(plan_input_from_config(cfg, 4, "h200").replace(host_memory_gib=512.0))
+    assert not p.fits  # 70B x 16 bytes of fp32 weights, grads and AdamW states: ~1,050 GiB on the host
+    assert p.advice[0].startswith("host memory")
+    assert not any(line.startswith("fits") for line in p.advice), p.advice
