@@ -1,12 +1,12 @@
 """Memory of the build and load phases: what one GPU holds before the first step.
 
 The trainer builds the model on the meta device, lays out the shards (FSDP, TP, PP, EP), and only then
-materialises each rank's own part, in its final dtype (models/build.py). A parameter is initialised
-whole in fp32 from the run's seed before the rank keeps its slice, so every layout draws the same
-values: the peak of the build is the rank's shard of the weights plus one parameter in fp32, the
-largest one (the embedding or the head for a Llama vocabulary). Loading a Hugging Face checkpoint
-(`model.init_from`) reads, tensor by tensor from the memory-mapped safetensors files, the slice each
-rank owns: the GPU holds its shard and one slice in transit, the host one whole tensor staged.
+materialises each rank's own part, in its final dtype (models/build.py). Initial values are drawn in
+dim-0 chunks of at most 16 Mi elements, each from its own seeded generator, in fp32 (models/init.py), so
+every layout holds the same numbers: the peak of the build is the rank's shard of the weights plus one
+fp32 chunk. Loading a Hugging Face checkpoint (`model.init_from`, models/hf_load.py) reads from the
+safetensors files only the rows and columns each rank owns, at most 64 MiB at a time: the GPU holds its
+shard and one read in transit, the host one read.
 
 Both phases are phases of the memory plan (memory.py): the verdict is the largest of the build, the
 load and the step, so a run whose step fits but whose weights cannot be materialised does not "fit".
@@ -18,15 +18,19 @@ from tracetrain.plan.activations import Affine
 from tracetrain.plan.inputs import PlanInput
 from tracetrain.plan.params import StageParams
 
-INIT_BYTES_PER_PARAM = 4  # a parameter is drawn in fp32, then cast to its final dtype and sliced
+# The trainer's own bounds (models/init.py CHUNK_ELEMENTS, models/hf_load.py _READ_BYTES), restated
+# here until the planner can import them from the models it plans (they land in the same change).
+INIT_CHUNK_ELEMENTS = 1 << 24  # values are drawn in fp32 chunks of at most this many elements
+INIT_BYTES_PER_ELEMENT = 4
+CHECKPOINT_READ_BYTES = 64 * 2**20  # one read of a checkpoint's tensor rows
 CHECKPOINT_BYTES_PER_PARAM = 2  # Hugging Face Llama checkpoints are stored in bf16
 
 BUILD_PHASE = "build (materialise)"
 LOAD_PHASE = "load (checkpoint)"
 SHARD_ITEM = "weights (materialised shard)"
-INIT_ITEM = "one parameter initialising (fp32)"
-LOAD_ITEM = "one checkpoint slice in transit"
-STAGING_ITEM = "checkpoint staging (one tensor)"
+INIT_ITEM = "one init chunk (fp32)"
+LOAD_ITEM = "one checkpoint read in transit"
+STAGING_ITEM = "checkpoint staging (one read)"
 BUILD_PHASES = (BUILD_PHASE, LOAD_PHASE)
 
 
@@ -54,13 +58,14 @@ def shard_bytes(inp: PlanInput, sp: StageParams, base_bytes: float) -> float:
 def build_items(inp: PlanInput, sp: StageParams, base_bytes: float) -> tuple[dict[str, Affine], dict[str, Affine]]:
     """GPU items of the build and load phases, and the host staging of a checkpoint load."""
     largest = largest_param(inp, sp)
-    fsdp = inp.dp_shard * inp.cp
+    chunk = min(largest, INIT_CHUNK_ELEMENTS) * INIT_BYTES_PER_ELEMENT
+    read = min(largest * CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_READ_BYTES) if inp.load_checkpoint else 0.0
     items = {
         SHARD_ITEM: Affine(shard_bytes(inp, sp, base_bytes)),
-        INIT_ITEM: Affine(largest * INIT_BYTES_PER_PARAM),
-        LOAD_ITEM: Affine(largest * CHECKPOINT_BYTES_PER_PARAM / fsdp if inp.load_checkpoint else 0.0),
+        INIT_ITEM: Affine(chunk),
+        LOAD_ITEM: Affine(read),
     }
-    cpu = {STAGING_ITEM: Affine(largest * CHECKPOINT_BYTES_PER_PARAM)} if inp.load_checkpoint else {}
+    cpu = {STAGING_ITEM: Affine(read)} if inp.load_checkpoint else {}
     return items, cpu
 
 

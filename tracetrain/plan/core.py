@@ -188,7 +188,7 @@ def _build_advice(m: MemoryPlan) -> str:
     if m.build_required_bytes > m.capacity_bytes:
         return (
             f"the build alone does not fit: materialising this rank's shard of the weights needs {gib} "
-            "(the shard in its final dtype + one parameter initialising in fp32); shard the weights over "
+            "(the shard in its final dtype + one fp32 chunk of initial values); shard the weights over "
             "more GPUs (parallel.dp_shard, tp or pp)"
         )
     return f"the build (materialising this rank's shard of the weights) fits with {gib}; the step does not"

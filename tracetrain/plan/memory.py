@@ -30,8 +30,8 @@ items, the loss buffers.
 
 Phases (the peak is the largest; every one is affine in T, which the HTML slider model relies on):
   build             before the first step: this rank's shard of the weights in their final dtype + one
-                    parameter initialising in fp32; load (model.init_from): the shard + one slice in
-                    transit (build_phase.py)
+                    fp32 chunk of initial values; load (model.init_from): the shard + one checkpoint
+                    read in transit (build_phase.py)
   forward end       static + autocast copies of every weight (the cache lives until autocast exits)
                     + all activations [+ gradients of earlier micro-batches when accumulating]
   loss forward      static + kept copies + activations + logits, fp32 copy, log-probs (c+4+4)V per token
