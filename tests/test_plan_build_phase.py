@@ -122,3 +122,12 @@ def test_advice_does_not_say_fits_when_the_host_cannot_hold_the_offloaded_shards
     assert not p.fits  # 70B x 16 bytes of fp32 weights, grads and AdamW states: ~1,050 GiB on the host
     assert p.advice[0].startswith("host memory")
     assert not any(line.startswith("fits") for line in p.advice), p.advice
+
+
+def test_fp8_materialises_the_whole_model_before_sharding() -> None:
+    """kernels/fp8.py quantises real values, so the trainer materialises before the FP8 row, before FSDP."""
+    overrides = ["--model.preset=llama3-8b", "--train.mode=lora", "--parallel.dp_shard=2"]
+    bf16 = plan(plan_input_from_config(load_config(None, overrides), 2, "h200")).memory.phases[BUILD_PHASE]
+    fp8 = plan(plan_input_from_config(load_config(None, [*overrides, "--train.fp8=rowwise"]), 2, "h200"))
+    chunk = INIT_CHUNK_ELEMENTS * 4
+    assert fp8.memory.phases[BUILD_PHASE] - chunk == pytest.approx(2 * (bf16 - chunk))

@@ -4,7 +4,8 @@ The trainer builds the model on the meta device, lays out the shards (FSDP, TP, 
 materialises each rank's own part, in its final dtype (models/build.py). Initial values are drawn in
 dim-0 chunks of at most 16 Mi elements, each from its own seeded generator, in fp32 (models/init.py), so
 every layout holds the same numbers: the peak of the build is the rank's shard of the weights plus one
-fp32 chunk. Loading a Hugging Face checkpoint (`model.init_from`, models/hf_load.py) reads from the
+fp32 chunk (with FP8, whose row quantises real values before the layout's rows, the whole model).
+Loading a Hugging Face checkpoint (`model.init_from`, models/hf_load.py) reads from the
 safetensors files only the rows and columns each rank owns, at most 64 MiB at a time: the GPU holds its
 shard and one read in transit, the host one read.
 
@@ -52,7 +53,10 @@ def shard_bytes(inp: PlanInput, sp: StageParams, base_bytes: float) -> float:
     trainable = sp.total if full else sp.adapters
     frozen = sp.total - trainable
     train_bytes = 2 if (full and (inp.optimizer_offload or inp.param_dtype == "bf16")) else 4
-    return (frozen * base_bytes + trainable * train_bytes) / (inp.dp_shard * inp.cp)
+    # FP8 quantises real values: its row runs before the layout's, so the whole model is materialised
+    # first on every rank (FP8 composes with data parallelism only: no tp/pp to divide by).
+    fsdp = 1 if inp.precision == "fp8" else inp.dp_shard * inp.cp
+    return (frozen * base_bytes + trainable * train_bytes) / fsdp
 
 
 def build_items(inp: PlanInput, sp: StageParams, base_bytes: float) -> tuple[dict[str, Affine], dict[str, Affine]]:
