@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -80,10 +81,9 @@ def test_plan_input_from_config_and_overrides_round_trip() -> None:
     real = [o for o in overrides if not o.startswith("#")]
     back = load_config(None, ["--model.preset=llama2-7b", *real])  # every emitted override is a valid key
     assert plan_input_from_config(back, 1, "h200") == inp
-    assert "--parallel.tp=1" in overrides or "# --parallel.tp=1  (no such config key or value yet)" in overrides
-    assert any(
-        o.startswith("# --train.precision=fp8") for o in plan_to_config_overrides(plan(inp.replace(precision="fp8")))
-    )  # a value the config does not allow comes back as a comment
+    assert "--parallel.tp=1" in overrides
+    odd = plan_to_config_overrides(dataclasses.replace(p, input=inp.replace(recompute="everything")))
+    assert "# --memory.recompute=everything  (not a value the config allows)" in odd  # a comment, not a flag
 
 
 def test_advice_mentions_the_loss_buffers_for_large_vocabularies() -> None:

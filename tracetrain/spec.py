@@ -91,12 +91,23 @@ def lora_base_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
 
 
+def fused_ce_applies(tp: int, pp: int) -> bool:
+    """The fused lm_head + cross-entropy runs in this layout: not under tensor parallelism (the head's
+    weight is vocab-sharded: loss parallelism does that job) nor pipeline parallelism (the last stage
+    computes the pipeline's loss). The planner asks this for the layouts it searches."""
+    return tp == 1 and pp == 1
+
+
 def fused_ce_chunk(cfg: Config) -> int:
-    """Tokens per chunk of the fused lm_head + cross-entropy, 0 = off. Not under tensor parallelism (the
-    head's weight is vocab-sharded: loss parallelism does that job) nor pipeline parallelism (the last
-    stage computes the pipeline's loss)."""
-    on = cfg.train.fused_ce and cfg.parallel.tp == 1 and cfg.parallel.pp == 1
+    """Tokens per chunk of the fused lm_head + cross-entropy, 0 = off (`fused_ce_applies`)."""
+    on = cfg.train.fused_ce and fused_ce_applies(cfg.parallel.tp, cfg.parallel.pp)
     return cfg.train.fused_ce_chunk if on else 0
+
+
+def fsdp_param_dtype_for(precision: str) -> torch.dtype | None:
+    """FSDP's compute dtype for a precision: bf16 weights gathered for bf16 compute (autocast has
+    nothing left to cast); None = the parameters' own dtype, which autocast casts (fp32, fp16)."""
+    return torch.bfloat16 if precision == "bf16" else None
 
 
 def resolve(
@@ -175,7 +186,7 @@ def resolve(
         fp8=t.fp8,
         fp8_fused_mlp=False,
         fused_ce_chunk=fused_ce_chunk(cfg),
-        fsdp_param_dtype=torch.bfloat16 if precision == "bf16" else None,
+        fsdp_param_dtype=fsdp_param_dtype_for(precision),
         optimizer_fused=optimizer_fused,
         adapters_only=t.mode == "lora" and bool(cfg.model.init_from),
         decisions=tuple(decisions),

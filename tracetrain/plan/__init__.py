@@ -12,14 +12,15 @@ Pure functions over the same config the trainer reads (STYLE.md rule 5: counts c
 Modules, in the order data flows: inputs (PlanInput, GPU and link tables), activations (saved tensors
 per token, derived from models/llama.py), params (what each GPU holds), memory (phases and peak),
 traffic (memory-bound bytes), comm + time (step time), core (Plan, advice), search (layouts),
-report / html (rendering), overrides (config overrides for a chosen row).
+report / html (rendering), mapping (a run's resolved spec -> PlanInput, and a planned row -> config
+overrides: one table both ways).
 """
 
 from tracetrain.plan.core import Plan, advice, max_micro_batch, plan
 from tracetrain.plan.html import render_html
 from tracetrain.plan.inference import GenerationPlan, plan_generation
-from tracetrain.plan.inputs import GPU_NAMES, LINKS, Links, PlanInput, plan_input_from_config
-from tracetrain.plan.overrides import plan_to_config_overrides
+from tracetrain.plan.inputs import GPU_NAMES, LINKS, Links, PlanInput
+from tracetrain.plan.mapping import plan_input_from_config, plan_input_from_spec, plan_to_config_overrides
 from tracetrain.plan.report import render_json, render_terminal
 from tracetrain.plan.search import search
 
@@ -35,6 +36,7 @@ __all__ = [
     "plan",
     "plan_generation",
     "plan_input_from_config",
+    "plan_input_from_spec",
     "plan_to_config_overrides",
     "render_html",
     "render_json",

@@ -79,6 +79,9 @@ class Plan:
                 "fragmentation_bytes": m.fragmentation_bytes,
                 "context_bytes": m.context_bytes,
                 "required_bytes": m.required_bytes,
+                "build_peak_bytes": m.build_peak_bytes,
+                "build_required_bytes": m.build_required_bytes,
+                "step_peak_bytes": m.step_peak_bytes,
                 "capacity_bytes": m.capacity_bytes,
                 "spare_bytes": m.spare_bytes,
                 "cpu_bytes": m.cpu_bytes,
@@ -136,6 +139,7 @@ def advice(p: Plan) -> list[str]:
             f"does not fit: needs {gib(m.required_bytes)} of {gib(m.capacity_bytes)} "
             f"(peak at {m.peak_phase}); largest item: {max(share, key=lambda k: share[k])}"
         )
+        out.append(_build_advice(m))
         if share.get("activations", 0) > 0.3 and i.recompute != "full":
             out.append(
                 "activations dominate: try memory.recompute="
@@ -146,7 +150,7 @@ def advice(p: Plan) -> list[str]:
             out.append(
                 "optimizer states are large: shard them (FSDP/ZeRO over more GPUs) or memory.optimizer_offload=true"
             )
-    else:
+    elif m.host_bytes_per_node <= m.host_capacity_bytes:  # (a host that is too small was said above)
         mb = max_micro_batch(i)
         if mb > i.micro_batch:
             out.append(f"fits with {gib(m.spare_bytes)} spare; micro-batch could grow to {mb}")
@@ -176,3 +180,15 @@ def advice(p: Plan) -> list[str]:
     if t.breakdown.get("pipeline bubble", 0) > 0.1 * t.step_s:
         out.append("pipeline bubble above 10%: raise the number of micro-batches or use the interleaved schedule")
     return out
+
+
+def _build_advice(m: MemoryPlan) -> str:
+    """What the build (each rank materialising its shard of the weights) needs next to the step."""
+    gib = f"{m.build_required_bytes / GIB:.1f} GiB"
+    if m.build_required_bytes > m.capacity_bytes:
+        return (
+            f"the build alone does not fit: materialising this rank's shard of the weights needs {gib} "
+            "(the shard in its final dtype + one fp32 chunk of initial values); shard the weights over "
+            "more GPUs (parallel.dp_shard, tp or pp)"
+        )
+    return f"the build (materialising this rank's shard of the weights) fits with {gib}; the step does not"

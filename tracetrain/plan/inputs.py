@@ -1,6 +1,5 @@
 """What the planner is asked about: `PlanInput` (model, batch, precision, memory options, parallel layout),
-the GPU and link tables it looks hardware up in, and `plan_input_from_config` to build one from a run's
-config tree.
+the GPU and link tables it looks hardware up in. `plan/mapping.py` builds one from a run's resolved spec.
 
 GPU figures come from `tracetrain.devices.DEVICES` (one table); this module only maps short CLI-friendly
 names ("h100-sxm", "h200", ...) onto its rows and adds what that table does not hold: the links between
@@ -10,14 +9,13 @@ GPUs and to the host (`LINKS`). Every hardware number can be overridden on the `
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Literal
 
-from tracetrain.config import Config
 from tracetrain.devices import DEVICES, DeviceSpec
 from tracetrain.errors import TracetrainError
 from tracetrain.models.llama import ModelArgs
+from tracetrain.spec import fsdp_param_dtype_for, fused_ce_applies
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Recompute = Literal["none", "selective", "full"]
@@ -148,7 +146,8 @@ class PlanInput:
     attention: Literal["sdpa", "flex"] = "sdpa"  # train.attention (flex: FlexAttention)
     sdpa_kernel: Literal["cudnn", "fa2"] = "cudnn"  # SDPA's kernel on Hopper: cuDNN (torch >= 2.11), FA2 (earlier)
     fused_ce_chunk: int = 0  # train.fused_ce: tokens per chunk of the fused lm_head +
-    # cross-entropy, 0 = full logits; like the trainer, only with tp = pp = 1
+    # cross-entropy, 0 = full logits; like the trainer, only where spec.fused_ce_applies
+    load_checkpoint: bool = False  # model.init_from: the weights are read from a Hugging Face checkpoint
     # memory options (MemorySection)
     recompute: Recompute = "none"
     recompute_every: int = 1
@@ -189,9 +188,10 @@ class PlanInput:
 
     @property
     def fsdp_mixed_precision(self) -> bool:
-        """FSDP gathers bf16 copies of the weights (spec.fsdp_param_dtype is bf16 for bf16 compute, FP8
-        GEMMs included); otherwise it gathers them in their stored dtype and autocast casts them."""
-        return self.data_parallel and self.precision in ("bf16", "fp8")
+        """FSDP gathers copies of the weights in spec.fsdp_param_dtype (bf16 for bf16 compute, FP8 GEMMs
+        included: they run inside bf16 autocast); otherwise in their stored dtype, and autocast casts them."""
+        compute = "bf16" if self.precision == "fp8" else self.precision
+        return self.data_parallel and fsdp_param_dtype_for(compute) is not None
 
     @property
     def zero3(self) -> bool:
@@ -216,9 +216,9 @@ class PlanInput:
 
     @property
     def fused_ce(self) -> bool:
-        """The chunked fused lm_head + cross-entropy runs: asked for, and no tp or pp (train/loop.py
-        leaves the loss to loss parallelism and to the pipeline's last stage there)."""
-        return self.fused_ce_chunk > 0 and self.tp == 1 and self.pp == 1
+        """The chunked fused lm_head + cross-entropy runs: asked for, and the layout allows it (spec.py
+        `fused_ce_applies`; `search` changes the layout of a planned run without resolving it again)."""
+        return self.fused_ce_chunk > 0 and fused_ce_applies(self.tp, self.pp)
 
     @property
     def global_batch(self) -> int:
@@ -327,93 +327,3 @@ class Hardware:
     host_bytes_s: float
     cpu_bytes_s: float  # CPU memory bandwidth per GPU (the node's, shared)
     host_memory_bytes: float  # per node
-
-
-def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = None) -> PlanInput:
-    """The `PlanInput` a `tracetrain train` run of `cfg` would be, its `auto` choices decided by the trainer's
-    own rules (tracetrain/spec.py `resolve`) for a CUDA GPU: bf16, bf16 LoRA base, fused AdamW, compile,
-    FlexAttention for packed rows, fused cross-entropy without TP/PP. With pp > 1 a pipeline micro-batch
-    is the step's rows per rank / pp_microbatches, as parallel/pipeline.py cuts them. The layout is the
-    config's [parallel] section; when it names a single GPU but `num_gpus` > 1, the extra GPUs are
-    planned as FSDP (ZeRO-3) shards."""
-    import torch
-
-    from tracetrain.models.lora import resolve_targets
-    from tracetrain.spec import resolve
-
-    t, mem, par = cfg.train, cfg.memory, cfg.parallel
-    spec = resolve(cfg, torch.device("cuda"), probe=False)  # the GPU planned for, not this process's
-    precision = "fp8" if t.fp8 != "none" else spec.precision  # FP8 GEMMs (kernels/fp8.py); the rest bf16
-    base_dtype = (
-        {torch.bfloat16: "bf16", torch.float32: "fp32"}[spec.lora_base_dtype]
-        if spec.lora_base_dtype is not None
-        else ("bf16" if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype)
-    )
-    if gpu is None:
-        gpu = _visible_gpu() or "h100-sxm"
-    layout = {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp, "cp": par.cp}
-    if math.prod(layout.values()) == 1:
-        layout["dp_shard"] = num_gpus
-    elif num_gpus not in (1, math.prod(layout.values())):
-        raise PlanInputError(
-            f"--gpus {num_gpus} but the config's [parallel] layout (dp_replicate x dp_shard x tp x pp x cp) "
-            f"uses {math.prod(layout.values())} GPUs; pass --gpus {math.prod(layout.values())} or change the layout"
-        )
-    interleaved = par.pp_schedule == "interleaved_1f1b"
-    micro_batch, grad_accum, pp_micro = t.micro_batch_size, t.grad_accum_steps, 0
-    if par.pp > 1:
-        # parallel/pipeline.py: a step's micro_batch_size * grad_accum_steps rows per data-parallel rank
-        # are concatenated and cut into pp_microbatches (0 = pp) pipeline micro-batches.
-        pp_micro = par.pp_microbatches or par.pp
-        rows = micro_batch * grad_accum
-        if rows % pp_micro:
-            raise PlanInputError(
-                f"each step's {rows} rows per rank (train.micro_batch_size * train.grad_accum_steps) "
-                f"must split into parallel.pp_microbatches = {pp_micro} pipeline micro-batches"
-            )
-        micro_batch, grad_accum = rows // pp_micro, pp_micro
-    return PlanInput(
-        model=spec.model_args,
-        seq_len=cfg.data.seq_len,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        num_gpus=math.prod(layout.values()),
-        gpu=gpu,
-        precision=precision,
-        fp8_recipe="rowwise" if t.fp8 == "rowwise" else "tensorwise",
-        mode=t.mode,
-        lora_rank=cfg.lora.rank,
-        lora_targets=tuple(resolve_targets(cfg.lora.targets)),
-        lora_base_dtype=base_dtype,  # type: ignore[arg-type]
-        fused_adamw=spec.optimizer_fused,
-        compile=spec.compile,
-        fused_kernels=bool(spec.fused_kernels),
-        attention=spec.attention,
-        fused_ce_chunk=spec.fused_ce_chunk,
-        peak_tflops=cfg.logging.peak_tflops or None,
-        recompute=mem.recompute,
-        recompute_every=mem.recompute_every,
-        activation_offload=mem.activation_offload,
-        optimizer_offload=mem.optimizer_offload,
-        activation_offload_fraction=mem.activation_offload_fraction,
-        unified_memory=mem.unified_memory,
-        expandable_segments=mem.expandable_segments,
-        num_experts=cfg.model.num_experts,
-        top_k=cfg.model.experts_top_k if cfg.model.num_experts else 1,
-        ep=par.ep,
-        zero_stage=par.zero_stage,  # type: ignore[arg-type]  # config range-checks parallel.zero_stage to 1..3
-        reshard_after_forward=par.reshard_after_forward,
-        fsdp_cpu_offload=par.fsdp_cpu_offload,
-        sequence_parallel=par.sequence_parallel,
-        loss_parallel=par.loss_parallel,
-        pp_schedule=par.pp_schedule,
-        pp_microbatches=pp_micro,
-        pp_virtual_stages=par.pp_stages_per_rank if interleaved else 1,
-        **layout,  # type: ignore[arg-type]  # layout holds the five integer axes
-    )
-
-
-def _visible_gpu() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

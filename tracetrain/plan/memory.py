@@ -29,6 +29,9 @@ by tp as each item's split says): block activations x blocks x micro-batches in 
 items, the loss buffers.
 
 Phases (the peak is the largest; every one is affine in T, which the HTML slider model relies on):
+  build             before the first step: this rank's shard of the weights in their final dtype + one
+                    fp32 chunk of initial values; load (model.init_from): the shard + one checkpoint
+                    read in transit (build_phase.py)
   forward end       static + autocast copies of every weight (the cache lives until autocast exits)
                     + all activations [+ gradients of earlier micro-batches when accumulating]
   loss forward      static + kept copies + activations + logits, fp32 copy, log-probs (c+4+4)V per token
@@ -64,6 +67,7 @@ from dataclasses import dataclass, field
 from tracetrain.memory.activation_offload import num_offloaded_blocks
 from tracetrain.plan import activations as act
 from tracetrain.plan.activations import Affine
+from tracetrain.plan.build_phase import BUILD_PHASES, SHARD_ITEM, build_items, build_phases
 from tracetrain.plan.inputs import PlanInput
 from tracetrain.plan.params import StageParams, cast_params, expert_shards, stage_params
 
@@ -257,20 +261,23 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     # FSDP's gathered copies: bf16 under mixed precision, else the stored dtype (the shards x fsdp).
     fsdp, train = inp.dp_shard * inp.cp, (sp.total if inp.mode == "full" else sp.adapters)
     gather_bytes = 2.0 if inp.fsdp_mixed_precision else nm.w
+    # One block's unsharded fp32 gradients before its reduce-scatter: FSDP2 allocates them for the
+    # parameters that require a gradient only (a LoRA block: its adapters, not the frozen base).
+    block_grads = 4 * (sp.block if inp.mode == "full" else sp.adapters / max(1, n))
     if zero3:
         head_gather = args.vocab_size * args.dim / inp.tp * gather_bytes if last else 0.0
         # Gathered blocks: the current one and a prefetched one; without resharding after forward
         # every block stays gathered until its backward.
         gathered = (2 if inp.reshard_after_forward else n) * sp.block * gather_bytes
         items["FSDP gathered weights"] = Affine(gathered)
-        items["FSDP gathered weights + grads"] = Affine(gathered + sp.block * 4 + head_gather)
+        items["FSDP gathered weights + grads"] = Affine(gathered + block_grads + head_gather)
     elif inp.data_parallel:
         # ZeRO-1/2 and replication (reshard_after_forward off): each unit's gathered weights live from
         # its forward to its backward of the step's last micro-batch (kept between micro-batches), and
         # one block's unsharded fp32 gradients wait for the reduce-scatter (or all-reduce) in backward.
         unsharded = items["weights"].const * fsdp if not inp.fsdp_mixed_precision else sp.total * 2.0
         items["FSDP unsharded weights"] = Affine(unsharded)
-        items["FSDP unsharded weights + grads"] = Affine(unsharded + sp.block * 4)
+        items["FSDP unsharded weights + grads"] = Affine(unsharded + block_grads)
     if inp.defers_reduce_scatter and inp.pp == 1:
         # ZeRO-1 / replication with accumulation: every micro-batch but the last adds to unsharded
         # gradients (fp32 under mixed precision: FSDP's to_accumulated_grad_if_needed), reduced once.
@@ -290,6 +297,10 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
         items["FSDP unsharded weights + grads (pipeline)"] = Affine(sp.total * gather_bytes + train * 4)
         items["activations, one micro-batch done"] = items["activations"] * ((k - 1) / k)
     phases = _phases(inp, last)
+    built, staged = build_items(inp, sp, nm.w)
+    items.update(built)
+    cpu.update(staged)
+    phases.update(build_phases(inp))
     managed: dict[str, Affine] = {}
     if inp.unified_memory != "none":
         for name in ["AdamW states"] + (["weights"] if inp.unified_memory == "model" else []):
@@ -352,6 +363,9 @@ class MemoryPlan:
     fragmentation_bytes: float
     context_bytes: float
     required_bytes: float  # peak + fragmentation + context
+    build_peak_bytes: float  # the largest of the build and load phases (build_phase.py)
+    build_required_bytes: float  # build_peak_bytes + its fragmentation + context
+    step_peak_bytes: float  # the largest phase of a training step
     capacity_bytes: float
     cpu_bytes: dict[str, float]  # per GPU
     managed_bytes: dict[str, float]
@@ -376,6 +390,8 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
     tokens, seq = tokens_per_microbatch(inp), inp.seq_len
     mm = memory_model(inp, tokens, seq)
     phase, peak = mm.peak(tokens, seq)
+    phases = {p: mm.phase_bytes(p, tokens, seq) for p in mm.phases}
+    build_peak = max(v for p, v in phases.items() if p in BUILD_PHASES)
     frag = FRAGMENTATION[inp.expandable_segments] * peak
     host = sum(v.at(tokens, seq) for v in [*mm.cpu.values(), *mm.managed.values()]) * inp.gpus_on_node
     hw = inp.hardware()
@@ -384,10 +400,13 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
         peak_phase=phase,
         peak_bytes=peak,
         breakdown=_merge({n: mm.items[n].at(tokens, seq) for n in mm.phases[phase]}),
-        phases={p: mm.phase_bytes(p, tokens, seq) for p in mm.phases},
+        phases=phases,
         fragmentation_bytes=frag,
         context_bytes=CUDA_CONTEXT_BYTES,
         required_bytes=peak + frag + CUDA_CONTEXT_BYTES,
+        build_peak_bytes=build_peak,
+        build_required_bytes=build_peak * (1 + FRAGMENTATION[inp.expandable_segments]) + CUDA_CONTEXT_BYTES,
+        step_peak_bytes=max(v for p, v in phases.items() if p not in BUILD_PHASES),
         capacity_bytes=hw.memory_bytes,
         cpu_bytes={k: v.at(tokens, seq) for k, v in mm.cpu.items()},
         managed_bytes={k: v.at(tokens, seq) for k, v in mm.managed.items()},
@@ -397,6 +416,7 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
 
 
 DISPLAY = {
+    SHARD_ITEM: "weights",
     "autocast copies (all)": "autocast bf16 weight copies",
     "autocast copies (kept)": "autocast bf16 weight copies",
     "autocast copies (1 block)": "autocast bf16 weight copies",

@@ -65,6 +65,9 @@ def _memory_table(p: Plan) -> Table:
         )
     t.add_row(Text("required", style="bold"), f"{m.required_bytes / GIB:.2f}", "")
     t.add_row(Text("device"), f"{m.capacity_bytes / GIB:.2f}", "")
+    # The verdict is the largest of the build, the load and the step (build_phase.py): both shown.
+    t.add_row(Text("peak of the build / load"), f"{m.build_peak_bytes / GIB:.2f}", "")
+    t.add_row(Text("peak of the step"), f"{m.step_peak_bytes / GIB:.2f}", "")
     for name, value in m.cpu_bytes.items():
         t.add_row(Text(f"host: {name}"), f"{value / GIB:.2f}", "")
     for name, value in m.managed_bytes.items():
