@@ -233,16 +233,16 @@ def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
     if not a.full_run:
         steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
         # The window decides the length, not the data (epochs 0). The learning rate does not change what a
-        # step costs: a warmup longer than the window is cut to it.
-        cfg = cfg.replace(
-            {
-                "train.steps": steps,
-                "train.epochs": 0,
-                "optim.warmup_steps": min(cfg.optim.warmup_steps, steps - 1),
-                "checkpoint.save_final": False,
-                "train.eval_generate": 0,
-            }
-        )
+        # step costs: a warmup set longer than the window is cut to it (an unset one adapts by itself).
+        window: dict[str, Any] = {
+            "train.steps": steps,
+            "train.epochs": 0,
+            "checkpoint.save_final": False,
+            "train.eval_generate": 0,
+        }
+        if cfg.optim.warmup_steps is not None:
+            window["optim.warmup_steps"] = min(cfg.optim.warmup_steps, steps - 1)
+        cfg = cfg.replace(window)
     result = train(cfg)
     for key in ("trace", "report_html", "report_json"):
         if key in result.summary:

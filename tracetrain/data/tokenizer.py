@@ -418,6 +418,17 @@ def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
     return "byte"
 
 
+def check_tokenizer_file(spec: str) -> None:
+    """A `data.tokenizer` path names a tokenizer.json, or a folder holding one: DataError when it is not
+    there (checked before any setting of the run, so a wrong path is the error named)."""
+    if spec in ("auto", "byte"):
+        return
+    path = Path(spec)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise DataError(f"tokenizer file {file} does not exist (config key 'data.tokenizer')")
+
+
 def load_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
     """'byte' -> ByteTokenizer; 'auto' -> see `resolve_tokenizer_spec`; otherwise a Hugging Face tokenizer
     folder or a tokenizer.json file. Pass `model.init_from` as `init_from` for 'auto'."""
