@@ -175,7 +175,7 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
         notes += export_run_peft(loaded, a.peft, a.overwrite)
         print(f"PEFT adapter written to {a.peft}")
     if a.hf:
-        dtype = EXPORT_DTYPES[a.dtype] if a.dtype else None
+        dtype = EXPORT_DTYPES.get(a.dtype)  # 'auto' -> None: the run's weights dtype
         from rich.console import Console
 
         from tracetrain.progress import live_progress
