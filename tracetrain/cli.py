@@ -127,6 +127,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     )
     e.add_argument("--peft", metavar="OUT_DIR", help="write a PEFT LoRA adapter (+ tokenizer files)")
     e.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="write a llama.cpp GGUF file (llama architecture, adapters merged, tokenizer; "
+        "--dtype applies; needs pip install 'tracetrain[gguf]')",
+    )
+    e.add_argument(
         "--overwrite",
         action="store_true",
         help="replace OUT_DIR when it holds an earlier tracetrain "
@@ -136,7 +142,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
         "--dtype",
         choices=("auto", "bf16", "fp16", "fp32"),
         default="auto",
-        help="dtype of the --hf weights: auto (default) = the run's weights dtype, as its checkpoint stores "
+        help="dtype of the --hf and --gguf weights: auto (default) = the run's weights dtype, as its checkpoint stores "
         "them (fp32 for full fine-tuning; an adapters-only LoRA run: its base's); bf16/fp16/fp32 convert",
     )
     e.add_argument(

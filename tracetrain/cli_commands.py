@@ -160,8 +160,12 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.models.export import EXPORT_DTYPES, check_export_target, export_run_hf, export_run_peft, parse_size
 
     targets = [Path(p) for p in (a.peft, a.hf) if p]
-    if not targets:
-        raise TracetrainError("export needs --hf OUT_DIR and/or --peft OUT_DIR")
+    if not targets and not a.gguf:
+        raise TracetrainError("export needs --hf OUT_DIR, --peft OUT_DIR and/or --gguf FILE")
+    if a.gguf:
+        from tracetrain.models.gguf_export import check_gguf_target
+
+        check_gguf_target(Path(a.gguf), a.overwrite)  # the package and the file, before loading the model
     if len(targets) == 2 and targets[0].resolve() == targets[1].resolve():
         raise TracetrainError(f"--hf and --peft both name {a.hf}; give each its own folder")
     max_shard_bytes = parse_size(a.max_shard_size)
@@ -183,6 +187,14 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
         with live_progress(Console(stderr=True)) as progress:  # a bar on a terminal, nothing in a pipe
             notes += export_run_hf(loaded, a.hf, dtype, a.overwrite, max_shard_bytes, progress)
         print(f"Hugging Face model (adapters merged) written to {a.hf}")
+    if a.gguf:
+        from tracetrain.models.export import run_weights_dtype
+        from tracetrain.models.gguf_export import export_run_gguf
+
+        notes += export_run_gguf(
+            loaded, a.gguf, EXPORT_DTYPES.get(a.dtype) or run_weights_dtype(loaded)[0], a.overwrite
+        )
+        print(f"GGUF file (llama architecture, adapters merged) written to {a.gguf}")
     for note in dict.fromkeys(notes):
         print(note)
     return 0

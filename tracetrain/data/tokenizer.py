@@ -302,6 +302,10 @@ class HFTokenizer(Tokenizer):
     def special_tokens(self) -> dict[str, str]:
         return dict(self._specials)
 
+    def tokenizer_json(self) -> dict[str, Any]:
+        """The tokenizer as its tokenizer.json holds it (model type, vocab, merges, added tokens)."""
+        return json.loads(self._tok.to_str())
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
