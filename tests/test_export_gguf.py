@@ -159,3 +159,24 @@ def test_gguf_refuses_an_existing_file_and_names_the_extra_when_missing(run: Pat
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --gguf needs the gguf package (llama.cpp's writer): pip install 'tracetrain[gguf]'"
     ]
+
+
+def test_rope_freq_factors_match_transformers_llama3_scaling() -> None:
+    """`rope_freqs` (Llama-3.1 RoPE scaling): base inv_freq / transformers' scaled inv_freq, per frequency."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tracetrain.models.gguf_export import rope_freq_factors
+    from tracetrain.models.llama import ModelArgs
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    args = ModelArgs(dim=2048, n_heads=32, n_kv_heads=8, rope_theta=500000.0, rope_scaling=scaling)
+    hf = transformers.LlamaConfig(
+        hidden_size=2048, num_attention_heads=32, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **scaling}
+    )
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    base = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    factors = rope_freq_factors(args)
+    assert factors is not None and factors[0] == 1.0 and factors[-1] == 8.0
+    np.testing.assert_allclose(factors, (base / scaled.double()).numpy(), rtol=1e-4)
+    assert rope_freq_factors(ModelArgs()) is None
