@@ -160,13 +160,16 @@ def test_missing_named_file_is_reported_before_settings(capsys, tmp_path, case):
     train_error(capsys, tmp_path, [*args, *SETTING_ERRORS, "--train.device=cuda"], fragment)
 
 
-def test_missing_data_file_named_in_a_config_file_comes_first(capsys, tmp_path):
+@pytest.mark.parametrize(
+    "data, key",
+    [('path = "gone.jsonl"', "data.path"), ('[[data.sources]]\npath = "gone.jsonl"', "data.sources[0].path")],
+    ids=["path", "sources"],
+)
+def test_missing_data_file_named_in_a_config_file_comes_first(capsys, tmp_path, data, key):
     """The README's case: a config file naming a missing data file, and a short run (warmup set above it)."""
     toml = tmp_path / "run.toml"
-    toml.write_text('[data]\nkind = "instruction"\npath = "gone.jsonl"\n[optim]\nwarmup_steps = 50\n'
-                    "[train]\nsteps = 20\n")
-    train_error(capsys, tmp_path, ["--config", str(toml)],
-                "data file gone.jsonl does not exist (config key 'data.path')")
+    toml.write_text(f'[optim]\nwarmup_steps = 50\n[train]\nsteps = 20\n[data]\nkind = "instruction"\n{data}\n')
+    train_error(capsys, tmp_path, ["--config", str(toml)], f"data file gone.jsonl does not exist (config key '{key}')")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -48,14 +48,17 @@ _DOCUMENTS: dict[str, DocumentsBuilder] = {
 
 
 def check_data_files(data: DataSection) -> None:
-    """Every file the data section names is there: data.path, data.eval_path, a data.tokenizer path and
-    a chat template file. Called before any check of the run's settings, so that a missing file is the
-    error a user sees first (`build_datasets` reads them much later, after the settings are checked)."""
-    if data.kind != "synthetic":
+    """Every file the data section names is there: data.path, data.eval_path, each data.sources path, a
+    data.tokenizer path and a chat template file (an hf: dataset is looked up when read). Called before any
+    check of the run's settings, so that a missing file is the error a user sees first (`build_datasets`
+    reads them much later, after the settings are checked)."""
+    if data.kind != "synthetic" or data.sources:
         for key in ("path", "eval_path"):
             if getattr(data, key):
                 require_data_path(getattr(data, key), f"data.{key}")
-        if data.kind == "chat":
+        for i, source in enumerate(data.sources):
+            require_data_path(source.path, f"data.sources[{i}].path")
+        if data.kind == "chat" or any(s.kind == "chat" for s in data.sources):
             chat_template_file(data)
     check_tokenizer_file(data.tokenizer)
 
