@@ -101,12 +101,75 @@ def test_bad_config_values(capsys, tmp_path, override, fragments):
     train_error(capsys, tmp_path, [override], *fragments)
 
 
-def test_default_warmup_longer_than_a_short_run(capsys, tmp_path):
-    """The default warmup (50 steps) is refused for a 10-step run instead of never reaching the peak lr."""
+def test_explicit_warmup_longer_than_a_short_run(capsys, tmp_path):
+    """A warmup the user set (50 steps) is refused for a 10-step run instead of never reaching the peak lr."""
     runs = tmp_path / "runs"
-    expect_error(capsys, ["train", "--train.steps=10", f"--train.output_dir={runs}"],
+    expect_error(capsys, ["train", "--train.steps=10", "--optim.warmup_steps=50", f"--train.output_dir={runs}"],
                  "'optim.warmup_steps': 50 is not shorter than the run (10 steps", "--optim.warmup_steps=1")
     assert not runs.exists()
+
+
+def test_short_run_with_warmup_unset_trains_with_a_share_of_it(capsys, tmp_path):
+    """Unset, the warm-up is min(50, 10% of the steps): a 20-step run warms up for 2, and says so once."""
+    runs = tmp_path / "runs"
+    args = [a for a in SMALL if not a.startswith(("--optim.warmup_steps", "--train.steps"))]
+    assert main(["train", *args, "--train.steps=20", "--train.eval_interval=0", "--checkpoint.save_final=false",
+                 "--train.run_name=r", f"--train.output_dir={runs}"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("warm-up: 2 steps (10% of 20; optim.warmup_steps not set)") == 1, out
+    rows = [json.loads(line) for line in (runs / "r" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert len(lrs) == 20
+    assert lrs[0] == pytest.approx(0.5e-3) and lrs[1] == pytest.approx(1e-3)  # 2 warm-up steps, then the peak
+    assert lrs[2] == lrs[1] > lrs[3]  # then the decay starts
+
+
+# Files named by the user are checked before any setting: each case below also asks for a warmup as long
+# as the run (and a CUDA device), which would be refused too; the missing file must be the error named.
+SETTING_ERRORS = ["--optim.warmup_steps=50", "--train.steps=4"]
+
+
+def _named_file_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    data = tmp / "rows.jsonl"
+    data.write_text('{"instruction": "a", "response": "b"}\n' * 8)
+    (tmp / "no_tok").mkdir()
+    inst = ["--data.kind=instruction", f"--data.path={data}"]
+    chat = ["--data.kind=chat", f"--data.path={data}"]
+    return {
+        "data.path": (["--data.kind=instruction", f"--data.path={tmp / 'missing.jsonl'}"],
+                      f"data file {tmp / 'missing.jsonl'} does not exist (config key 'data.path')"),
+        "data.eval_path": ([*inst, f"--data.eval_path={tmp / 'held.jsonl'}"],
+                           f"data file {tmp / 'held.jsonl'} does not exist (config key 'data.eval_path')"),
+        "data.tokenizer file": ([f"--data.tokenizer={tmp / 'tok.json'}"],
+                                f"tokenizer file {tmp / 'tok.json'} does not exist (config key 'data.tokenizer')"),
+        "data.tokenizer folder": ([f"--data.tokenizer={tmp / 'no_tok'}"],
+                                  f"tokenizer file {tmp / 'no_tok' / 'tokenizer.json'} does not exist"),
+        "model.init_from missing": ([f"--model.init_from={tmp / 'ckpt'}"],
+                                    f"checkpoint folder {tmp / 'ckpt'} does not exist (config key 'model.init_from')"),
+        "model.init_from a file": ([f"--model.init_from={data}"],
+                                   f"{data} is a file, not a Hugging Face checkpoint folder"),
+        "chat template": ([*chat, f"--data.chat_template={tmp / 't.jinja'}"],
+                          f"chat template file {tmp / 't.jinja'} does not exist (config key 'data.chat_template')"),
+    }
+
+
+@pytest.mark.parametrize("case", ["data.path", "data.eval_path", "data.tokenizer file", "data.tokenizer folder",
+                                  "model.init_from missing", "model.init_from a file", "chat template"])
+def test_missing_named_file_is_reported_before_settings(capsys, tmp_path, case):
+    args, fragment = _named_file_cases(tmp_path)[case]
+    train_error(capsys, tmp_path, [*args, *SETTING_ERRORS, "--train.device=cuda"], fragment)
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [('path = "gone.jsonl"', "data.path"), ('[[data.sources]]\npath = "gone.jsonl"', "data.sources[0].path")],
+    ids=["path", "sources"],
+)
+def test_missing_data_file_named_in_a_config_file_comes_first(capsys, tmp_path, data, key):
+    """The README's case: a config file naming a missing data file, and a short run (warmup set above it)."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[optim]\nwarmup_steps = 50\n[train]\nsteps = 20\n[data]\nkind = "instruction"\n{data}\n')
+    train_error(capsys, tmp_path, ["--config", str(toml)], f"data file gone.jsonl does not exist (config key '{key}')")
 
 
 # ----------------------------------------------------------------------------------------------------

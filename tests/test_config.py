@@ -113,11 +113,35 @@ def test_limits_that_still_load():
 def test_warmup_longer_than_a_new_run_is_refused_but_a_saved_config_still_loads():
     from tracetrain.models.build import model_args_from_config
     from tracetrain.validate import validate_run
-    cfg = load_config(None, ["--train.steps=20"])  # a finished run's config.toml loads (eval, export)
+    # a finished run's config.toml loads (eval, export)
+    cfg = load_config(None, ["--train.steps=20", "--optim.warmup_steps=50"])
     with pytest.raises(ConfigError) as e:
         validate_run(cfg, model_args_from_config(cfg))  # ... but a new run with it is refused
     assert ("config key 'optim.warmup_steps': 50 is not shorter than the run (20 steps from train.steps); "
             "set it below 20 (e.g. --optim.warmup_steps=2)") in str(e.value)
+
+
+def test_unset_warmup_adapts_to_the_run_and_is_never_refused():
+    from tracetrain.config import OptimSection, check_warmup, describe_warmup, resolve_warmup
+    from tracetrain.models.build import model_args_from_config
+    from tracetrain.validate import validate_run
+
+    cfg = load_config(None, ["--train.steps=20"])
+    assert cfg.optim.warmup_steps is None
+    validate_run(cfg, model_args_from_config(cfg))  # not refused: the user never set a warm-up
+    unset = OptimSection()
+    assert [resolve_warmup(unset, n) for n in (1, 9, 10, 20, 499, 500, 600, 10_000)] == [0, 0, 1, 2, 49, 50, 50, 50]
+    for n in range(1, 1200, 7):
+        check_warmup(unset, n)
+        assert resolve_warmup(unset, n) < n  # always shorter than the run
+    assert describe_warmup(unset, 20) == "warm-up: 2 steps (10% of 20; optim.warmup_steps not set)"
+    assert describe_warmup(unset, 600) == "warm-up: 50 steps (10% of 600, at most 50; optim.warmup_steps not set)"
+    assert describe_warmup(unset, 15) == "warm-up: 1 step (10% of 15; optim.warmup_steps not set)"
+    assert describe_warmup(OptimSection(warmup_steps=3), 20) is None  # the user set it: no note
+    assert resolve_warmup(OptimSection(warmup_steps=3), 1000) == 3
+    # A run's config.toml keeps it unset, so a resumed run resolves the same rule.
+    assert "# warmup_steps = (auto)" in to_toml(cfg)
+    assert load_config(None, ["--train.steps=20"]).replace({"optim.lr": 1e-4}).optim.warmup_steps is None
 
 
 def test_check_warmup_takes_a_resolved_step_count():

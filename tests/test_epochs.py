@@ -8,7 +8,7 @@ import pytest
 from conftest import cli_here
 from test_train import read_metrics
 
-from tracetrain.config import load_config
+from tracetrain.config import load_config, resolve_warmup
 from tracetrain.data import build_datasets, load_tokenizer
 from tracetrain.errors import ConfigError
 from tracetrain.train.optim import lr_factor, steps_for_epochs
@@ -21,8 +21,7 @@ EPOCH_RUN = [
     "--data.seq_len=64",
     "--train.eval_interval=0",
     "--train.eval_batches=2",
-    "--train.eval_generate=0",
-    "--optim.warmup_steps=2",
+    "--train.eval_generate=0",  # optim.warmup_steps unset: 10% of the steps the data sizes
     "--logging.log_interval=1",
     "--checkpoint.interval=4",
     "--checkpoint.keep_last=10",
@@ -52,7 +51,8 @@ def test_steps_and_epochs_together_is_one_line_error():
 @pytest.fixture(scope="module")
 def epoch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    cli_here("train", *EPOCH_RUN, f"--train.output_dir={out}", "--train.run_name=e")
+    proc = cli_here("train", *EPOCH_RUN, f"--train.output_dir={out}", "--train.run_name=e")
+    (out / "stdout.txt").write_text(proc.stdout)
     return out / "e"
 
 
@@ -80,6 +80,11 @@ def test_epochs_size_the_run_schedule_and_records(epoch_run):
     assert train_rows[-1]["lr"] < 0.2 * cfg.optim.lr  # cosine to min_lr_ratio 0.1 at the end
     ckpts = sorted(p.name for p in (epoch_run / "checkpoints").iterdir())
     assert ckpts[-1] == f"step_{steps:08d}" and f"step_{4:08d}" in ckpts
+    # The unset warm-up is a share of the resolved steps (not of the default 600), said once.
+    warmup = steps // 10
+    assert cfg.optim.warmup_steps is None and resolve_warmup(cfg.optim, steps) == warmup > 0
+    said = f"warm-up: {warmup} step{'s' if warmup != 1 else ''} (10% of {steps}; optim.warmup_steps not set)"
+    assert (epoch_run.parent / "stdout.txt").read_text().count(said) == 1
     # The run's page counts steps against the resolved total.
     assert f"steps<b>{steps} / {steps}</b>" in (epoch_run / "report.html").read_text()
 

@@ -216,11 +216,51 @@ def test_byte_run_loads_in_transformers_and_stops_at_eos(run: Path, tmp_path: Pa
     assert f"{summary['eval_loss']:.4f}" in card and "synthetic" in card
 
 
-def test_default_dtype_is_bf16_for_auto_precision(run: Path, tmp_path: Path, export) -> None:
-    assert export(str(run), "--hf", str(tmp_path / "hf")).returncode == 0
-    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118 (safe_open has keys(), no iteration)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+def stored_dtypes(folder: Path) -> set[torch.dtype]:
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        return {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open has keys(), no iteration)
+
+
+@pytest.mark.parametrize(
+    "flag, dtype",
+    [((), torch.float32), (("--dtype", "bf16"), torch.bfloat16), (("--dtype", "fp16"), torch.float16)],
+    ids=["auto", "bf16", "fp16"],
+)
+def test_dtype_auto_is_the_runs_weights_and_others_convert(run: Path, tmp_path: Path, export, flag, dtype) -> None:
+    """The tiny run trained on the CPU in fp32: `auto` writes fp32 (it wrote bf16 before, silently); a named
+    dtype converts. transformers loads each in that dtype, and its logits are ours with the weights
+    rounded to that dtype."""
+    from tracetrain.inference import load_trained
+
+    out = tmp_path / "hf"
+    proc = export(str(run), "--hf", str(out), *flag)
+    assert proc.returncode == 0, proc.stderr
+    name = str(dtype).removeprefix("torch.")
+    said = f"weights: {name}, as the run stores them (the checkpoint's weights)"
+    assert (said in proc.stdout) == (not flag), proc.stdout  # auto says what it chose; an explicit dtype does not
+    assert stored_dtypes(out) == {dtype}
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == name
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).dtype == dtype  # as config.json says
+    ours = load_trained(run, "cpu").model
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(p.to(dtype).float())  # what the export rounded
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-4, rtol=0)
+        if flag:  # ... and they differ from the fp32 run's: the test can tell the dtypes apart
+            assert (load_trained(run, "cpu").model(ids) - ours(ids)).abs().max() > 1e-4
+
+
+def test_export_help_names_the_dtype_choices(capsys) -> None:
+    from tracetrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--dtype {auto,bf16,fp16,fp32}" in text and "auto (default) = the run's weights dtype" in text
 
 
 def gpt2_tokenizer_folder(tmp_path: Path) -> Path:
@@ -302,6 +342,13 @@ def test_lora_run_peft_and_merged_exports(tmp_path: Path, export) -> None:
         assert_refused(export(str(run), "--peft", "/sys/tracetrain-export"), "/sys/tracetrain-export")
     adapter_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert adapter_cfg["base_model_name_or_path"] == str(base.resolve())
+    # --dtype auto for adapters-only checkpoints: the frozen base's dtype (its files, or lora.base_dtype).
+    from tracetrain.inference import load_trained
+    from tracetrain.models.export import run_weights_dtype
+
+    assert run_weights_dtype(load_trained(run, "cpu")) == (torch.float32, f"the frozen base's files ({base})")
+    set_bf16 = load_trained(run, "cpu", ["--lora.base_dtype=bf16"])
+    assert run_weights_dtype(set_bf16) == (torch.bfloat16, "lora.base_dtype")
     assert json.loads((tmp_path / "peft" / "tracetrain_export.json").read_text())["tracetrain_export"] == "peft"
     gen = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
     assert gen.eos_token_id == [257, 10] and gen.temperature == 0.6 and gen.do_sample

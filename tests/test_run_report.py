@@ -1,7 +1,9 @@
 """The training report page (train/run_report.py): kept current while the run goes, drawn from the run's
 own records, self-contained, overlaying several runs with `tracetrain report`, and clean in Chromium."""
 
+import html
 import json
+import math
 import re
 import shutil
 
@@ -22,9 +24,9 @@ ARGS = [
 
 
 def _charts(page: str) -> dict[str, list[int]]:
-    """{chart title: [number of points of each polyline]} from the page's SVG."""
+    """{chart title: [number of points of each polyline]} from the page's SVG (the linear drawings)."""
     out = {}
-    for title, svg in re.findall(r'<svg class="chart" role="img" aria-label="([^"]+)"[^>]*>(.*?)</svg>', page):
+    for title, svg in re.findall(r'<svg class="chart lin"[^>]* aria-label="([^"]+)"[^>]*>(.*?)</svg>', page):
         out[title] = [len(p.split()) for p in re.findall(r'<polyline points="([^"]*)"', svg)]
     return out
 
@@ -100,7 +102,50 @@ def test_report_overlays_runs_and_never_replaces_an_unnamed_file(runs, tmp_path)
 def test_report_page_renders_in_chromium(runs, tmp_path):
     dom, log = render_in_browser(runs / "a" / "report.html", tmp_path)
     assert not console_errors(log), console_errors(log)
-    assert dom.count('<svg class="chart"') == 7 and "<polyline" in dom
+    # 7 charts; the two loss charts also drawn on a log scale, hidden until their switch is ticked
+    assert dom.count('<svg class="chart lin"') == 7 and dom.count('<svg class="chart log"') == 2
+    assert "<polyline" in dom
+
+
+# Added to a copy of the page (the page itself has no script): what Chromium shows of the "Loss" chart before
+# and after a click on its log-scale switch, written into the DOM for --dump-dom.
+PROBE = """<script>
+const shown = () => [...document.querySelectorAll('svg[aria-label="Loss"]')]
+  .filter(s => s.getBoundingClientRect().height > 0)
+  .map(s => ({scale: s.dataset.scale, points: s.querySelector("polyline").getAttribute("points"),
+              ticks: [...s.querySelectorAll(".ytick")].map(t => t.textContent)}));
+const before = shown();
+document.querySelector('label[for="log-loss"]').click();
+const after = shown();
+document.body.setAttribute("data-probe", JSON.stringify({before, after}));
+</script>"""
+
+
+def test_log_scale_switch_redraws_the_loss_in_chromium(runs, tmp_path):
+    page = (runs / "b" / "report.html").read_text()
+    assert "<script" not in page  # the switch is CSS: the page stays script-free
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", PROBE + "</body>"))
+    dom, log = render_in_browser(probe, tmp_path)
+    assert not console_errors(log), console_errors(log)
+    found = re.search(r'data-probe="([^"]*)"', dom)
+    assert found, "the probe did not run"
+    seen = json.loads(html.unescape(found.group(1)))
+    (before,), (after,) = seen["before"], seen["after"]  # one drawing visible at a time
+    assert (before["scale"], after["scale"]) == ("lin", "log")
+    xs = lambda d: [p.split(",")[0] for p in d["points"].split()]  # noqa: E731
+    ys = lambda d: [float(p.split(",")[1]) for p in d["points"].split()]  # noqa: E731
+    assert xs(before) == xs(after) and ys(before) != ys(after)  # same steps, new heights
+    losses = [json.loads(r)["loss"] for r in (runs / "b" / "metrics.jsonl").read_text().splitlines() if '"loss"' in r]
+    # On the log drawing, heights follow log(loss): the highest and lowest loss sit at the plot's top and
+    # bottom margins, and a point's relative height is its log-loss's relative position.
+    lo, hi = min(losses), max(losses)
+    y = ys(after)
+    rel = [(math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo)) for v in losses]
+    top, bottom = min(y), max(y)
+    for r, py in zip(rel, y):
+        assert abs((bottom - py) / (bottom - top) - r) < 0.02
+    assert after["ticks"] and all(float(t) > 0 for t in after["ticks"])  # a log axis has no 0
 
 
 def test_report_can_be_turned_off(tmp_path):

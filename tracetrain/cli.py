@@ -127,6 +127,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     )
     e.add_argument("--peft", metavar="OUT_DIR", help="write a PEFT LoRA adapter (+ tokenizer files)")
     e.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="write a llama.cpp GGUF file (llama architecture, adapters merged, tokenizer; "
+        "--dtype applies; needs pip install 'tracetrain[gguf]')",
+    )
+    e.add_argument(
         "--overwrite",
         action="store_true",
         help="replace OUT_DIR when it holds an earlier tracetrain "
@@ -134,9 +140,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     )
     e.add_argument(
         "--dtype",
-        choices=("bf16", "fp16", "fp32"),
-        help="dtype of the --hf weights (default: the "
-        "run's train.precision when fp32 or fp16, else bf16; bf16 for LoRA runs)",
+        choices=("auto", "bf16", "fp16", "fp32"),
+        default="auto",
+        help="dtype of the --hf and --gguf weights: auto (default) = the run's weights dtype, as its checkpoint stores "
+        "them (fp32 for full fine-tuning; an adapters-only LoRA run: its base's); bf16/fp16/fp32 convert",
     )
     e.add_argument(
         "--max-shard-size",

@@ -160,8 +160,12 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.models.export import EXPORT_DTYPES, check_export_target, export_run_hf, export_run_peft, parse_size
 
     targets = [Path(p) for p in (a.peft, a.hf) if p]
-    if not targets:
-        raise TracetrainError("export needs --hf OUT_DIR and/or --peft OUT_DIR")
+    if not targets and not a.gguf:
+        raise TracetrainError("export needs --hf OUT_DIR, --peft OUT_DIR and/or --gguf FILE")
+    if a.gguf:
+        from tracetrain.models.gguf_export import check_gguf_target
+
+        check_gguf_target(Path(a.gguf), a.overwrite)  # the package and the file, before loading the model
     if len(targets) == 2 and targets[0].resolve() == targets[1].resolve():
         raise TracetrainError(f"--hf and --peft both name {a.hf}; give each its own folder")
     max_shard_bytes = parse_size(a.max_shard_size)
@@ -175,7 +179,7 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
         notes += export_run_peft(loaded, a.peft, a.overwrite)
         print(f"PEFT adapter written to {a.peft}")
     if a.hf:
-        dtype = EXPORT_DTYPES[a.dtype] if a.dtype else None
+        dtype = EXPORT_DTYPES.get(a.dtype)  # 'auto' -> None: the run's weights dtype
         from rich.console import Console
 
         from tracetrain.progress import live_progress
@@ -183,6 +187,14 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
         with live_progress(Console(stderr=True)) as progress:  # a bar on a terminal, nothing in a pipe
             notes += export_run_hf(loaded, a.hf, dtype, a.overwrite, max_shard_bytes, progress)
         print(f"Hugging Face model (adapters merged) written to {a.hf}")
+    if a.gguf:
+        from tracetrain.models.export import run_weights_dtype
+        from tracetrain.models.gguf_export import export_run_gguf
+
+        notes += export_run_gguf(
+            loaded, a.gguf, EXPORT_DTYPES.get(a.dtype) or run_weights_dtype(loaded)[0], a.overwrite
+        )
+        print(f"GGUF file (llama architecture, adapters merged) written to {a.gguf}")
     for note in dict.fromkeys(notes):
         print(note)
     return 0
@@ -233,16 +245,16 @@ def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
     if not a.full_run:
         steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
         # The window decides the length, not the data (epochs 0). The learning rate does not change what a
-        # step costs: a warmup longer than the window is cut to it.
-        cfg = cfg.replace(
-            {
-                "train.steps": steps,
-                "train.epochs": 0,
-                "optim.warmup_steps": min(cfg.optim.warmup_steps, steps - 1),
-                "checkpoint.save_final": False,
-                "train.eval_generate": 0,
-            }
-        )
+        # step costs: a warmup set longer than the window is cut to it (an unset one adapts by itself).
+        window: dict[str, Any] = {
+            "train.steps": steps,
+            "train.epochs": 0,
+            "checkpoint.save_final": False,
+            "train.eval_generate": 0,
+        }
+        if cfg.optim.warmup_steps is not None:
+            window["optim.warmup_steps"] = min(cfg.optim.warmup_steps, steps - 1)
+        cfg = cfg.replace(window)
     result = train(cfg)
     for key in ("trace", "report_html", "report_json"):
         if key in result.summary:

@@ -249,13 +249,37 @@ def check_device_spec(spec: str, key: str = "config key 'train.device'") -> None
         raise ConfigError(f"{key}: {spec!r} is not allowed; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
+# optim.warmup_steps unset: this share of the run's steps, at most WARMUP_MAX_STEPS steps.
+WARMUP_MAX_STEPS = 50
+WARMUP_SHARE = 0.1
+
+
+def resolve_warmup(optim: OptimSection, total_steps: int) -> int:
+    """The run's warm-up steps: optim.warmup_steps when set, else min(50, 10% of `total_steps`), which is
+    always shorter than the run. The one rule; the scheduler and the start-up note both read it."""
+    if optim.warmup_steps is not None:
+        return optim.warmup_steps
+    return min(WARMUP_MAX_STEPS, int(total_steps * WARMUP_SHARE))
+
+
+def describe_warmup(optim: OptimSection, total_steps: int) -> str | None:
+    """The start-up line for a warm-up the user did not set (None when set: they know it)."""
+    if optim.warmup_steps is not None:
+        return None
+    steps = resolve_warmup(optim, total_steps)
+    share = f"{WARMUP_SHARE:.0%} of {total_steps}"
+    rule = share if steps < WARMUP_MAX_STEPS else f"{share}, at most {WARMUP_MAX_STEPS}"
+    return f"warm-up: {steps} step{'s' if steps != 1 else ''} ({rule}; optim.warmup_steps not set)"
+
+
 def check_warmup(optim: OptimSection, total_steps: int, where: str = "", source: str = "train.steps") -> None:
-    """Warmup must end before the run does: else the learning rate never reaches optim.lr and never decays.
+    """A warm-up the user set must end before the run does: else the learning rate never reaches optim.lr
+    and never decays. An unset one adapts to the run (`resolve_warmup`) and is never refused.
 
     `total_steps` is the run's resolved number of optimizer steps: train.steps, or the count derived from
     train.epochs once the data is built (that caller passes it, and `source` = e.g. "train.epochs = 2").
     """
-    if optim.warmup_steps >= total_steps:
+    if optim.warmup_steps is not None and optim.warmup_steps >= total_steps:
         raise ConfigError(
             f"{where}config key 'optim.warmup_steps': {optim.warmup_steps} is not shorter than the "
             f"run ({total_steps} steps from {source}); set it below {total_steps} "
@@ -423,12 +447,14 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: Config) -> str:
-    """The fully resolved config as TOML. Unset optional fields (None) are written as comments."""
+    """The fully resolved config as TOML. Unset optional fields (None) are written as comments saying who
+    decides them ("(preset)", "(auto)"), so the file loads back with them unset."""
     lines: list[str] = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            lines.append(f"# {key} = (preset)" if value is None else f"{key} = {_toml_value(value)}")
+            unset = _field(_SECTION_OWNER[section], key).metadata.get("unset", "preset")
+            lines.append(f"# {key} = ({unset})" if value is None else f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -462,7 +488,7 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(sf.default_factory()):  # type: ignore[operator]  # sections have factories
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]  # list fields
             allowed = _allowed_text(sf.default_factory, f)  # type: ignore[arg-type]  # a section class
-            shown = "(preset)" if default is None else f"`{_toml_value(default)}`"
+            shown = f"({f.metadata.get('unset', 'preset')})" if default is None else f"`{_toml_value(default)}`"
             out.append(f"| `{f.name}` | {shown} | {allowed} | {f.metadata['doc']} |")
             table = table_type(typing.get_type_hints(sf.default_factory)[f.name])
             if table is not None:

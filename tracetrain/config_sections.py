@@ -11,9 +11,21 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-def fld(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
-    """A config field with its doc and numeric range (checked at load). Choices are the field's `Literal` type."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le}
+def fld(
+    default: Any,
+    doc: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    unset: str = "preset",
+) -> Any:
+    """A config field with its doc and numeric range (checked at load). Choices are the field's `Literal` type.
+
+    `unset`: for a field whose default is None, the word that says who decides its value then ("preset":
+    the model preset; "auto": a rule over the run), shown by `tracetrain config --reference` and config.toml.
+    """
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "unset": unset}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -172,7 +184,14 @@ class OptimSection:
     lr: float = fld(1e-3, "Peak learning rate (AdamW: 0 < lr <= 1).", gt=0, le=1)
     min_lr_ratio: float = fld(0.1, "Final learning rate as a fraction of lr.", ge=0, le=1)
     schedule: Literal["cosine", "linear", "constant"] = fld("cosine", "Decay after warmup.")
-    warmup_steps: int = fld(50, "Linear warmup steps.", ge=0)
+    # Unset (None), not a number: a default of 50 refused every run shorter than 51 steps over a key the
+    # user never wrote. Only a warm-up the user chose is held to "shorter than the run".
+    warmup_steps: int | None = fld(
+        None,
+        "Linear warmup steps; unset = min(50, 10% of the run's steps), printed at start.",
+        ge=0,
+        unset="auto",
+    )
     weight_decay: float = fld(0.1, "AdamW decoupled weight decay (not applied to norms and biases).", ge=0)
     beta1: float = fld(0.9, "AdamW beta1.", ge=0, le=1)
     beta2: float = fld(0.95, "AdamW beta2.", ge=0, le=1)

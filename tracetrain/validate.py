@@ -2,7 +2,8 @@
 
 `config.py` validates what the config alone can tell (types, ranges, finite numbers, keys that depend on
 each other). What is left needs `ModelArgs` — a preset's or a Hugging Face checkpoint's shape — or the
-job's size, so it lives here, in `validate`, which the trainer calls once, early:
+job's size, so it lives here, in `validate`, which the trainer calls once, early, right after
+`check_named_files` (the files the config names exist: a wrong path is reported before any setting):
 
 - the parallel layout against the model and the world size (`parallel/mesh.py::validate_parallel`), and
   the switches not yet combined with several ranks (`refuse_with_parallel`);
@@ -15,6 +16,8 @@ job's size, so it lives here, in `validate`, which the trainer calls once, early
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from tracetrain.config import Config, check_warmup
 from tracetrain.errors import ConfigError
@@ -122,6 +125,20 @@ def refuse_with_parallel(cfg: Config) -> None:
                 f"config key '{key}' is not supported together with several ranks yet: {why}; "
                 "turn it off or run on one process"
             )
+
+
+def check_named_files(cfg: Config) -> None:
+    """The files and folders the config names exist: model.init_from, then the data section's (data.path,
+    data.eval_path, data.tokenizer, the chat template). Run first, before any check of a setting and
+    before the model's shape is read, so that a user who mistyped a path is told that, not what a
+    setting would conflict with. (The --config file itself is read, or refused, by `load_config`.)"""
+    from tracetrain.data import check_data_files
+
+    init_from = cfg.model.init_from
+    if init_from and not Path(init_from).is_dir():
+        what = "is a file, not a Hugging Face checkpoint folder" if Path(init_from).exists() else "does not exist"
+        raise ConfigError(f"checkpoint folder {init_from} {what} (config key 'model.init_from')")
+    check_data_files(cfg.data)
 
 
 def validate(cfg: Config, args: ModelArgs, world_size: int) -> None:

@@ -16,7 +16,14 @@ For evaluation: `iter_batches(eval_ds, batch_size)` for the loss, and `eval_ds.e
 
 from tracetrain.data.chat import render_generation_prompt, resolve_chat_template
 from tracetrain.data.instruction import encode_prompt, exact_match, format_prompt
-from tracetrain.data.loader import StatefulLoader, build_datasets, build_loader, iter_batches, tokenize_rows
+from tracetrain.data.loader import (
+    StatefulLoader,
+    build_datasets,
+    build_loader,
+    check_data_files,
+    iter_batches,
+    tokenize_rows,
+)
 from tracetrain.data.packing import IGNORE_INDEX, PAD_DOCUMENT, DataStats, PackedDataset, TokenizedExample
 from tracetrain.data.synthetic import generate_examples
 from tracetrain.data.token_cache import DATA_CACHE_DIR
@@ -35,6 +42,7 @@ __all__ = [
     "Tokenizer",
     "build_datasets",
     "build_loader",
+    "check_data_files",
     "check_vocab",
     "encode_prompt",
     "exact_match",

@@ -62,6 +62,18 @@ class ChatTemplate:
     source: str
 
 
+def chat_template_file(data: DataSection) -> Path | None:
+    """The .jinja file `data.chat_template` names (None for 'auto' or a built-in name); DataError when a
+    named .jinja file is not there."""
+    spec = data.chat_template
+    if spec == "auto" or spec in BUILTIN_TEMPLATES:
+        return None
+    path = Path(spec)
+    if path.suffix == ".jinja" and not path.is_file():
+        raise DataError(f"chat template file {path} does not exist (config key 'data.chat_template')")
+    return path if path.is_file() else None
+
+
 def chat_template_for(data: DataSection, tok: Tokenizer) -> ChatTemplate | None:
     """The template `data.chat_template` names; None for 'auto' when the tokenizer has none."""
     spec = data.chat_template
@@ -71,10 +83,8 @@ def chat_template_for(data: DataSection, tok: Tokenizer) -> ChatTemplate | None:
         return ChatTemplate(f"the chat_template of tokenizer {tok.name}", tok.chat_template)
     if spec in BUILTIN_TEMPLATES:
         return ChatTemplate(f"built-in template '{spec}'", BUILTIN_TEMPLATES[spec])
-    path = Path(spec)
-    if path.suffix == ".jinja" or path.is_file():
-        if not path.is_file():
-            raise DataError(f"chat template file {path} does not exist (config key 'data.chat_template')")
+    path = chat_template_file(data)
+    if path is not None:
         return ChatTemplate(str(path), path.read_text(encoding="utf-8"))
     raise DataError(
         f"config key 'data.chat_template': {spec!r} is not 'auto', a built-in template "

@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from tracetrain.config import DataSection
-from tracetrain.data.chat import chat_documents, iter_chat_examples
+from tracetrain.data.chat import chat_documents, chat_template_file, iter_chat_examples
+from tracetrain.data.files import require_data_path
 from tracetrain.data.instruction import (
     instruction_documents,
     instruction_splits,
@@ -33,7 +34,7 @@ from tracetrain.data.packing import DataStats, PackedDataset, TokenizedExample
 from tracetrain.data.record_rows import DocumentsBuilder, build_record_datasets
 from tracetrain.data.synthetic import generate_examples, synthetic_documents, synthetic_splits
 from tracetrain.data.text import build_text_datasets, iter_documents
-from tracetrain.data.tokenizer import Tokenizer
+from tracetrain.data.tokenizer import Tokenizer, check_tokenizer_file
 from tracetrain.errors import DataError
 from tracetrain.progress import Progress
 
@@ -44,6 +45,22 @@ _DOCUMENTS: dict[str, DocumentsBuilder] = {
     "instruction": instruction_documents,
     "chat": chat_documents,
 }
+
+
+def check_data_files(data: DataSection) -> None:
+    """Every file the data section names is there: data.path, data.eval_path, each data.sources path, a
+    data.tokenizer path and a chat template file (an hf: dataset is looked up when read). Called before any
+    check of the run's settings, so that a missing file is the error a user sees first (`build_datasets`
+    reads them much later, after the settings are checked)."""
+    if data.kind != "synthetic" or data.sources:
+        for key in ("path", "eval_path"):
+            if getattr(data, key):
+                require_data_path(getattr(data, key), f"data.{key}")
+        for i, source in enumerate(data.sources):
+            require_data_path(source.path, f"data.sources[{i}].path")
+        if data.kind == "chat" or any(s.kind == "chat" for s in data.sources):
+            chat_template_file(data)
+    check_tokenizer_file(data.tokenizer)
 
 
 def build_datasets(

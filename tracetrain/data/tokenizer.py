@@ -302,6 +302,10 @@ class HFTokenizer(Tokenizer):
     def special_tokens(self) -> dict[str, str]:
         return dict(self._specials)
 
+    def tokenizer_json(self) -> dict[str, Any]:
+        """The tokenizer as its tokenizer.json holds it (model type, vocab, merges, added tokens)."""
+        return json.loads(self._tok.to_str())
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -416,6 +420,17 @@ def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
             "data.tokenizer"
         )
     return "byte"
+
+
+def check_tokenizer_file(spec: str) -> None:
+    """A `data.tokenizer` path names a tokenizer.json, or a folder holding one: DataError when it is not
+    there (checked before any setting of the run, so a wrong path is the error named)."""
+    if spec in ("auto", "byte"):
+        return
+    path = Path(spec)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise DataError(f"tokenizer file {file} does not exist (config key 'data.tokenizer')")
 
 
 def load_tokenizer(spec: str, init_from: str = "") -> Tokenizer:

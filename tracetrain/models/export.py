@@ -13,9 +13,10 @@ Contents (`export_run_hf`): config.json with bos/eos/pad ids; generation_config.
 tokenizer files with the chat template the run trained with; safetensors weights (sharded above
 `max_shard_bytes`); a short model card (README.md); the manifest.
 
-Default dtype (`default_export_dtype`): the run's own precision when it names fp32 or fp16; bf16 for
-bf16 and `auto` runs (auto trains in bf16 on any GPU that has it) and for LoRA runs (their frozen base
-is held in bf16 on the GPU, so wider weights would add no information).
+Dtype (`run_weights_dtype`, `--dtype auto`, the default): the dtype the run's weights are stored in, so
+an export neither rounds nor pads them: the checkpoint's tensors (fp32 for full fine-tuning, whatever
+train.precision computed in), and for a LoRA checkpoint that holds only adapters, the frozen base's
+(lora.base_dtype when set, else the dtype of the model.init_from files). `--dtype bf16|fp16|fp32` converts.
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ import torch
 
 from tracetrain import __version__
 from tracetrain.errors import CheckpointError, ConfigError
-from tracetrain.models.hf import _read_json, hf_config_dict, write_hf_weights, write_peft_adapter
-from tracetrain.models.lora import lora_state_dict
+from tracetrain.models.hf import _checkpoint_files, _read_json, hf_config_dict, write_hf_weights, write_peft_adapter
+from tracetrain.models.lora import is_lora_key, lora_state_dict
+from tracetrain.safe_load import open_safetensors
 
 if TYPE_CHECKING:
     from tracetrain.progress import Progress
 
 MANIFEST = "tracetrain_export.json"
 EXPORT_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_CHOICES = ("auto", *EXPORT_DTYPES)  # `--dtype`: auto = the run's weights dtype (`run_weights_dtype`)
+_STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' names
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -186,11 +190,34 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
-def default_export_dtype(cfg: Any) -> torch.dtype:
-    """The dtype an export writes unless told: see the module docstring for why."""
-    if cfg.train.mode == "lora":
-        return torch.bfloat16
-    return EXPORT_DTYPES.get(cfg.train.precision, torch.bfloat16)
+def _stored_dtype(file: Path) -> torch.dtype | None:
+    """The dtype of the first floating-point weight (not a LoRA adapter) of a safetensors file, read from
+    its header."""
+    with open_safetensors(file) as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
+            dtype = _STORED_DTYPES.get(f.get_slice(key).get_dtype())
+            if dtype is not None and not is_lora_key(key):
+                return dtype
+    return None
+
+
+def run_weights_dtype(loaded: Any) -> tuple[torch.dtype, str]:
+    """`--dtype auto`: the dtype the run's weights are stored in, and where it was read (module docstring)."""
+    cfg, ckpt = loaded.cfg, loaded.checkpoint
+    if loaded.spec.adapters_only:  # the checkpoint holds adapters; the base comes from model.init_from
+        if cfg.lora.base_dtype != "auto":
+            return EXPORT_DTYPES[cfg.lora.base_dtype], "lora.base_dtype"
+        base = Path(cfg.model.init_from)
+        first = sorted(set(_checkpoint_files(base).values()))[0]
+        dtype = _stored_dtype(base / first)
+        where = f"the frozen base's files ({base})"
+    elif (ckpt / "model.safetensors").is_file():
+        dtype, where = _stored_dtype(ckpt / "model.safetensors"), "the checkpoint's weights"
+    else:  # a sharded (DCP) checkpoint, gathered into the rebuilt model in the dtype it was saved from
+        dtype, where = next(p.dtype for p in loaded.model.parameters() if p.is_floating_point()), "the checkpoint"
+    if dtype is None or dtype not in EXPORT_DTYPES.values():
+        return torch.float32, f"{where} hold {dtype}; fp32 keeps every value"
+    return dtype, where
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -320,17 +347,22 @@ def export_run_hf(
 ) -> list[str]:
     """A trained run (`inference.load_trained`) as a transformers checkpoint folder, adapters merged.
 
-    Returns notes for the user (e.g. no tokenizer files for the byte tokenizer). `progress` hears the
-    weight bytes written (tracetrain/progress.py).
+    `dtype` None: the run's weights dtype (`run_weights_dtype`). Returns notes for the user (the dtype
+    chosen for it; no tokenizer files for the byte tokenizer). `progress` hears the weight bytes written
+    (tracetrain/progress.py).
     """
     cfg, tok, model = loaded.cfg, loaded.tokenizer, loaded.model
-    dtype = dtype or default_export_dtype(cfg)
+    notes = []
+    if dtype is None:
+        dtype, where = run_weights_dtype(loaded)
+        name = str(dtype).removeprefix("torch.")
+        notes.append(f"weights: {name}, as the run stores them ({where}); --dtype bf16/fp16/fp32 converts")
     ids = special_token_ids(tok, cfg.model.init_from)
     with export_folder(Path(out_dir), "hf", overwrite, loaded.checkpoint) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.args, dtype, **ids), indent=2))
         gen = generation_config_dict(tok, cfg.model.init_from)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        notes = write_tokenizer_files(cfg, tok, tmp)
+        notes += write_tokenizer_files(cfg, tok, tmp)
         write_hf_weights(model, model.args, tmp, dtype, max_shard_bytes, progress)
         (tmp / "README.md").write_text(model_card(cfg, loaded.checkpoint, dtype, "hf", _tokenizer_note(tok)))
     return notes

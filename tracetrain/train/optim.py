@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracetrain.config import Config, MemorySection, OptimSection, check_warmup
+from tracetrain.config import Config, MemorySection, OptimSection, check_warmup, resolve_warmup
 
 
 def build_optimizer(
@@ -117,11 +117,12 @@ class AdamW(torch.optim.AdamW):
 
 def lr_factor(step: int, cfg: OptimSection, total_steps: int) -> float:
     """Multiplier on the peak lr for optimizer step `step` (0-based)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = resolve_warmup(cfg, total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
     if cfg.schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     if cfg.schedule == "linear":
         decay = 1.0 - progress
     else:

@@ -1,6 +1,7 @@
 """`RUN/report.html`: one self-contained page (inline CSS and SVG, no script, no network) to follow a run.
 
-Charts: train and held-out loss against steps and against tokens, learning rate, tokens/s, MFU, peak
+Charts (drawn by train/report_charts.py: round axis ticks, a log-scale switch on the loss): train and
+held-out loss against steps and against tokens, learning rate, tokens/s, MFU, peak
 memory, the share of each step spent waiting for data, and the gradient norm with skipped steps marked.
 Then the run's figures, its data statistics, its resolved config and a link to the profile report when one
 was captured. The trainer refreshes the page every `logging.log_interval` steps and at the end
@@ -11,19 +12,16 @@ the files of one run, or overlays several (one colour per run).
 from __future__ import annotations
 
 import json
-import math
 import re
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.svg import PALETTE, esc
-
-MAX_POINTS = 1500  # per series: a long run is thinned for drawing (every k-th step; eval points all kept)
-WIDTH, HEIGHT, LEFT, BOTTOM = 920.0, 190.0, 70.0, 30.0
+from tracetrain.train.report_charts import CHART_CSS, Series, chart, fmt_num
 
 _CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:980px;color:#222;padding:0 12px}
@@ -32,8 +30,6 @@ h1{font-size:22px}h2{font-size:17px;margin-top:26px;border-bottom:1px solid #ddd
 .card{border:1px solid #ddd;border-radius:6px;padding:8px 14px;min-width:140px}
 .card b{display:block;font-size:19px}table{border-collapse:collapse;margin:8px 0 16px;font-size:13px}
 th,td{border-bottom:1px solid #eee;padding:3px 8px;text-align:left}td.n{text-align:right}
-.chart text{font-size:11px;fill:#333}.legend span{margin-right:12px;white-space:nowrap}
-.legend i{display:inline-block;width:11px;height:11px;margin-right:4px;vertical-align:-1px}
 details{margin:8px 0}code{background:#f4f4f4;padding:0 3px}
 """
 
@@ -91,92 +87,6 @@ def _json_or_none(path: Path) -> dict[str, Any] | None:
 # Charts
 
 
-@dataclass
-class Series:
-    name: str
-    color: str
-    points: list[tuple[float, float]]
-    dots: bool = False  # eval points: markers joined by a thin line
-    marks: list[float] = field(default_factory=list)  # x of flagged points (skipped steps), drawn as ticks
-
-
-def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    if len(points) <= MAX_POINTS:
-        return points
-    k = math.ceil(len(points) / MAX_POINTS)
-    return points[::k] + ([points[-1]] if (len(points) - 1) % k else [])
-
-
-def _ticks(lo: float, hi: float) -> list[float]:
-    return [lo + (hi - lo) * i / 4 for i in range(5)]
-
-
-def _num(v: float) -> str:
-    a = abs(v)
-    if a == 0:
-        return "0"
-    if a >= 1e9:
-        return f"{v / 1e9:.3g}G"
-    if a >= 1e6:
-        return f"{v / 1e6:.3g}M"
-    if a >= 1e4:
-        return f"{v / 1e3:.3g}k"
-    if a < 1e-2:
-        return f"{v:.2e}"
-    return f"{v:.4g}"
-
-
-def chart(title: str, series: Sequence[Series], x_label: str, fmt_y: Callable[[float], str] = _num) -> str:
-    """A line chart with labelled axes (5 ticks each) and a legend; empty series are left out."""
-    series = [s for s in series if s.points]
-    if not series:
-        return f'<h3>{esc(title)}</h3><p class="meta">no data yet</p>'
-    xs = [x for s in series for x, _ in s.points]
-    ys = [y for s in series for _, y in s.points if math.isfinite(y)]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
-    pad = (y1 - y0) * 0.05 or abs(y1) * 0.05 or 1.0
-    y0, y1 = (0.0 if y0 >= 0 and y0 - pad < 0 else y0 - pad), y1 + pad
-    plot_w, plot_h = WIDTH - LEFT - 12, HEIGHT - BOTTOM - 8
-
-    def px(x: float) -> float:
-        return LEFT + (x - x0) / ((x1 - x0) or 1.0) * plot_w
-
-    def py(y: float) -> float:
-        return 8 + plot_h - (y - y0) / ((y1 - y0) or 1.0) * plot_h
-
-    parts = [f'<rect x="{LEFT}" y="8" width="{plot_w}" height="{plot_h}" fill="none" stroke="#ccc"/>']
-    for y in _ticks(y0, y1):
-        parts.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{LEFT - 5}" y="{py(y) + 4:.1f}" text-anchor="end">{esc(fmt_y(y))}</text>')
-    for i, x in enumerate(_ticks(x0, x1)):
-        anchor = "start" if i == 0 else "end" if i == 4 else "middle"
-        parts.append(f'<text x="{px(x):.1f}" y="{8 + plot_h + 15}" text-anchor="{anchor}">{esc(_num(x))}</text>')
-    parts.append(f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 2}" text-anchor="middle">{esc(x_label)}</text>')
-    for s in series:
-        pts = [(x, y) for x, y in _thin(s.points) if math.isfinite(y)]
-        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        width = "1" if s.dots else "1.6"
-        parts.append(f'<polyline points="{coords}" fill="none" stroke="{s.color}" stroke-width="{width}"/>')
-        if s.dots:
-            parts += [
-                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{s.color}">'
-                f"<title>{esc(s.name)}: {esc(_num(y))} at {esc(_num(x))}</title></circle>"
-                for x, y in pts
-            ]
-        parts += [
-            f'<line x1="{px(x):.1f}" x2="{px(x):.1f}" y1="8" y2="{8 + plot_h}" stroke="#e15759" '
-            f'stroke-dasharray="3,3"><title>skipped step {x:.0f}</title></line>'
-            for x in s.marks
-        ]
-    legend = "".join(f'<span><i style="background:{s.color}"></i>{esc(s.name)}</span>' for s in series)
-    return (
-        f'<h3>{esc(title)}</h3><p class="legend">{legend}</p>'
-        f'<svg class="chart" role="img" aria-label="{esc(title)}" width="{WIDTH:.0f}" height="{HEIGHT:.0f}" '
-        f'viewBox="0 0 {WIDTH:.0f} {HEIGHT:.0f}">{"".join(parts)}</svg>'
-    )
-
-
 def _pts(rows: list[dict[str, Any]], key: str, x: Callable[[dict[str, Any]], float] | None = None) -> list:
     return [(x(r) if x else r["step"], float(r[key])) for r in rows if isinstance(r.get(key), int | float)]
 
@@ -231,8 +141,8 @@ def _charts(runs: list[RunData]) -> str:
         skipped = [float(r["step"]) for r in run.train if r.get("skipped")]
         gnorm.append(Series(label(run, "gradient norm"), c, _pts(run.train, "grad_norm"), marks=skipped))
     out = [
-        chart("Loss", loss, "step"),
-        chart("Loss against tokens", loss_tokens, "tokens (all GPUs)"),
+        chart("Loss", loss, "step", log_toggle=True),
+        chart("Loss against tokens", loss_tokens, "tokens (all GPUs)", log_toggle=True),
         chart("Learning rate", lr, "step"),
         chart("Throughput", tps, "step"),
     ]
@@ -301,7 +211,7 @@ def _compare_table(runs: list[RunData]) -> str:
         ("MFU (run)", lambda r: (r.summary or {}).get("mfu")),
     ]:
         cells = "".join(
-            f'<td class="n">{esc(_num(v) if isinstance(v, int | float) else "-")}</td>' for v in map(get, runs)
+            f'<td class="n">{esc(fmt_num(v) if isinstance(v, int | float) else "-")}</td>' for v in map(get, runs)
         )
         rows.append(f"<tr><td>{esc(label)}</td>{cells}</tr>")
     return f"<table><tr><th></th>{head}</tr>{''.join(rows)}</table>"
@@ -347,7 +257,7 @@ def render(runs: list[RunData], page_dir: Path) -> str:
             body.append(_key_values("summary.json", run.summary))
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-        f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>"
+        f"<style>{_CSS}{CHART_CSS}</style></head><body>{''.join(body)}</body></html>"
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from tracetrain.config import Config, to_toml
+from tracetrain.config import Config, describe_warmup, to_toml
 from tracetrain.data import DATA_CACHE_DIR, build_datasets, build_loader, check_vocab, load_tokenizer
 from tracetrain.devices import peak_flops
 from tracetrain.models.accounting import training_flops_per_token
@@ -69,9 +69,10 @@ class RunSetup:
         """One process, or one rank of a torchrun job: device, process group, layout, logs, watchdog."""
         from tracetrain.models.build import model_args_from_config
         from tracetrain.parallel import dist as tdist
-        from tracetrain.validate import validate
+        from tracetrain.validate import check_named_files, validate
 
         cfg = self.cfg
+        check_named_files(cfg)  # a missing file is the error named, before any setting's
         self.device = resolve_device(cfg.train.device)
         args = self.model_args = model_args_from_config(cfg)
         # Layout, multi-rank switches, config vs model shape: before any rank waits on another and before
@@ -147,6 +148,8 @@ class RunSetup:
         if cfg.memory.unified_memory != "none":
             self.note_managed()
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        if note := describe_warmup(cfg.optim, cfg.train.steps):  # after train.epochs has set the step count
+            self.reporter.note(note)
         # fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
         self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16" else None
 

@@ -110,6 +110,32 @@ def nice_step(span: float, max_ticks: int = 8) -> float:
     return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
 
 
+def nice_ticks(lo: float, hi: float, max_ticks: int = 6) -> list[float]:
+    """Round tick values (multiples of a 1-2-5 x 10^k spacing, `nice_step`) inside [lo, hi], at most
+    `max_ticks` + 1 of them. Each is rounded to the spacing's decimals, so 3 x 0.1 reads 0.3."""
+    step = nice_step(hi - lo, max_ticks)
+    decimals = max(0, -math.floor(math.log10(step)))
+    first, last = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
+    return [round(k * step, decimals) for k in range(first, last + 1)]
+
+
+def log_ticks(lo: float, hi: float, max_ticks: int = 6) -> list[float]:
+    """Round tick values for a logarithmic axis over [lo, hi] (0 < lo < hi): the powers of ten inside,
+    else 1-2-5 x 10^k, else 1..9 x 10^k, whichever first gives at least 3 ticks (every k-th kept when
+    there are more than `max_ticks` + 1); a range too narrow for that gets `nice_ticks`."""
+    decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+    for mantissas in ((1,), (1, 2, 5), tuple(range(1, 10))):
+        ticks = [
+            round(m * 10.0**d, max(0, -d))
+            for d in decades
+            for m in mantissas
+            if lo * (1 - 1e-9) <= m * 10.0**d <= hi * (1 + 1e-9)
+        ]
+        if len(ticks) >= 3:
+            return ticks[:: math.ceil(len(ticks) / (max_ticks + 1))]
+    return nice_ticks(lo, hi, max_ticks)
+
+
 def _time_label(us: float, step_us: float, total_us: float) -> str:
     """A tick label in the largest of s, ms and µs that `total_us` reaches, with as many decimals as
     the tick spacing needs (0.5 ms ticks: "1.5 ms")."""
