@@ -89,10 +89,22 @@ def bpe_json_path() -> Path:
 
 def bpe_ids() -> tuple[int, int]:
     """(the id of <|endoftext|>, the BPE's vocabulary size: the id of the first special token added)."""
+    return bpe_token_id(ENDOFTEXT), bpe_vocab_size()
+
+
+def bpe_token_id(token: str) -> int:
+    """The BPE's id of `token`, written as in its vocabulary ("\u010a" is byte-level "\n")."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(bpe_json_path()))
-    return tok.token_to_id(ENDOFTEXT), tok.get_vocab_size()
+    found = Tokenizer.from_file(str(bpe_json_path())).token_to_id(token)
+    assert found is not None, token
+    return found
+
+
+def bpe_vocab_size() -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(bpe_json_path())).get_vocab_size()
 
 
 def chat_tokenizer_folder(folder: Path, bpe_json: Path) -> Path:
@@ -119,8 +131,9 @@ def chat_tokenizer_folder(folder: Path, bpe_json: Path) -> Path:
     return folder
 
 
-def gsm8k_like(path: Path, num_rows: int = 2000, seed: int = 0) -> Path:
-    """GSM8K's layout: {"question", "answer"} with worked steps and the final number after "####"."""
+def gsm8k_like(path: Path, num_rows: int = 7473, seed: int = 0) -> Path:
+    """GSM8K's layout and size (its train split has 7,473 rows): {"question", "answer"}, worked steps with
+    <<calculator>> notes, the final number after "####"."""
     rng = random.Random(seed)
     names = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Mark"]
     things = ["clips", "apples", "books", "stickers", "pencils", "marbles"]
