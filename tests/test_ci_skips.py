@@ -69,3 +69,23 @@ def test_reasons_the_suite_gives_are_classified() -> None:
     ]
     assert all(skip_reason_allowed(r) for r in allowed)
     assert not any(skip_reason_allowed(r) for r in refused)
+
+
+def test_every_optional_extra_is_known_to_the_skip_check_and_the_bare_ci_step() -> None:
+    # An extra added to pyproject.toml must be absent in CI's bare step and an allowed reason to skip.
+    import re
+    import tomllib
+
+    from conftest import EXTRA_SKIP
+
+    pyproject = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())
+    tools = {"pytest", "ruff", "mypy"}
+    names = {
+        re.split(r"[<>=\[ ]", req)[0].removesuffix("-skinny")
+        for reqs in pyproject["project"]["optional-dependencies"].values()
+        for req in reqs
+    } - tools
+    ci_extras = re.search(r"^EXTRAS='([^']*)'", (TESTS.parent / ".ci" / "run").read_text(), re.M)
+    assert ci_extras is not None
+    assert names == set(ci_extras.group(1).split("|"))
+    assert all(EXTRA_SKIP.search(f"needs {name}") for name in names)
