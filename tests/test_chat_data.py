@@ -1,7 +1,7 @@
 """Chat data: templates rendered exactly as transformers renders them, the trained-token mask equal to
 transformers' `return_assistant_tokens_mask`, tokenizer folders and their special tokens, packing, and
-bad conversations. Tokenizer folders are built from the GPT-2 tokenizer.json plus added special tokens
-and a tokenizer_config.json written here; transformers is the reference, never our own code."""
+bad conversations. Tokenizer folders are built from a byte-level BPE trained at test time (GPT-2's design,
+tests/fixtures_gen.py) plus added special tokens and a tokenizer_config.json written here; transformers is the reference, never our own code."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shared_file
+from fixtures_gen import bpe_ids, bpe_json_path
 
 from tracetrain.config import DataSection, load_config
 from tracetrain.data import (ByteTokenizer, HFTokenizer, build_datasets, load_tokenizer, render_generation_prompt,
@@ -23,8 +23,11 @@ from tracetrain.errors import ConfigError, DataError
 
 transformers = pytest.importorskip("transformers")
 
+# The BPE's <|endoftext|> and the id of the first special token a folder adds (GPT-2's are 50256, 50257).
+EOT, ADDED = bpe_ids()
+
 # ---------------------------------------------------------------------------------------------------
-# Tokenizer folders of three families (GPT-2's BPE + each family's special tokens)
+# Tokenizer folders of three families (the BPE + each family's special tokens)
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>"]
@@ -52,9 +55,9 @@ MISTRAL_MARKED = MISTRAL.replace("{{ ' ' + message['content'] + eos_token }}",
 FAMILIES = {
     # name: (added special tokens, tokenizer_config, generation_config, template, marked template)
     "llama3": (LLAMA3_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-               {"eos_token_id": [50258, 50261]}, LLAMA_3, LLAMA_3_MARKED),
+               {"eos_token_id": [ADDED + 1, ADDED + 4]}, LLAMA_3, LLAMA_3_MARKED),
     "qwen2": (QWEN_SPECIALS, {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-              {"eos_token_id": [50258, 50256]}, QWEN, QWEN_MARKED),
+              {"eos_token_id": [ADDED + 1, EOT]}, QWEN, QWEN_MARKED),
     "mistral": (MISTRAL_SPECIALS, {"bos_token": {"__type": "AddedToken", "content": "<s>", "special": True},
                                    "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
                                    "add_bos_token": True},
@@ -74,11 +77,11 @@ CONVERSATIONS = {
 
 def make_folder(folder: Path, specials: list[str], config: dict, gen: dict | None = None,
                 template: str | None = None) -> Path:
-    """A Hugging Face tokenizer folder: GPT-2's tokenizer.json plus `specials` (ids 50257, 50258, ...)."""
+    """A Hugging Face tokenizer folder: the BPE's tokenizer.json plus `specials` (ids ADDED, ADDED + 1, ...)."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as RustTokenizer
     folder.mkdir(parents=True, exist_ok=True)
-    rust = RustTokenizer.from_file(str(shared_file("gpt2_tokenizer.json")))
+    rust = RustTokenizer.from_file(str(bpe_json_path()))
     rust.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     rust.save(str(folder / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
@@ -92,7 +95,7 @@ def make_folder(folder: Path, specials: list[str], config: dict, gen: dict | Non
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One tokenizer folder per family, built once for the module (loading GPT-2's BPE takes a while)."""
+    """One tokenizer folder per family, built once for the module (loading a BPE takes a while)."""
     base = tmp_path_factory.mktemp("families")
     return {family: make_folder(base / family, specials, config, gen, template)
             for family, (specials, config, gen, template, _) in FAMILIES.items()}
@@ -148,13 +151,13 @@ def test_no_double_bos(folders: dict[str, Path]) -> None:
     folder = folders["llama3"]
     tok = HFTokenizer(folder)
     ex = tokenize_conversation(ChatTemplate("llama-3", LLAMA_3), tok, CONVERSATIONS["system"])
-    assert ex.ids[0] == tok.bos_id == 50257 and ex.ids.count(tok.bos_id) == 1  # rendered, not added again
+    assert ex.ids[0] == tok.bos_id == ADDED and ex.ids.count(tok.bos_id) == 1  # rendered, not added again
     ex = tokenize_conversation(ChatTemplate("chatml", CHATML), tok, CONVERSATIONS["system"])
     assert ex.ids[0] == tok.bos_id and ex.ids.count(tok.bos_id) == 1  # the template has none: added once
     qwen = HFTokenizer(folders["qwen2"])
     assert not qwen.add_bos
     ex = tokenize_conversation(ChatTemplate("qwen", QWEN), qwen, CONVERSATIONS["system"])
-    assert ex.text.startswith("<|im_start|>system") and ex.ids[0] == 50257  # <|im_start|>, no BOS
+    assert ex.text.startswith("<|im_start|>system") and ex.ids[0] == ADDED  # <|im_start|>, no BOS
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -173,13 +176,13 @@ def test_render_generation_prompt_equals_transformers(folders: dict[str, Path], 
 def test_folder_special_tokens(folders: dict[str, Path]) -> None:
     llama = HFTokenizer(folders["llama3"])
     # EOS is <|eot_id|> because tokenizer_config says so (a guess by name would pick <|end_of_text|>).
-    assert (llama.bos_id, llama.eos_id, llama.pad_id, llama.add_bos) == (50257, 50261, 50261, True)
-    assert llama.stop_ids == (50261, 50258)  # + generation_config's <|end_of_text|>
+    assert (llama.bos_id, llama.eos_id, llama.pad_id, llama.add_bos) == (ADDED, ADDED + 4, ADDED + 4, True)
+    assert llama.stop_ids == (ADDED + 4, ADDED + 1)  # + generation_config's <|end_of_text|>
     assert llama.chat_template == LLAMA_3 and llama.source_dir == folders["llama3"]
     qwen = HFTokenizer(folders["qwen2"])
-    assert (qwen.eos_id, qwen.pad_id, qwen.add_bos, qwen.stop_ids) == (50258, 50256, False, (50258, 50256))
+    assert (qwen.eos_id, qwen.pad_id, qwen.add_bos, qwen.stop_ids) == (ADDED + 1, EOT, False, (ADDED + 1, EOT))
     mistral = load_tokenizer(str(folders["mistral"] / "tokenizer.json"))  # the folder's file
-    assert (mistral.bos_id, mistral.eos_id, mistral.add_bos, mistral.stop_ids) == (50257, 50258, True, (50258,))
+    assert (mistral.bos_id, mistral.eos_id, mistral.add_bos, mistral.stop_ids) == (ADDED, ADDED + 1, True, (ADDED + 1,))
     assert mistral.source_dir == folders["mistral"]
 
 
@@ -190,13 +193,13 @@ def test_folder_template_sources(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "b", QWEN_SPECIALS, {"eos_token": "<|im_end|>"})
     (folder / "chat_template.jinja").write_text(QWEN)
     assert HFTokenizer(folder).chat_template == QWEN
-    folder = make_folder(tmp_path / "c", QWEN_SPECIALS, {}, gen={"eos_token_id": 50258})
+    folder = make_folder(tmp_path / "c", QWEN_SPECIALS, {}, gen={"eos_token_id": ADDED + 1})
     tok = HFTokenizer(folder)
-    assert tok.eos_id == 50258 and tok.chat_template is None  # EOS from generation_config alone
+    assert tok.eos_id == ADDED + 1 and tok.chat_template is None  # EOS from generation_config alone
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
     tok = HFTokenizer(make_folder(tmp_path / "d", QWEN_SPECIALS, {}))
-    assert tok.eos_id == 50258
+    assert tok.eos_id == ADDED + 1
 
 
 def test_folder_errors(tmp_path: Path) -> None:
@@ -209,9 +212,9 @@ def test_folder_errors(tmp_path: Path) -> None:
 
 
 def test_bare_tokenizer_json_rule(tmp_path: Path) -> None:
-    gpt2 = load_tokenizer(str(shared_file("gpt2_tokenizer.json")))
-    assert gpt2.bos_id == gpt2.eos_id == gpt2.pad_id == 50256 and gpt2.stop_ids == (50256,)
-    assert gpt2.add_bos and gpt2.source_dir is None and gpt2.chat_template is None
+    bpe = load_tokenizer(str(bpe_json_path()))
+    assert bpe.bos_id == bpe.eos_id == bpe.pad_id == EOT and bpe.stop_ids == (EOT,)
+    assert bpe.add_bos and bpe.source_dir is None and bpe.chat_template is None
     folder = make_folder(tmp_path / "x", QWEN_SPECIALS, {})
     bare = tmp_path / "bare.json"
     bare.write_text((folder / "tokenizer.json").read_text())
@@ -279,7 +282,7 @@ def test_chat_dataset_rows_loss_on_assistant_turns_only(folders: dict[str, Path]
     path = write_rows(tmp_path / "c.jsonl", [conversation(i) for i in range(12)])
     train, _, stats = build_datasets(chat_cfg(path, chat_template="auto"), tok)
     assert stats.train_examples == 12 and stats.bad_lines_skipped == 0
-    eot, bos = 50261, 50257
+    eot, bos = ADDED + 4, ADDED
     seen = set()
     for r in range(len(train)):
         row = train[r]

@@ -2,8 +2,8 @@
 tokenizer -> `tracetrain data` (the loss mask) -> LoRA `train` -> `export --hf` -> transformers loads it,
 renders the same prompt, stops at the end-of-turn id, and agrees with tracetrain's logits.
 
-The tokenizer is GPT-2's (shared data) plus ChatML's <|im_start|> / <|im_end|>, in a folder with a
-tokenizer_config.json written here. Like a base model's, its eos_token is <|endoftext|>: the end-of-turn
+The tokenizer is a byte-level BPE trained at test time (conftest's bpe_json, GPT-2's design) plus
+ChatML's <|im_start|> / <|im_end|>, in a folder with a tokenizer_config.json written here. Like a base model's, its eos_token is <|endoftext|>: the end-of-turn
 id is known only from generation_config.json, so every step must carry it through.
 """
 
@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli_here, shared_file
+from conftest import cli_here
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -58,10 +58,10 @@ def sharegpt(conv: list[dict[str, str]]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, bpe_json):
     """A Hugging Face model folder: tiny random Llama + chat tokenizer + generation_config with both stop ids."""
     out = tmp_path_factory.mktemp("base")
-    tok = tokenizers.Tokenizer.from_file(str(shared_file("gpt2_tokenizer.json")))
+    tok = tokenizers.Tokenizer.from_file(str(bpe_json))
     tok.add_special_tokens(
         [
             tokenizers.AddedToken("<|im_start|>", special=True, normalized=False),

@@ -1,5 +1,6 @@
 """End-to-end CLI runs beyond `train`: profile, eval, generate, export; fp16; TensorBoard."""
 
+import importlib.util
 import json
 
 import pytest
@@ -8,6 +9,8 @@ from conftest import cli_here
 from test_train import SMALL, _model_and_opt, _rows, read_metrics, run_cli
 
 from tracetrain.train.step import StepContext, train_step
+
+HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +23,26 @@ def trained(tmp_path_factory):
         "--train.steps=40",
         f"--train.output_dir={out}",
         "--train.run_name=base",
-        "--logging.tensorboard=true",
+        f"--logging.tensorboard={str(HAVE_TENSORBOARD).lower()}",
     )
     return out / "base"
 
 
+@pytest.mark.skipif(
+    not HAVE_TENSORBOARD, reason="tensorboard is an optional extra: pip install 'tracetrain[tensorboard]'"
+)
 def test_tensorboard_events_written(trained):
     assert list((trained / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.skipif(HAVE_TENSORBOARD, reason="tensorboard is installed: this checks a bare install without it")
+def test_tensorboard_without_the_extra_is_one_line_naming_it(tmp_path):
+    args = ("train", *SMALL, "--train.steps=8", f"--train.output_dir={tmp_path}", "--logging.tensorboard=true")
+    proc = cli_here(*args, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: logging.tensorboard = true needs the tensorboard package: pip install 'tracetrain[tensorboard]'"
+    ), proc.stderr
 
 
 def test_eval_reports_loss_and_exact_match(trained):

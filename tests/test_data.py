@@ -16,7 +16,6 @@ from tracetrain.data import (ByteTokenizer, PackedDataset, build_datasets, build
 from tracetrain.data.packing import pack_documents, shift_labels
 from tracetrain.errors import DataError
 
-SHARED = Path("/work/shared/data")
 TOK = ByteTokenizer()
 BOS, EOS, PAD = 256, 257, 258
 
@@ -367,42 +366,34 @@ def test_iter_batches_keeps_last_partial_batch() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Real data with a real tokenizer (skipped when the shared files are absent)
+# Instruction data in the layouts of Dolly and GSM8K with a byte-level BPE (conftest's fixtures, built here)
 
 @pytest.fixture(scope="module")
-def gpt2():
-    path = SHARED / "gpt2_tokenizer.json"
-    if not path.is_file():
-        pytest.skip(f"GPT-2 tokenizer not available at {path}")
-    return load_tokenizer(str(path))
+def bpe(bpe_json):
+    return load_tokenizer(str(bpe_json))
 
 
-def test_dolly_sample_loads(gpt2) -> None:
-    path = SHARED / "dolly_sample" / "dolly_sample_train20.jsonl"
-    if not path.is_file():
-        pytest.skip(f"Dolly sample not available at {path}")
-    cfg = data_cfg(path=str(path), template="alpaca", seq_len=512, eval_fraction=0.1)
-    train, eval_, stats = build_datasets(cfg, gpt2)
+def test_dolly_sample_loads(bpe, dolly_jsonl) -> None:
+    cfg = data_cfg(path=str(dolly_jsonl), template="alpaca", seq_len=512, eval_fraction=0.1)
+    train, eval_, stats = build_datasets(cfg, bpe)
     assert stats.examples_read == 20
     assert stats.train_examples + stats.eval_examples + stats.examples_dropped == 20
     assert len(eval_.examples) == stats.eval_examples >= 1
-    first = gpt2.decode(train[0]["input_ids"].tolist())
+    first = bpe.decode(train[0]["input_ids"].tolist())
     assert "### Instruction:" in first and "### Response:" in first
 
 
-def test_gsm8k_loads_quickly(gpt2) -> None:
-    path = SHARED / "gsm8k" / "train.jsonl"
-    if not path.is_file():
-        pytest.skip(f"GSM8K not available at {path}")
+def test_gsm8k_loads_quickly(bpe, gsm8k_jsonl) -> None:
+    path = gsm8k_jsonl
     num_lines = sum(1 for line in path.open() if line.strip())
     cfg = data_cfg(path=str(path), instruction_field="question", response_field="answer", context_field="",
                    seq_len=512)
     start = time.perf_counter()
-    train, eval_, stats = build_datasets(cfg, gpt2)
+    train, eval_, stats = build_datasets(cfg, bpe)
     assert time.perf_counter() - start < 15
     assert stats.examples_read == num_lines and stats.bad_lines_skipped == 0
     assert all("####" in r for _, r in eval_.examples)
     assert all(exact_match(r, r, "instruction") for _, r in eval_.examples)
     row = train[0]
     targets = row["labels"][row["labels"] != -100].tolist()
-    assert "####" in gpt2.decode(targets)  # the loss covers the answers, final number included
+    assert "####" in bpe.decode(targets)  # the loss covers the answers, final number included

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_here, shared_file
+from conftest import cli_here
+from fixtures_gen import bpe_json_path, bpe_token_id, bpe_vocab_size
 from safetensors import safe_open
 from test_train import run_cli
 
@@ -34,7 +35,8 @@ TINY_RUN = [
     "--logging.progress=false",
 ]
 TINY_MODEL = ["--model.dim=64", "--model.n_layers=2", "--model.ffn_dim=128"]  # runs without model.init_from
-GPT2_EOS, GPT2_NEWLINE = 50256, 198  # <|endoftext|> and "\n" (our test's end-of-turn id) in GPT-2's vocabulary
+# <|endoftext|> and "\n" (our test's end-of-turn id) in the byte-level BPE trained for the tests (tests/fixtures_gen.py)
+BPE_EOS, BPE_NEWLINE = bpe_token_id("<|endoftext|>"), bpe_token_id("\u010a")
 
 
 def train_run(out: Path, name: str, *extra: str) -> Path:
@@ -263,12 +265,12 @@ def test_export_help_names_the_dtype_choices(capsys) -> None:
     assert "--dtype {auto,bf16,fp16,fp32}" in text and "auto (default) = the run's weights dtype" in text
 
 
-def gpt2_tokenizer_folder(tmp_path: Path) -> Path:
-    """GPT-2's tokenizer.json with a tokenizer_config.json (and a chat template) and a generation config
+def bpe_tokenizer_folder(tmp_path: Path) -> Path:
+    """The test BPE's tokenizer.json (GPT-2's design) with a tokenizer_config.json (and a chat template) and a generation config
     naming a second stop id, as a Hugging Face tokenizer folder."""
-    folder = tmp_path / "gpt2-tok"
+    folder = tmp_path / "bpe-tok"
     folder.mkdir()
-    shutil.copy(shared_file("gpt2_tokenizer.json"), folder / "tokenizer.json")
+    shutil.copy(bpe_json_path(), folder / "tokenizer.json")
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
@@ -282,7 +284,7 @@ def gpt2_tokenizer_folder(tmp_path: Path) -> Path:
             }
         )
     )
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [GPT2_EOS, GPT2_NEWLINE]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [BPE_EOS, BPE_NEWLINE]}))
     return folder
 
 
@@ -290,25 +292,27 @@ def gpt2_tokenizer_folder(tmp_path: Path) -> Path:
 def test_hf_tokenizer_run_exports_tokenizer_and_every_stop_id(tmp_path: Path, export) -> None:
     from tracetrain.data.tokenizer import load_tokenizer
 
-    tok_dir = gpt2_tokenizer_folder(tmp_path)
+    tok_dir = bpe_tokenizer_folder(tmp_path)
     ours = load_tokenizer(str(tok_dir))
     if not hasattr(ours, "save_hf_files"):
         pytest.fail("HFTokenizer.save_hf_files (the chat-data side of the contract) is missing")
-    run = train_run(tmp_path / "runs", "g", *TINY_MODEL, f"--data.tokenizer={tok_dir}", "--model.vocab_size=50257")
+    run = train_run(
+        tmp_path / "runs", "g", *TINY_MODEL, f"--data.tokenizer={tok_dir}", f"--model.vocab_size={bpe_vocab_size()}"
+    )
     out = tmp_path / "hf"
     proc = export(str(run), "--hf", str(out), "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "Hello world, export me!"
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
-    assert hf_tok.eos_token_id == GPT2_EOS and hf_tok.chat_template == ours.chat_template
+    assert hf_tok.eos_token_id == BPE_EOS and hf_tok.chat_template == ours.chat_template
     gen = transformers.GenerationConfig.from_pretrained(out)
-    assert gen.eos_token_id == [GPT2_EOS, GPT2_NEWLINE]
-    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [GPT2_EOS, GPT2_NEWLINE]
+    assert gen.eos_token_id == [BPE_EOS, BPE_NEWLINE]
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [BPE_EOS, BPE_NEWLINE]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    rig_to_emit(hf, GPT2_NEWLINE)  # the end-of-turn id, not EOS, must stop transformers' generate
+    rig_to_emit(hf, BPE_NEWLINE)  # the end-of-turn id, not EOS, must stop transformers' generate
     prompt = torch.tensor([ours.encode("Hi")])
-    assert hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :].tolist() == [GPT2_NEWLINE]
+    assert hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :].tolist() == [BPE_NEWLINE]
     manifest = json.loads((out / "tracetrain_export.json").read_text())
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(manifest["files"])
 

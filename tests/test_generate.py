@@ -346,32 +346,35 @@ def test_any_stop_id_ends_row_as_eos(model):
     assert out[0].finish_reason == out[1].finish_reason == "eos"
 
 
-def test_generate_records_stops_at_an_end_of_turn_id(tmp_path):
+def test_generate_records_stops_at_an_end_of_turn_id(tmp_path, bpe_json):
     """`tracetrain generate`'s path stops at any of the tokenizer's stop ids, not only at its EOS."""
     import shutil
 
-    from conftest import shared_file
+    from fixtures_gen import bpe_token_id, bpe_vocab_size
 
     from tracetrain.data.tokenizer import load_tokenizer
     from tracetrain.models.generate import generate_records
 
     folder = tmp_path / "tok"
     folder.mkdir()
-    shutil.copy(shared_file("gpt2_tokenizer.json"), folder / "tokenizer.json")
+    shutil.copy(bpe_json, folder / "tokenizer.json")
+    eot, newline = bpe_token_id("<|endoftext|>"), bpe_token_id("\u010a")
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [50256, 198]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, newline]}))
     tok = load_tokenizer(str(folder))
-    assert tok.eos_id == 50256 and 198 in tok.stop_ids
+    assert tok.eos_id == eot and newline in tok.stop_ids
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=50257)).eval()
-    with torch.no_grad():  # greedy always picks 198 ("\n"): blocks add nothing, only row 198 reads coordinate 0
+    model = Transformer(
+        ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=bpe_vocab_size())
+    ).eval()
+    with torch.no_grad():  # greedy always picks "\n": blocks add nothing, only its row reads coordinate 0
         model.layers[0].self_attn.o_proj.weight.zero_()
         model.layers[0].mlp.down_proj.weight.zero_()
         model.embed_tokens.weight[:, 0] = 1.0
         model.norm.weight.zero_()
         model.norm.weight[0] = 1.0
         model.lm_head.weight.zero_()
-        model.lm_head.weight[198, 0] = 100.0
+        model.lm_head.weight[newline, 0] = 100.0
     lines, _ = generate_records(
         model, tok, [{"prompt": "Hi", "text": "Hi", "stop": [], "max_new_tokens": None}], max_new_tokens=8
     )

@@ -23,14 +23,36 @@ def test_config_reference_doc_is_current():
 
 
 def test_readme_test_command_is_what_ci_runs():
-    # The second of the README's two commands installs and runs the tests; CI runs the same steps.
+    # The second of the README's two commands installs and runs the tests. CI runs its parts in order, word
+    # for word, in a fresh virtual environment whose python3 is first on PATH, without pip's cache (so it
+    # gets the releases a user gets); then a second fresh one installs the package bare and runs pytest.
     lines = [line for line in README.splitlines() if line.startswith("python3 -m pip install") and "pytest" in line]
     assert len(lines) == 1, lines
     ci_lines = (REPO / ".ci" / "run").read_text().splitlines()
-    ci = [shlex.split(line) for line in ci_lines if line.startswith("python3 ")]
+    assert any(line.startswith("export ") and "PIP_NO_CACHE_DIR=1" in line.split() for line in ci_lines)
+    full, bare = _venv_step(ci_lines, "full"), _venv_step(ci_lines, "bare")
+    # The system python3 only creates the environments.
+    assert all(not line.startswith("python3 ") or " -m venv " in line for line in ci_lines[: full[0]])
+    full_steps = [shlex.split(line) for line in ci_lines[full[0] : bare[0]] if line.startswith("python3 ")]
+    at = 0
     for part in lines[0].split("&&"):
         words = shlex.split(part)
-        assert any(line[: len(words)] == words or _without_quiet(line) == words for line in ci), part
+        found = [i for i, line in enumerate(full_steps) if i >= at and (line == words or _without_quiet(line) == words)]
+        assert found, f"{part.strip()!r} is not in .ci/run's full step after the previous part"
+        at = found[0] + 1
+    bare_steps = [_without_quiet(shlex.split(line)) for line in ci_lines[bare[0] :] if line.startswith("python3 ")]
+    assert ["python3", "-m", "pip", "install", "-e", ".", "pytest"] in bare_steps
+    assert any(line[:3] == ["python3", "-m", "pytest"] for line in bare_steps)
+
+
+def _venv_step(ci_lines: list[str], name: str) -> tuple[int, str]:
+    """(line index, bin folder) of `python3 -m venv DIR/name`; the next line puts DIR/name/bin first on PATH."""
+    venv = [i for i, line in enumerate(ci_lines) if line.startswith("python3 -m venv ") and line.endswith(f'/{name}"')]
+    assert len(venv) == 1, f".ci/run creates no {name} virtual environment"
+    i = venv[0]
+    folder = shlex.split(ci_lines[i])[-1]
+    assert ci_lines[i + 1].startswith(f'export PATH="{folder}/bin:'), ci_lines[i + 1]
+    return i, folder
 
 
 def _without_quiet(words: list[str]) -> list[str]:

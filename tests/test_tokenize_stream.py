@@ -16,7 +16,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from tests.conftest import REPO, shared_file
+from tests.conftest import REPO
 from tracetrain.config import DataSection
 from tracetrain.data import build_datasets, load_tokenizer
 from tracetrain.data import text as text_module
@@ -92,9 +92,11 @@ def small_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("pack", [True, False])
-@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
-def test_rows_equal_reference_across_chunk_boundaries(tmp_path: Path, small_chunks, pack: bool, tokenizer: str):
-    tok = BYTE if tokenizer == "byte" else load_tokenizer(str(shared_file("gpt2_tokenizer.json")))
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_rows_equal_reference_across_chunk_boundaries(
+    tmp_path: Path, small_chunks, pack: bool, tokenizer: str, bpe_json: Path
+):
+    tok = BYTE if tokenizer == "byte" else load_tokenizer(str(bpe_json))
     docs = corpus()
     path = tmp_path / "c.txt"
     path.write_text("\n<|endoftext|>\n".join(docs) + "\n \t<|endoftext|>\n\n<|endoftext|>\n")  # + a blank doc
@@ -238,17 +240,18 @@ print(json.dumps(growth))
 """
 
 
-def test_peak_memory_does_not_grow_with_one_long_document(tmp_path: Path):
-    """A single document (no separator lines) goes to the GPT-2 tokenizer a piece at a time: tokenising
-    0.28 MB and 1.1 MB of tinyshakespeare adds about the same to the peak (measured: +1.8 and +4.4 MiB).
-    In one call the tokenizer holds about 180 bytes a character (+44 and +190 MiB). Pieces of 32K
+def test_peak_memory_does_not_grow_with_one_long_document(tmp_path: Path, corpus_txt: Path, bpe_json: Path):
+    """A single document (no separator lines) goes to the byte-level BPE a piece at a time: tokenising
+    0.28 MB and 1.1 MB of the tests' corpus adds about the same to the peak (measured: +7.2 and +9.9 MiB;
+    with GPT-2 and tinyshakespeare +1.8 and +4.4). In one call the tokenizer holds about 180 bytes a
+    character (+52 and +200 MiB). Pieces of 32K
     characters here, so that small files show it; cutting tokens into rows is bounded by its blocks
     (the test above)."""
-    text = shared_file("tinyshakespeare.txt").read_text()
+    text = corpus_txt.read_text()
     paths = [tmp_path / "quarter.txt", tmp_path / "whole.txt"]
     paths[0].write_text(text[: len(text) // 4])
     paths[1].write_text(text)
-    args = [str(shared_file("gpt2_tokenizer.json")), str(1 << 15), *map(str, paths)]
+    args = [str(bpe_json), str(1 << 15), *map(str, paths)]
     run = subprocess.run([sys.executable, "-c", PEAK_ONE_DOCUMENT, *args], capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 0, run.stderr
     quarter, whole = json.loads(run.stdout)

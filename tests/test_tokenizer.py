@@ -1,16 +1,18 @@
-"""Tokenizers: the byte tokenizer's id layout and round trip, a real GPT-2 tokenizer.json, errors."""
+"""Tokenizers: the byte tokenizer's id layout and round trip, a byte-level BPE tokenizer.json (GPT-2's design,
+trained at test time: tests/fixtures_gen.py), errors."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from fixtures_gen import bpe_token_id, bpe_vocab_size
 
 from tracetrain.data import ByteTokenizer, HFTokenizer, check_vocab, load_tokenizer
 from tracetrain.errors import DataError
 
-GPT2_JSON = Path("/work/shared/data/gpt2_tokenizer.json")
-GPT2_ENDOFTEXT = 50256  # GPT-2's only special token, as published with the model
+ENDOFTEXT = bpe_token_id("<|endoftext|>")  # the BPE's only special token (GPT-2's 50256)
+NEWLINE = bpe_token_id("\u010a")  # byte-level "\n" (GPT-2's 198)
 
 
 def test_byte_tokenizer_layout_and_round_trip() -> None:
@@ -60,37 +62,39 @@ def test_tokenizer_file_json_but_not_a_tokenizer(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpt2() -> HFTokenizer:
-    if not GPT2_JSON.is_file():
-        pytest.skip(f"GPT-2 tokenizer.json not available at {GPT2_JSON}")
-    tok = load_tokenizer(str(GPT2_JSON))
+def bpe(bpe_json: Path) -> HFTokenizer:
+    tok = load_tokenizer(str(bpe_json))
     assert isinstance(tok, HFTokenizer)
     return tok
 
 
-def test_gpt2_specials(gpt2: HFTokenizer) -> None:
+def test_bare_bpe_specials(bpe: HFTokenizer) -> None:
     # A bare tokenizer.json with exactly one special token: it is BOS, EOS and PAD (GPT-2's convention).
-    assert gpt2.vocab_size == 50257
-    assert gpt2.bos_id == gpt2.eos_id == GPT2_ENDOFTEXT
-    assert gpt2.pad_id == GPT2_ENDOFTEXT
-    assert gpt2.stop_ids == (GPT2_ENDOFTEXT,) and gpt2.add_bos and gpt2.source_dir is None
+    assert bpe.vocab_size == bpe_vocab_size()
+    assert bpe.bos_id == bpe.eos_id == ENDOFTEXT
+    assert bpe.pad_id == ENDOFTEXT
+    assert bpe.stop_ids == (ENDOFTEXT,) and bpe.add_bos and bpe.source_dir is None
 
 
-def test_specials_come_from_the_folder_not_from_names(tmp_path: Path) -> None:
-    # GPT-2's tokenizer.json in a folder whose config names another EOS: the config wins over any spelling.
-    if not GPT2_JSON.is_file():
-        pytest.skip(f"GPT-2 tokenizer.json not available at {GPT2_JSON}")
-    (tmp_path / "tokenizer.json").write_text(GPT2_JSON.read_text())
-    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": null, "eos_token": "\u010a"}')  # "\n" = id 198
+def test_specials_come_from_the_folder_not_from_names(tmp_path: Path, bpe_json: Path) -> None:
+    # The BPE's tokenizer.json in a folder whose config names another EOS: the config wins over any spelling.
+    (tmp_path / "tokenizer.json").write_text(bpe_json.read_text())
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": null, "eos_token": "\u010a"}')  # "\n"
     tok = load_tokenizer(str(tmp_path))
-    assert (tok.eos_id, tok.pad_id, tok.add_bos, tok.stop_ids, tok.source_dir) == (198, 198, False, (198,), tmp_path)
+    assert (tok.eos_id, tok.pad_id, tok.add_bos, tok.stop_ids, tok.source_dir) == (
+        NEWLINE,
+        NEWLINE,
+        False,
+        (NEWLINE,),
+        tmp_path,
+    )
 
 
-def test_gpt2_encode_decode(gpt2: HFTokenizer) -> None:
+def test_bpe_encode_decode(bpe: HFTokenizer) -> None:
     text = "Hello world, naïve café!"
-    ids = gpt2.encode(text)
-    assert GPT2_ENDOFTEXT not in ids
+    ids = bpe.encode(text)
+    assert ENDOFTEXT not in ids
     assert len(ids) < len(text)  # BPE merges: fewer ids than characters
-    assert gpt2.decode(ids) == text
-    assert gpt2.decode([GPT2_ENDOFTEXT] + ids + [GPT2_ENDOFTEXT]) == text
-    assert gpt2.encode_batch([text, "x"]) == [ids, gpt2.encode("x")]
+    assert bpe.decode(ids) == text
+    assert bpe.decode([ENDOFTEXT] + ids + [ENDOFTEXT]) == text
+    assert bpe.encode_batch([text, "x"]) == [ids, bpe.encode("x")]

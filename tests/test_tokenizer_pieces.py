@@ -1,6 +1,7 @@
 """A long document is encoded a piece at a time (data/tokenizer.py): the cuts fall where the pieces' ids
-are the ids of one call on the whole text, for GPT-2's byte-level regex, a Llama-3 style Split regex and
-Metaspace; a cut anywhere else would change them."""
+are the ids of one call on the whole text, for GPT-2's byte-level regex (a BPE of GPT-2's design trained at
+test time, tests/fixtures_gen.py), a Llama-3 style Split regex and Metaspace; a cut anywhere else would
+change them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import shared_file
+from fixtures_gen import bpe_json_path
 
 from tracetrain.data import HFTokenizer
 from tracetrain.data.tokenizer import piece_spans
@@ -42,19 +43,20 @@ ALPHABET = list("abZ9 0'.,!?\n\n\t  ") + [
 ]
 
 
-def shakespeare() -> str:
-    return shared_file("tinyshakespeare.txt").read_text(encoding="utf-8")
+def corpus() -> str:
+    """The tests' play-like corpus (1.1 MB, the size of tinyshakespeare), the BPE's training text."""
+    return (bpe_json_path().parent / "corpus.txt").read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """tokenizer.json files: GPT-2's; GPT-2's vocabulary behind Llama 3's Split regex; a BPE with a
-    Metaspace pre-tokenizer (SentencePiece style) trained here on part of tinyshakespeare."""
+    """tokenizer.json files: the byte-level BPE; its vocabulary behind Llama 3's Split regex; a BPE with a
+    Metaspace pre-tokenizer (SentencePiece style) trained here on part of the corpus."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-    gpt2 = shared_file("gpt2_tokenizer.json")
+    bpe = bpe_json_path()
     folder = tmp_path_factory.mktemp("tokenizers")
-    llama3 = Tokenizer.from_file(str(gpt2))
+    llama3 = Tokenizer.from_file(str(bpe))
     llama3.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
@@ -65,9 +67,9 @@ def tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     metaspace = Tokenizer(models.BPE())
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>"], show_progress=False)
-    metaspace.train_from_iterator([shakespeare()[:200_000]], trainer)
+    metaspace.train_from_iterator([corpus()[:200_000]], trainer)
     metaspace.save(str(folder / "metaspace.json"))
-    return {"gpt2": gpt2, "llama3": folder / "llama3.json", "metaspace": folder / "metaspace.json"}
+    return {"bpe": bpe, "llama3": folder / "llama3.json", "metaspace": folder / "metaspace.json"}
 
 
 def pieces_and_whole(path: Path, text: str, piece_chars: int) -> tuple[list[int], list[int]]:
@@ -80,7 +82,7 @@ def pieces_and_whole(path: Path, text: str, piece_chars: int) -> tuple[list[int]
 
 
 def test_spans_cover_the_text_and_cut_only_at_safe_places() -> None:
-    text = shakespeare()[:300_000]
+    text = corpus()[:300_000]
     spans = list(piece_spans(text, 4096))
     assert spans[0][0] == 0 and spans[-1][1] == len(text)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # in order, no gap, no overlap
@@ -94,27 +96,27 @@ def test_spans_cover_the_text_and_cut_only_at_safe_places() -> None:
     assert list(piece_spans("x" * 1000 + "  \n\n " * 10, 16)) == [(0, 1050)]
     assert list(piece_spans("", 16)) == [] and list(piece_spans("short", 16)) == [(0, 5)]
     with pytest.raises(ValueError, match="piece_chars must be at least 1, got 0"):
-        HFTokenizer(shared_file("gpt2_tokenizer.json"), piece_chars=0)
+        HFTokenizer(bpe_json_path(), piece_chars=0)
 
 
-def test_gpt2_pieces_give_the_ids_of_one_call_on_tinyshakespeare(tokenizer_files: dict[str, Path]) -> None:
-    text = shakespeare()  # 1.1 MB: about 270 pieces of 4096 characters
-    in_pieces, whole = pieces_and_whole(tokenizer_files["gpt2"], text, 4096)
+def test_bpe_pieces_give_the_ids_of_one_call_on_the_corpus(tokenizer_files: dict[str, Path]) -> None:
+    text = corpus()  # 1.1 MB: about 270 pieces of 4096 characters
+    in_pieces, whole = pieces_and_whole(tokenizer_files["bpe"], text, 4096)
     assert len(whole) > 300_000 and in_pieces == whole
     # The check can fail: cut every 4096 characters regardless of what is there, the ids differ.
-    tok = HFTokenizer(tokenizer_files["gpt2"])
+    tok = HFTokenizer(tokenizer_files["bpe"])
     blind = [i for start in range(0, len(text), 4096) for i in tok.encode(text[start : start + 4096])]
     assert blind != whole
 
 
 @pytest.mark.parametrize("kind", ["llama3", "metaspace"])
 def test_other_pre_tokenizers_give_the_ids_of_one_call(tokenizer_files: dict[str, Path], kind: str) -> None:
-    text = shakespeare()[200_000:500_000]  # text the Metaspace BPE was not trained on
+    text = corpus()[200_000:500_000]  # text the Metaspace BPE was not trained on
     in_pieces, whole = pieces_and_whole(tokenizer_files[kind], text, 4096)
     assert in_pieces == whole
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama3"])
+@pytest.mark.parametrize("kind", ["bpe", "llama3"])
 def test_pieces_of_random_text_give_the_ids_of_one_call(tokenizer_files: dict[str, Path], kind: str) -> None:
     """Pieces of a few characters, so that cuts of both kinds land next to every kind of character."""
     rng = random.Random(0)

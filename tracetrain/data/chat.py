@@ -201,7 +201,11 @@ def _spans_by_prefix(
                 f"{template.name} does not render assistant message {i}'s content verbatim, so "
                 "its tokens cannot be located; use a template that keeps message text as is"
             )
-        spans.append((start if has_prompt else content_at, len(turn.rstrip())))
+        if not has_prompt and not full[start:content_at].isspace():
+            # Spacing between the prompt and the answer ("[/INST] Paris") is generated with the answer;
+            # a tokenizer that splits the space off would otherwise leave its token untrained.
+            start = content_at
+        spans.append((start, len(turn.rstrip())))
     return spans
 
 
