@@ -24,11 +24,14 @@ from tracetrain.profile.analyze.comm_memory import (
     offload,
 )
 from tracetrain.profile.analyze.counters import CounterReport, counter_report
+from tracetrain.profile.analyze.host_gaps import HostGapRow, host_gaps
 from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
 from tracetrain.profile.analyze.operators import HostTime, host_time
+from tracetrain.profile.analyze.overhead import TIMING_SUFFIX, Overhead, profiler_overhead, read_real_step_us
 from tracetrain.profile.analyze.phases import PhaseRow, phases
+from tracetrain.profile.analyze.select import main_device
 from tracetrain.profile.analyze.trace import Trace, read_traces
-from tracetrain.profile.analyze.utilisation import Utilisation, utilisation
+from tracetrain.profile.analyze.utilisation import Utilisation, idle_by_cause, utilisation
 
 TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".sqlite3")
 
@@ -55,6 +58,24 @@ class RankReport:
     host_time: HostTime = field(default_factory=HostTime)
     # CUPTI range-profiler counters (a trace of `cuda_profiler_range` events; empty otherwise).
     counters: CounterReport = field(default_factory=CounterReport)
+    # The profiler's own cost to the host-side idle, and the step time without it (overhead.py).
+    overhead: Overhead | None = None
+    # GPU idle charged to the host, split by what the host was doing (host_gaps.py).
+    host_gaps: list[HostGapRow] = field(default_factory=list)
+    # Of this rank's NCCL kernel time, the part that was transfer, not waiting for a late peer (set
+    # from all ranks' traces by collectives.py; None with one rank or without matched collectives).
+    transfer_fraction: float | None = None
+
+    @property
+    def real_steps_us(self) -> float:
+        """Time inside steps without the profiler's host-side cost (the denominator of every share)."""
+        removed = self.overhead.removed_total_us if self.overhead else 0.0
+        return max(self.utilisation.steps_us - removed, 1e-9)
+
+    def real_idle_us(self, cause: str) -> float:
+        """Idle of one cause, less what the profiler's recording cost added."""
+        removed = self.overhead.removed_us.get(cause, 0.0) if self.overhead else 0.0
+        return max(self.utilisation.idle_us[cause] - removed, 0.0)
 
 
 @dataclass(frozen=True)
@@ -86,7 +107,8 @@ def analyze_trace(trace: Trace) -> RankReport:
     spec, notes = _device(trace)
     has_gpu = len(trace.gpu) > 0
     notes = notes if has_gpu else []
-    util = utilisation(trace)
+    causes = idle_by_cause(trace, main_device(trace)) if has_gpu else None
+    util = utilisation(trace, causes=causes)
     num_devices = len(set(trace.gpu.device.tolist()))
     if num_devices > 1:
         notes.append(f"activity on {num_devices} GPUs in one trace: analysing GPU {util.device}, the busiest")
@@ -110,6 +132,13 @@ def analyze_trace(trace: Trace) -> RankReport:
         host_time=HostTime() if has_gpu else host_time(trace),
         counters=counter_report(trace),
     )
+    if has_gpu and causes is not None:
+        real = read_real_step_us(trace.path)
+        overhead = profiler_overhead(trace, causes, util.steps_us, len(util.steps), real)
+        gaps = host_gaps(trace, causes, overhead.per_event_us)
+        report = replace(report, overhead=overhead, host_gaps=gaps)
+        if overhead.note:
+            report.notes.append(overhead.note)
     # Every rule reads GPU time: a CPU-only trace gets its note and no advice.
     return replace(report, advice=advise(report)) if has_gpu else report
 
@@ -125,7 +154,10 @@ def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
             found = sorted(
                 p
                 for p in item.iterdir()
-                if p.is_file() and p.name.endswith(TRACE_SUFFIXES) and not p.name.startswith("report")
+                if p.is_file()
+                and p.name.endswith(TRACE_SUFFIXES)
+                and not p.name.startswith("report")
+                and not p.name.endswith(TIMING_SUFFIX)
             )
             if not found:
                 raise TracetrainError(f"{item}: directory has no .json, .json.gz or .sqlite trace files")
