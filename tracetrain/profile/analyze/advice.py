@@ -19,7 +19,7 @@ activity's rule, not to host_bound/launch_bound.
 | launch_bound    | mean kernel < 10 µs and host-caused GPU idle >= 10% of step time    | that idle time  |
 | host_bound      | mean kernel >= 10 µs and host-caused GPU idle >= 10% of step time   | that idle time  |
 |                 | (Python overhead or CPU work between launches, not kernel size)     |                 |
-| fp32_gemm       | fp32/TF32 GEMMs >= 10% of GEMM time and >= 2% of step time          | 3/4 their time  |
+| fp32_gemm       | fp32/TF32 GEMMs >= 10% of GEMM time and >= 2% of step time          | 85% their time  |
 | small_gemm      | GEMMs with m < 1024 below 30% of peak: >= half of GEMM time and     | half their time |
 |                 | >= 10% of step time                                                 |                 |
 | sync_stalls     | GPU idle charged to host syncs (`.item()`, ...) >= 5% of step time  | that idle time  |
@@ -324,7 +324,8 @@ def fp32_gemm(report: RankReport) -> Advice | None:
     share = _fraction(report, gemm.fp32_time_us)
     if gemm.time_us <= 0 or gemm.fp32_time_us < 0.1 * gemm.time_us or share < 0.02:
         return None
-    # bf16 tensor cores run a GEMM 2x (against TF32) to 16x (against plain fp32) faster.
+    # bf16 tensor cores run a GEMM 2x (against TF32) to 16x (against plain fp32) faster; on the
+    # advice-truth corpus (H200, fp32 without TF32) autocast gave back 85% of the step.
     return _advice(
         report,
         "fp32_gemm",
@@ -337,7 +338,7 @@ def fp32_gemm(report: RankReport) -> Advice | None:
         ),
         f"{gemm.fp32_time_us / gemm.time_us:.0%} of GEMM time ({share:.0%} of step time) is "
         "in fp32/TF32 GEMMs (fp32 inputs or sgemm/tf32 kernels).",
-        0.75 * share,
+        0.85 * share,
         0.5 * share,
         0.94 * share,
     )

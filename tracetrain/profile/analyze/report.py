@@ -68,9 +68,12 @@ class RankReport:
 
     @property
     def real_steps_us(self) -> float:
-        """Time inside steps without the profiler's host-side cost (the denominator of every share)."""
+        """Time of the profiled steps without the profiler's host-side cost (the denominator of every
+        share). When the host runs ahead of the GPU, the step ranges (host time) end before the GPU
+        work they launched: the window, to the last GPU activity, is the step time then."""
         removed = self.overhead.removed_total_us if self.overhead else 0.0
-        return max(self.utilisation.steps_us - removed, 1e-9)
+        util = self.utilisation
+        return max(max(util.steps_us, util.window_us) - removed, 1e-9)
 
     def real_idle_us(self, cause: str) -> float:
         """Idle of one cause, less what the profiler's recording cost added."""
