@@ -113,6 +113,9 @@ def _advice(
 ) -> Advice:
     """An advice with its gain in ms per step (of the step without the profiler) and its range."""
     step_ms = report.real_steps_us / _num_steps(report) / 1e3
+    # A cause cannot give back more than the whole step (shares corrected apart can overshoot).
+    gain = min(gain, 1.0)
+    low, high = (None if x is None else min(x, 1.0) for x in (low, high))
     span = None if low is None or high is None else (min(low, gain), max(high, gain))
     return Advice(rule, title, action, evidence, gain, gain_ms=gain * step_ms, gain_range=span)
 

@@ -31,7 +31,7 @@ from typing import Final, Literal
 import numpy as np
 
 from tracetrain.profile.analyze.intervals import Spans, complement
-from tracetrain.profile.analyze.select import gpu_spans, main_device
+from tracetrain.profile.analyze.select import gpu_spans, main_device, step_rows
 from tracetrain.profile.analyze.trace import OP, RUNTIME, Trace
 
 # Idle causes set by the host's pace, which the profiler's per-event cost stretches.
@@ -140,6 +140,20 @@ def _estimate(trace: Trace, causes: dict[str, Spans], cost: float) -> dict[str, 
     return found
 
 
+def steps_span_us(trace: Trace) -> float:
+    """From the first step's start until the GPU finished the work launched inside the steps (at
+    least the step ranges): the profiled step time when the host runs ahead of the GPU, whose step
+    ranges (host time) then end before the work they launched."""
+    rows = step_rows(trace)
+    if not len(rows) or not len(trace.gpu):
+        return trace.window[1] - trace.window[0]
+    lo, hi = float(trace.host.ts[rows].min()), float((trace.host.ts[rows] + trace.host.dur[rows]).max())
+    device = trace.gpu.device == main_device(trace)
+    launched = device & (trace.gpu.launch_ts >= lo) & (trace.gpu.launch_ts <= hi)
+    end = float((trace.gpu.ts[launched] + trace.gpu.dur[launched]).max()) if launched.any() else hi
+    return max(hi, end) - lo
+
+
 def profiler_overhead(
     trace: Trace, causes: dict[str, Spans], steps_us: float, num_steps: int, real_step_us: float | None
 ) -> Overhead:
@@ -181,3 +195,15 @@ def _measured(
     return Overhead(
         "measured", base.per_event_us, base.events_per_step, base.profiled_step_us, real_step_us, removed, note
     )
+
+
+def host_only_overhead(trace: Trace, steps_us: float, num_steps: int, real_step_us: float) -> Overhead:
+    """A trace without GPU activity: the real step time beside the profiled one, nothing to correct."""
+    num_steps = max(num_steps, 1)
+    profiled = steps_us / num_steps
+    events = float(((trace.host.kind == OP) | (trace.host.kind == RUNTIME)).sum()) / num_steps
+    note = (
+        f"step time without the profiler {real_step_us / 1e3:.2f} ms (measured around the window) against "
+        f"{profiled / 1e3:.2f} ms profiled"
+    )
+    return Overhead("measured", per_event_cost_us(trace), events, profiled, real_step_us, {}, note)

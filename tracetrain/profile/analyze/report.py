@@ -15,6 +15,7 @@ from tracetrain.devices import DeviceSpec, lookup_device
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.advice import Advice, advise, merge_advice
 from tracetrain.profile.analyze.bound import BoundAnalysis, bound
+from tracetrain.profile.analyze.collectives import RankCollectives, peer_waits, rank_collectives, transfer_fraction
 from tracetrain.profile.analyze.comm_memory import (
     CommRow,
     MemoryTimeline,
@@ -27,7 +28,14 @@ from tracetrain.profile.analyze.counters import CounterReport, counter_report
 from tracetrain.profile.analyze.host_gaps import HostGapRow, host_gaps
 from tracetrain.profile.analyze.kernels import KernelBreakdown, kernel_breakdown
 from tracetrain.profile.analyze.operators import HostTime, host_time
-from tracetrain.profile.analyze.overhead import TIMING_SUFFIX, Overhead, profiler_overhead, read_real_step_us
+from tracetrain.profile.analyze.overhead import (
+    TIMING_SUFFIX,
+    Overhead,
+    host_only_overhead,
+    profiler_overhead,
+    read_real_step_us,
+    steps_span_us,
+)
 from tracetrain.profile.analyze.phases import PhaseRow, phases
 from tracetrain.profile.analyze.select import main_device
 from tracetrain.profile.analyze.trace import Trace, read_traces
@@ -65,6 +73,10 @@ class RankReport:
     # Of this rank's NCCL kernel time, the part that was transfer, not waiting for a late peer (set
     # from all ranks' traces by collectives.py; None with one rank or without matched collectives).
     transfer_fraction: float | None = None
+    # From the first step's start until the GPU finished the steps' work (overhead.steps_span_us).
+    steps_span_us: float = 0.0
+    # This rank's NCCL kernels in sequence, for matching with the other ranks (collectives.py).
+    collectives: RankCollectives | None = None
 
     @property
     def real_steps_us(self) -> float:
@@ -72,8 +84,7 @@ class RankReport:
         share). When the host runs ahead of the GPU, the step ranges (host time) end before the GPU
         work they launched: the window, to the last GPU activity, is the step time then."""
         removed = self.overhead.removed_total_us if self.overhead else 0.0
-        util = self.utilisation
-        return max(max(util.steps_us, util.window_us) - removed, 1e-9)
+        return max(max(self.utilisation.steps_us, self.steps_span_us) - removed, 1e-9)
 
     def real_idle_us(self, cause: str) -> float:
         """Idle of one cause, less what the profiler's recording cost added."""
@@ -134,12 +145,18 @@ def analyze_trace(trace: Trace) -> RankReport:
         memory=memory_timeline(trace, capacity),
         host_time=HostTime() if has_gpu else host_time(trace),
         counters=counter_report(trace),
+        collectives=rank_collectives(trace) if has_gpu else None,
     )
+    real = read_real_step_us(trace.path)
+    if not has_gpu and real is not None:
+        overhead = host_only_overhead(trace, util.steps_us, len(util.steps), real)
+        report.notes.append(overhead.note)
+        report = replace(report, overhead=overhead)
     if has_gpu and causes is not None:
-        real = read_real_step_us(trace.path)
-        overhead = profiler_overhead(trace, causes, util.steps_us, len(util.steps), real)
+        span = max(steps_span_us(trace), util.steps_us)
+        overhead = profiler_overhead(trace, causes, span, len(util.steps), real)
         gaps = host_gaps(trace, causes, overhead.per_event_us)
-        report = replace(report, overhead=overhead, host_gaps=gaps)
+        report = replace(report, overhead=overhead, host_gaps=gaps, steps_span_us=span)
         if overhead.note:
             report.notes.append(overhead.note)
     # Every rule reads GPU time: a CPU-only trace gets its note and no advice.
@@ -184,12 +201,30 @@ def analyze(paths: Sequence[str | Path] | str | Path, *, device_name: str | None
         for trace in read_traces(path, rank=len(ranks), device_name=device_name):
             ranks.append(analyze_trace(trace))
     ranks.sort(key=lambda r: r.rank)
+    ranks, shared = _across_ranks(ranks)
     notes = [f"{r.source}: {note}" if len(ranks) > 1 else note for r in ranks for note in r.notes]
     if len({r.rank for r in ranks}) < len(ranks):
         notes.append("several traces claim the same rank; pass one trace per rank")
     return Report(
         ranks=ranks,
         communication=[r.communication for r in ranks],
-        advice=merge_advice([r.advice for r in ranks]),
+        advice=merge_advice([r.advice for r in ranks] + [shared]),
         notes=notes,
     )
+
+
+def _across_ranks(ranks: list[RankReport]) -> tuple[list[RankReport], list[Advice]]:
+    """Match the ranks' collectives (collectives.py): each rank's transfer fraction, its advice again
+    with it (exposed communication counts transfer only), and the advice that needs all ranks."""
+    from tracetrain.profile.analyze.advice_ranks import grad_sync_per_microbatch, waiting_for_peer
+
+    waits = peer_waits(ranks)
+    fractions = {w.rank: transfer_fraction(w) for w in waits}
+    ranks = [replace(r, transfer_fraction=fractions.get(r.rank)) for r in ranks]
+    redone = []
+    for r in ranks:
+        extra = grad_sync_per_microbatch(r) if r.has_gpu else None
+        found = advise(r) + ([replace(extra, rank=r.rank)] if extra else [])
+        redone.append(replace(r, advice=sorted(found, key=lambda a: -(a.gain if a.gain is not None else -1.0))))
+    late = waiting_for_peer(redone, waits)
+    return redone, [late] if late else []
