@@ -11,7 +11,8 @@ A case that raises is recorded with its error and the matrix goes on; a worker t
 the NCCL timeout, a crash) is restarted on the cases after the one it died in.
 
 Writes, under `--out` (default `$OUT`, else tests/data/advice_truth):
-- `<case>/rank{R}.json.gz`: the problem's (or control's) trace, a warm-up step and 2 recorded steps;
+- `<case>/rank{R}.json.gz`: the problem's (or control's) trace, a warm-up step and 2 recorded steps,
+  and `rank{R}.timing.json` beside it: the unprofiled median, the real step time the analyzer reads;
 - `<case>/fixed/rank{R}.json.gz`: the fixed twin's trace;
 - `truth.json`: per case and variant the unprofiled step times (median of `--steps`), the realized
   gain `(problem - fixed) / problem`, the cause, and device, torch version, commit and date.

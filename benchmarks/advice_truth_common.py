@@ -186,6 +186,9 @@ def run_case(
             folder = out / case.name / ("" if variant != "fixed" else "fixed")
             path = folder / f"rank{rank}.json.gz"
             seconds = record(step, path, s, case.active)
+            # The real step time beside the trace, as `tracetrain profile` writes it (analyze/overhead.py).
+            timing = {"real_step_ms": statistics.median(times), "unprofiled_steps_ms": times}
+            (folder / f"rank{rank}.timing.json").write_text(json.dumps(timing, indent=1))
             row = {
                 **summary(times),
                 "trace": str(path.relative_to(out).parent),
