@@ -227,4 +227,15 @@ def _across_ranks(ranks: list[RankReport]) -> tuple[list[RankReport], list[Advic
         found = advise(r) + ([replace(extra, rank=r.rank)] if extra else [])
         redone.append(replace(r, advice=sorted(found, key=lambda a: -(a.gain if a.gain is not None else -1.0))))
     late = waiting_for_peer(redone, waits)
+    late_rank = next((w.late_rank for w in waits if late is not None and w.rank == late.rank), None)
+    if late_rank is not None:
+        # The late rank's own host idle is what its peers wait for: the late-peer advice names it, so
+        # it is not advised a second time as host- or launch-bound.
+        redone = [
+            replace(r, advice=[a for a in r.advice if a.rule not in _HOST_RULES]) if r.rank == late_rank else r
+            for r in redone
+        ]
     return redone, [late] if late else []
+
+
+_HOST_RULES = ("host_bound", "launch_bound")
