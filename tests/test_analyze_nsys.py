@@ -22,8 +22,10 @@ from tracetrain.profile.analyze.report import RankReport
 from tracetrain.profile.analyze.trace import ANNOTATION, read_traces
 
 REAL = Path(__file__).parent / "data" / "traces"
-# What an export cannot carry: operator shapes (FLOP/s), allocator events, the rank's distributedInfo.
-_KINETO_ONLY = ("source", "bound", "memory", "notes", "world_size", "advice")
+# What an export cannot carry: operator shapes (FLOP/s), allocator events, the rank's distributedInfo;
+# and what is read from recorded operators (the profiler's cost per operator, the host's activity
+# during GPU idle) or from NCCL kernels' args (collectives matched across ranks).
+_KINETO_ONLY = ("source", "bound", "memory", "notes", "world_size", "advice", "overhead", "host_gaps", "collectives")
 
 
 def _rank(tmp_path: Path, builder: nsys_gen.NsysExportBuilder, **kwargs: Any) -> RankReport:

@@ -98,6 +98,8 @@ def test_export_hf_loads_in_transformers(trained, tmp_path):
 
 
 def test_profile_writes_trace_and_reports(tmp_path):
+    from tracetrain.profile.step_timer import NUM_EACH_SIDE
+
     proc = run_cli(
         "profile",
         *SMALL,
@@ -110,7 +112,13 @@ def test_profile_writes_trace_and_reports(tmp_path):
     assert (prof / "rank0.json.gz").is_file() and (prof / "report.html").is_file()
     report = json.loads((prof / "report.json").read_text())
     steps, _ = read_metrics(tmp_path / "p")
-    assert len(steps) == 4  # the run stops right after the profiled window
+    # The run stops a few unprofiled steps after the window: timed on both sides for the real step time.
+    assert len(steps) == 4 + NUM_EACH_SIDE
+    timing = json.loads((prof / "rank0.timing.json").read_text())
+    assert len(timing["before_ms"]) == 1 and len(timing["after_ms"]) == NUM_EACH_SIDE  # step 1; 2 is warm-up
+    assert timing["real_step_ms"] > 0
+    assert report["ranks"][0]["overhead"]["method"] == "measured"
+    assert "step time without the profiler" in proc.stdout
     assert "report html" in proc.stdout
     text = json.dumps(report)
     for phase in ("forward", "backward", "optimizer", "data_wait"):

@@ -237,13 +237,17 @@ def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
-    """Train with profiling on; unless --full-run, stop right after the profiled window."""
+    """Train with profiling on; unless --full-run, stop a few steps after the profiled window (timed
+    unprofiled, for the real step time)."""
     from tracetrain.config import load_config
     from tracetrain.train.loop import train
 
     cfg = load_config(a.config, ["--profile.enabled=true", *overrides])
     if not a.full_run:
-        steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1)
+        from tracetrain.profile.step_timer import NUM_EACH_SIDE
+
+        # A few unprofiled steps after the window give the real step time next to the profiled one.
+        steps = min(cfg.train.steps, cfg.profile.start_step + cfg.profile.num_steps - 1 + NUM_EACH_SIDE)
         # The window decides the length, not the data (epochs 0). The learning rate does not change what a
         # step costs: a warmup set longer than the window is cut to it (an unset one adapts by itself).
         window: dict[str, Any] = {

@@ -7,6 +7,8 @@ Three instruments, all driven by the same step boundaries:
   Systems timeline reads in the trainer's own vocabulary;
 - `cudaProfilerStart/Stop` exactly around the window (`profile.cuda_profiler_api = true`), for
   `nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop tracetrain train ...`.
+Unprofiled steps on both sides of the window are timed (`step_timer.py`, `rank{R}.timing.json`): the
+analyzer reads the real step time from it to remove the profiler's own cost from host-side idle.
 Phase names are the contract with the analyzer (`tracetrain/data_wait`, `tracetrain/forward`,
 `tracetrain/backward`, `tracetrain/optimizer`, `tracetrain/checkpoint`, `tracetrain/eval`).
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tracetrain.config import ProfileSection
+from tracetrain.profile.step_timer import StepTimer
 
 _NULL = contextlib.nullcontext()
 
@@ -49,6 +52,9 @@ class ProfileCapture:
         self.last = self.first + cfg.num_steps - 1
         self.trace_paths: list[Path] = []
         self.profiler: torch.profiler.profile | None = None
+        # Unprofiled steps around the window, for the real step time next to the profiled one.
+        warmup = 1 if self.first >= 1 and not cfg.cuda_profiler_api else 0
+        self.timer = StepTimer(self.first, self.last, warmup, device)
         if self.on:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not cfg.cuda_profiler_api:
@@ -106,10 +112,12 @@ class ProfileCapture:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
         if self.nvtx:
             torch.cuda.nvtx.range_push(f"step {step + 1}")
+        self.timer.begin(step)
 
     def step_end(self, step: int) -> None:
         if not self.on:
             return
+        self.timer.end(step)
         if self.nvtx:
             torch.cuda.nvtx.range_pop()
         if self.profiler is not None:
@@ -144,6 +152,10 @@ class ProfileCapture:
             )
             return out
         out["trace"] = str(self.trace_paths[-1])
+        timing = self.timer.write(self.trace_paths[-1], self.cfg.num_steps)
+        if timing is not None:
+            out["timing"] = str(timing)
+            note(f"profile: real step time (unprofiled, around the window) written to {timing}")
         if self.cfg.analyze:
             out.update(analyze_to_dir(self.trace_paths, self.dir, self.device))
         return out

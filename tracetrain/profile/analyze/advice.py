@@ -1,22 +1,35 @@
 """What to change: rules over a rank's analysis tables, each with its evidence and estimated gain.
 
-A rule is a small function `RankReport -> Advice | None`. `gain` estimates the fraction of step time
-(time inside `ProfilerStep` ranges) that the change could recover; it is an upper-bound style
-estimate from the trace alone, or None when the benefit is not a time saving on this trace.
+A rule is a small function `RankReport -> Advice | None`. `gain` predicts the fraction of the step
+that fixing the cause gives back (what the step would lose), `gain_ms` the same per step in ms, and
+`gain_range` the (low, high) fractions where the prediction is uncertain; None when the benefit is not
+a time saving on this trace. Shares are of the step time without the profiler's own host-side cost
+(`RankReport.real_steps_us`, overhead.py): host-paced idle is read less what recording added, and the
+range runs up to the share read literally from the trace. Host idle that `host_gaps.py` puts on a
+named host activity (a CPU optimizer step, a recompilation, a blocking pageable copy) goes to that
+activity's rule, not to host_bound/launch_bound.
 
 | rule            | fires when                                                          | gain            |
 |-----------------|---------------------------------------------------------------------|-----------------|
 | data_loader     | GPU idle while the host loads data >= 5% of step time               | that idle time  |
-| pageable_copies | copies from/to pageable host memory >= 1% of step time              | half their time |
-| launch_bound    | mean kernel < 10 µs and host-caused GPU idle >= 10% of step time    | that idle time  |
+| pageable_copies | copies from/to pageable host memory >= 1% of step time              | 3/4 their time  |
+|                 |                                                                     | + host blocked  |
+| cpu_optimizer   | GPU idle while the optimizer step runs CPU operators >= 5%          | that idle time  |
+|                 |                                                                     | + the copies    |
+| recompilation   | GPU idle while the host compiles (Dynamo/Inductor) >= 5%            | that idle time  |
+| launch_bound    | mean kernel < 10 µs and host-caused GPU idle >= 10% of step time    | half that idle  |
 | host_bound      | mean kernel >= 10 µs and host-caused GPU idle >= 10% of step time   | that idle time  |
 |                 | (Python overhead or CPU work between launches, not kernel size)     |                 |
-| fp32_gemm       | fp32/TF32 GEMMs >= 10% of GEMM time and >= 2% of step time          | half their time |
+| fp32_gemm       | fp32/TF32 GEMMs >= 10% of GEMM time and >= 2% of step time          | 85% their time  |
 | small_gemm      | GEMMs with m < 1024 below 30% of peak: >= half of GEMM time and     | half their time |
 |                 | >= 10% of step time                                                 |                 |
 | sync_stalls     | GPU idle charged to host syncs (`.item()`, ...) >= 5% of step time  | that idle time  |
 | memory_headroom | peak reserved memory leaves >= 40% of the GPU's memory unused       | None            |
-| exposed_comm    | NCCL time not overlapped by compute >= 5% of step time              | that time       |
+| exposed_comm    | NCCL transfer time not overlapped by compute >= 5% of step time     | that time       |
+|                 | (waiting for a late peer is not transfer: see collectives.py)       |                 |
+
+The cross-rank rules (a straggler, unbalanced pipeline stages, an all-reduce per micro-batch) read
+all ranks at once and live in collectives.py.
 
 Actions are said in the trace's own terms: a trace of tracetrain's trainer (its phase ranges are named
 `tracetrain/<phase>`, see `phases.py`) gets tracetrain's config keys (`data.num_workers`); any other
@@ -27,9 +40,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from tracetrain.profile.analyze.bound import SHORT_KERNEL_US
+from tracetrain.profile.analyze.host_gaps import activity
 
 if TYPE_CHECKING:
     from tracetrain.profile.analyze.report import RankReport
@@ -37,7 +51,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Advice:
-    """One recommendation: which rule, what to do, the numbers behind it, and the estimated gain."""
+    """One recommendation: which rule, what to do, the numbers behind it, and the predicted gain."""
 
     rule: str
     title: str
@@ -45,6 +59,19 @@ class Advice:
     evidence: str
     gain: float | None
     rank: int | None = None
+    gain_ms: float | None = None  # per step
+    gain_range: tuple[float, float] | None = None  # (low, high) fractions of the step
+
+
+def gain_text(advice: Advice) -> str:
+    """`predicted gain 23% of the step (4.10 ms per step; 18-30%)`, or "" without a gain."""
+    if not advice.gain:
+        return ""
+    ms = f"{advice.gain_ms:.2f} ms per step" if advice.gain_ms is not None else ""
+    low, high = advice.gain_range or (advice.gain, advice.gain)
+    span = f"{low:.0%}-{high:.0%}" if round(low, 2) != round(high, 2) else ""
+    detail = "; ".join(part for part in (ms, span) if part)
+    return f"predicted gain {advice.gain:.0%} of the step" + (f" ({detail})" if detail else "")
 
 
 def _by_tracetrain(report: RankReport) -> bool:
@@ -57,21 +84,55 @@ def _action(report: RankReport, tracetrain: str, pytorch: str) -> str:
     return tracetrain if _by_tracetrain(report) else pytorch
 
 
+def _num_steps(report: RankReport) -> int:
+    return max(len(report.utilisation.steps), 1)
+
+
 def _per_step(report: RankReport, us: float) -> str:
-    steps = max(len(report.utilisation.steps), 1)
-    return f"{us / steps / 1e3:.2f} ms per step"
+    return f"{us / _num_steps(report) / 1e3:.2f} ms per step"
 
 
 def _fraction(report: RankReport, us: float) -> float:
+    """A share of the step without the profiler's host-side cost."""
+    return us / report.real_steps_us if report.real_steps_us > 0 else 0.0
+
+
+def _literal(report: RankReport, us: float) -> float:
+    """A share of the step as the trace shows it (profiler cost included)."""
     return us / report.utilisation.steps_us if report.utilisation.steps_us > 0 else 0.0
 
 
+def _advice(
+    report: RankReport,
+    rule: str,
+    title: str,
+    action: str,
+    evidence: str,
+    gain: float,
+    low: float | None = None,
+    high: float | None = None,
+) -> Advice:
+    """An advice with its gain in ms per step (of the step without the profiler) and its range."""
+    step_ms = report.real_steps_us / _num_steps(report) / 1e3
+    # A cause cannot give back more than the whole step (shares corrected apart can overshoot).
+    gain = min(gain, 1.0)
+    low, high = (None if x is None else min(x, 1.0) for x in (low, high))
+    span = None if low is None or high is None else (min(low, gain), max(high, gain))
+    return Advice(rule, title, action, evidence, gain, gain_ms=gain * step_ms, gain_range=span)
+
+
+def _host_paced(report: RankReport, cause: str) -> tuple[float, float, float]:
+    """(predicted share, low, high) of one host-paced idle cause: corrected, and as read literally."""
+    share = _fraction(report, report.real_idle_us(cause))
+    return share, share, max(share, _literal(report, report.utilisation.idle_us[cause]))
+
+
 def data_loader(report: RankReport) -> Advice | None:
-    idle = report.utilisation.idle_us["data_loader"]
-    share = _fraction(report, idle)
+    share, low, high = _host_paced(report, "data_loader")
     if share < 0.05:
         return None
-    return Advice(
+    return _advice(
+        report,
         "data_loader",
         "The GPU waits for the data loader",
         _action(
@@ -81,9 +142,19 @@ def data_loader(report: RankReport) -> Advice | None:
             "Load in worker processes: `DataLoader(..., num_workers=N, pin_memory=True, "
             "persistent_workers=True)`, and tokenize, decode or augment ahead of time, not in the loop.",
         ),
-        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host was in data-loading ranges.",
+        f"GPU idle {_per_step(report, report.real_idle_us('data_loader'))} ({share:.0%} of step time) while the "
+        f"host was in data-loading ranges{_top_ops(report, 'data_loader')}.",
         share,
+        low,
+        high,
     )
+
+
+def _top_ops(report: RankReport, activity_name: str) -> str:
+    row = activity(report.host_gaps, activity_name)
+    if not row.top:
+        return ""
+    return " (" + ", ".join(f"{name} {us / _num_steps(report) / 1e3:.2f} ms" for name, us in row.top) + " per step)"
 
 
 def pageable_copies(report: RankReport) -> Advice | None:
@@ -94,7 +165,11 @@ def pageable_copies(report: RankReport) -> Advice | None:
         return None
     count = sum(row.pageable_count for row in rows)
     mib = sum(row.pageable_bytes for row in rows) / 2**20
-    return Advice(
+    # Pinned copies run 2-4x faster and asynchronously (on the advice-truth corpus, H200: pinning a
+    # 128 MiB batch gave back 43% of a step whose pageable copies were 32% of it, with the host freed).
+    blocked = _fraction(report, activity(report.host_gaps, "pageable_copy").corrected_us)
+    return _advice(
+        report,
         "pageable_copies",
         "Host copies use pageable memory",
         _action(
@@ -106,26 +181,57 @@ def pageable_copies(report: RankReport) -> Advice | None:
         ),
         f"{count} copies of pageable memory ({mib:.0f} MiB, {_per_step(report, pageable_us)}, "
         f"{share:.0%} of step time); pinned copies are faster and do not block the host.",
-        0.5 * share,
+        0.75 * share + blocked,
+        0.5 * share + blocked,
+        share + blocked,
     )
 
 
-def _host_evidence(report: RankReport, idle: float, share: float) -> str:
+_NAMED_HOST: Final = ("cpu_optimizer", "compile", "pageable_copy")
+LAUNCH_FUSED: Final = 0.5  # the share of launch-bound idle that fusing kernels gives back
+
+
+def _host_residual(report: RankReport) -> tuple[float, float, float]:
+    """Host idle (share, low, high) not put on a named activity (CPU optimizer, compile, copies)."""
+    named = sum(activity(report.host_gaps, a).corrected_us for a in _NAMED_HOST)
+    share = _fraction(report, max(report.real_idle_us("host") - named, 0.0))
+    literal = _literal(report, max(report.utilisation.idle_us["host"] - named, 0.0))
+    return share, share, max(share, literal)
+
+
+def _host_evidence(report: RankReport, share: float) -> str:
     util = report.utilisation
     every = f", one every {util.mean_step_us / util.launches_per_step:.0f} µs" if util.launches_per_step else ""
+    doing = [row for row in report.host_gaps if row.activity in ("python", "dispatch", "cpu_ops")]
+    during = (
+        "; meanwhile the host was "
+        + ", ".join(
+            f"{_DOING[row.activity]} {row.idle_us / max(util.steps_us, 1e-9):.0%}"
+            + (f" ({', '.join(name for name, _ in row.top[:2])})" if row.top else "")
+            for row in doing
+        )
+        if doing
+        else ""
+    )
     return (
-        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host was issuing work; "
+        f"GPU idle {share:.0%} of step time while the host was issuing work{during}; "
         f"mean kernel {report.bound.mean_kernel_us:.1f} µs, {util.launches_per_step:.0f} GPU launches per "
         f"step{every}."
     )
 
 
+_DOING: Final = {"python": "in Python between ops", "dispatch": "dispatching GPU ops", "cpu_ops": "in CPU-only ops"}
+
+
 def launch_bound(report: RankReport) -> Advice | None:
-    idle = report.utilisation.idle_us["host"]
-    share = _fraction(report, idle)
-    if report.bound.mean_kernel_us >= SHORT_KERNEL_US or share < 0.10:
+    idle, _, literal = _host_residual(report)
+    if report.bound.mean_kernel_us >= SHORT_KERNEL_US or idle < 0.10:
         return None
-    return Advice(
+    # Fusing (torch.compile) removes about half the launches, the GEMMs and the rest stay: half the
+    # idle comes back (45% of a 93%-idle step on the advice-truth corpus); CUDA graphs can give all.
+    share = LAUNCH_FUSED * idle
+    return _advice(
+        report,
         "launch_bound",
         "Many short kernels: the GPU outruns the host",
         _action(
@@ -136,19 +242,21 @@ def launch_bound(report: RankReport) -> Advice | None:
             '`mode="reduce-overhead"` also replays them as a CUDA graph); a larger batch gives each '
             "kernel more work.",
         ),
-        _host_evidence(report, idle, share),
+        _host_evidence(report, idle),
         share,
+        0.3 * idle,
+        literal,
     )
 
 
 def host_bound(report: RankReport) -> Advice | None:
     """Host-caused idle with kernels long enough that launching them is not the cost: the host spends
     its time elsewhere between launches (Python, CPU work in the loop)."""
-    idle = report.utilisation.idle_us["host"]
-    share = _fraction(report, idle)
+    share, low, high = _host_residual(report)
     if report.bound.mean_kernel_us < SHORT_KERNEL_US or share < 0.10:
         return None
-    return Advice(
+    return _advice(
+        report,
         "host_bound",
         "The host issues work too slowly: Python or CPU work between launches",
         _action(
@@ -162,8 +270,66 @@ def host_bound(report: RankReport) -> Advice | None:
             "`DataLoader(num_workers=...)`); `torch.compile(model)` cuts Python and dispatcher overhead, "
             "and a larger batch gives each launch more work.",
         ),
-        _host_evidence(report, idle, share),
+        _host_evidence(report, share),
         share,
+        low,
+        high,
+    )
+
+
+def cpu_optimizer(report: RankReport) -> Advice | None:
+    row = activity(report.host_gaps, "cpu_optimizer")
+    share = _fraction(report, row.corrected_us)
+    if share < 0.05:
+        return None
+    # States on the host bring their copies: gradients down, weights up, through pageable memory when
+    # not pinned. Stepping on the GPU removes them too.
+    copies = _fraction(report, sum(r.pageable_us for r in report.kernels.memcpy))
+    copies += _fraction(report, activity(report.host_gaps, "pageable_copy").corrected_us)
+    return _advice(
+        report,
+        "cpu_optimizer",
+        "The optimizer step runs on the CPU while the GPU waits",
+        _action(
+            report,
+            "Step the optimizer on the GPU (turn `memory.optimizer_offload` off if the states fit); if "
+            "they must live on the host, overlap their transfer and CPU step with the next step's compute.",
+            "Keep parameters and optimizer states on the GPU and use a fused optimizer "
+            "(`torch.optim.AdamW(model.parameters(), fused=True)`); if the states must live on the host, "
+            "use an offload that overlaps the CPU step and the copies with compute (DeepSpeed "
+            "ZeRO-Offload, torchao's `CPUOffloadOptimizer`) and pinned buffers.",
+        ),
+        f"GPU idle {_per_step(report, row.corrected_us)} ({share:.0%} of step time) while the host ran the "
+        f"optimizer step's CPU operators{_top_ops(report, 'cpu_optimizer')}; pageable copies to and from the "
+        f"host take {copies:.0%} more.",
+        share + copies,
+        share,
+        max(share + copies, _literal(report, row.idle_us) + copies),
+    )
+
+
+def recompilation(report: RankReport) -> Advice | None:
+    row = activity(report.host_gaps, "compile")
+    share = _fraction(report, row.corrected_us)
+    if share < 0.05:
+        return None
+    return _advice(
+        report,
+        "recompilation",
+        "torch.compile recompiles inside the training step",
+        _action(
+            report,
+            "Keep shapes fixed from step to step (`data.pack = true` or a fixed `data.seq_len`); run with "
+            "`TORCH_LOGS=recompiles` to see which guard fails.",
+            "Find the failing guard with `TORCH_LOGS=recompiles`; for changing sequence lengths let shapes be "
+            "dynamic (`torch.compile(model)` without `dynamic=False`, or `torch._dynamo.mark_dynamic`) or pad "
+            "to a few bucket lengths; do not pass changing Python numbers into the compiled function.",
+        ),
+        f"GPU idle {_per_step(report, row.corrected_us)} ({share:.0%} of step time) while the host was "
+        f"compiling{_top_ops(report, 'compile')}.",
+        share,
+        share,
+        max(share, _literal(report, row.idle_us)),
     )
 
 
@@ -172,7 +338,10 @@ def fp32_gemm(report: RankReport) -> Advice | None:
     share = _fraction(report, gemm.fp32_time_us)
     if gemm.time_us <= 0 or gemm.fp32_time_us < 0.1 * gemm.time_us or share < 0.02:
         return None
-    return Advice(
+    # bf16 tensor cores run a GEMM 2x (against TF32) to 16x (against plain fp32) faster; on the
+    # advice-truth corpus (H200, fp32 without TF32) autocast gave back 85% of the step.
+    return _advice(
+        report,
         "fp32_gemm",
         "Matrix multiplies run in fp32",
         _action(
@@ -183,7 +352,9 @@ def fp32_gemm(report: RankReport) -> Advice | None:
         ),
         f"{gemm.fp32_time_us / gemm.time_us:.0%} of GEMM time ({share:.0%} of step time) is "
         "in fp32/TF32 GEMMs (fp32 inputs or sgemm/tf32 kernels).",
+        0.85 * share,
         0.5 * share,
+        0.94 * share,
     )
 
 
@@ -193,7 +364,8 @@ def small_gemm(report: RankReport) -> Advice | None:
     if gemm.time_us <= 0 or gemm.small_time_us < 0.5 * gemm.time_us or share < 0.10:
         return None
     achieved = f" (achieved {gemm.tflops:.0f} TFLOP/s)" if gemm.tflops else ""
-    return Advice(
+    return _advice(
+        report,
         "small_gemm",
         "GEMMs are too small to fill the GPU",
         _action(
@@ -206,16 +378,25 @@ def small_gemm(report: RankReport) -> Advice | None:
         f"{gemm.small_time_us / gemm.time_us:.0%} of GEMM time is in GEMMs with fewer than "
         f"1024 rows running below 30% of peak{achieved}.",
         0.5 * share,
+        0.25 * share,
+        0.75 * share,
     )
 
 
 def sync_stalls(report: RankReport) -> Advice | None:
     util = report.utilisation
-    idle = util.idle_us["sync"]
-    share = _fraction(report, idle)
+    share, low, high = _host_paced(report, "sync")
     if share < 0.05:
         return None
-    return Advice(
+    many = util.syncs_per_step >= 16
+    per_item = (
+        " That many syncs a step is one per tensor (a `.item()` per parameter or per logged value): "
+        "stack the values on the GPU and read them once."
+        if many
+        else ""
+    )
+    return _advice(
+        report,
         "sync_stalls",
         "Host synchronisations drain the GPU queue",
         _action(
@@ -223,13 +404,17 @@ def sync_stalls(report: RankReport) -> Advice | None:
             "Raise `logging.log_interval` (metrics are read back, one host sync, once per interval); "
             "look for `.item()`, `.cpu()` or `print(tensor)` in model code run inside the step.",
             "Remove `.item()`, `.cpu()`, `.tolist()`, `print(tensor)` and `torch.cuda.synchronize()` "
-            "from the step: accumulate metrics on the GPU and read them back every N steps; avoid "
-            "data-dependent shapes (`nonzero`, boolean-mask indexing) in the step.",
-        ),
-        f"GPU idle {_per_step(report, idle)} ({share:.0%} of step time) while the host waited in "
-        f"{util.syncs_per_step:.0f} syncs per step (cudaStreamSynchronize, .item(), ...) and refilled "
-        "the queue after them.",
+            "from the step: accumulate metrics on the GPU and read them back every N steps (for per-parameter "
+            "values, `torch.stack([...]).tolist()` once); avoid data-dependent shapes (`nonzero`, "
+            "boolean-mask indexing) in the step.",
+        )
+        + per_item,
+        f"GPU idle {_per_step(report, report.real_idle_us('sync'))} ({share:.0%} of step time) while the host "
+        f"waited in {util.syncs_per_step:.0f} syncs per step{_top_ops(report, 'sync')} and refilled the queue "
+        "after them.",
         share,
+        low,
+        high,
     )
 
 
@@ -252,28 +437,43 @@ def memory_headroom(report: RankReport) -> Advice | None:
 
 
 def exposed_comm(report: RankReport) -> Advice | None:
+    """Exposed NCCL time; with the peers' traces (collectives.py), the transfer part only: a kernel
+    that waits for a late peer is not slow communication."""
     comm = report.communication
-    if comm.exposed_fraction < 0.05:
+    exposed_us = comm.exposed_us * (report.transfer_fraction if report.transfer_fraction is not None else 1.0)
+    share = _fraction(report, exposed_us)
+    if share < 0.05:
         return None
-    return Advice(
+    waited = (
+        f"; {1 - report.transfer_fraction:.0%} of NCCL time was waiting for a peer and is not counted"
+        if report.transfer_fraction is not None and report.transfer_fraction < 0.95
+        else ""
+    )
+    return _advice(
+        report,
         "exposed_comm",
         "Communication is not hidden behind compute",
         _action(
             report,
             "Communicate less often (raise `train.grad_accum_steps`) and check for a straggler rank.",
-            "Overlap it: tune `DistributedDataParallel(bucket_cap_mb=...)` or FSDP prefetching, "
-            "accumulate gradients under `model.no_sync()` to communicate less often, and check for a "
-            "straggler rank.",
+            "Overlap it: keep DDP's default buckets (`bucket_cap_mb=25`; one huge bucket starts the "
+            "all-reduce only after the whole backward), enable FSDP prefetching (`backward_prefetch="
+            "BackwardPrefetch.BACKWARD_PRE`, `forward_prefetch=True`; FSDP2 prefetches by default), and "
+            "accumulate gradients under `model.no_sync()` to communicate less often.",
         ),
-        f"{comm.exposed_us / 1e3:.2f} ms of NCCL time ({comm.exposed_fraction:.0%} of step "
-        f"time) ran with no compute alongside ({comm.overlap_fraction:.0%} overlapped).",
-        comm.exposed_fraction,
+        f"{exposed_us / _num_steps(report) / 1e3:.2f} ms of NCCL transfer per step ({share:.0%} of step "
+        f"time) ran with no compute alongside ({comm.overlap_fraction:.0%} overlapped){waited}.",
+        share,
+        share,
+        max(share, _literal(report, comm.exposed_us)),
     )
 
 
 RULES: tuple[Callable[[RankReport], Advice | None], ...] = (
     data_loader,
     pageable_copies,
+    cpu_optimizer,
+    recompilation,
     launch_bound,
     host_bound,
     fp32_gemm,
@@ -289,7 +489,7 @@ def _by_gain(advice: Advice) -> float:
 
 
 def advise(report: RankReport) -> list[Advice]:
-    """Every rule that fires for this rank, largest estimated gain first."""
+    """Every rule that fires for this rank, largest predicted gain first."""
     found = [replace(a, rank=report.rank) for rule in RULES if (a := rule(report)) is not None]
     return sorted(found, key=_by_gain)
 

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tracetrain.profile.analyze import fmt, tables
-from tracetrain.profile.analyze.advice import Advice
+from tracetrain.profile.analyze.advice import Advice, gain_text
 from tracetrain.profile.analyze.compare import SAME_SPEED, CompareReport, Headline
 from tracetrain.profile.analyze.operators import OperatorRow
 from tracetrain.profile.analyze.report import RankReport, Report
@@ -148,7 +148,7 @@ def _print_advice(console: Console, advice: list[Advice], title: str) -> None:
     if not advice:
         console.print(_text("  no rule fired: nothing obvious to fix in this trace"))
     for i, item in enumerate(advice, 1):
-        gain = f" (up to {fmt.percent(item.gain, 0)} of step time)" if item.gain else ""
+        gain = f" ({gain_text(item)})" if item.gain else ""
         console.print(_text(f"{i}. {item.title}{gain}", style="green"))
         console.print(_text(f"   {item.action}\n   {item.evidence}"))
 

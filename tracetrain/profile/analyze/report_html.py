@@ -4,7 +4,7 @@ network. Every string from a trace is escaped (`svg.esc`)."""
 from __future__ import annotations
 
 from tracetrain.profile.analyze import fmt, svg, tables
-from tracetrain.profile.analyze.advice import Advice
+from tracetrain.profile.analyze.advice import Advice, gain_text
 from tracetrain.profile.analyze.categories import CATEGORIES
 from tracetrain.profile.analyze.compare import CompareReport, DeltaRow
 from tracetrain.profile.analyze.render import compare_tables, headline_text, rank_tables
@@ -58,7 +58,7 @@ def _advice(advice: list[Advice], title: str = "Advice") -> str:
         return f"<h2>{esc(title)}</h2><p>No rule fired: nothing obvious to fix in this trace.</p>"
     items = "".join(
         f"<li><b>{esc(a.title)}</b>"
-        + (f' <span class="gain">up to {esc(fmt.percent(a.gain, 0))} of step time</span>' if a.gain else "")
+        + (f' <span class="gain">{esc(gain_text(a))}</span>' if a.gain else "")
         + f"<br>{esc(a.action)}<br><small>{esc(a.evidence)}</small></li>"
         for a in advice
     )

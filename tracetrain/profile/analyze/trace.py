@@ -89,6 +89,9 @@ _GPU_COLUMNS = {
     "bytes": "q",
 }
 _FLOW_COLUMNS = {"corr": "q", "ts": "d", "thread": "l"}
+# NCCL kernels' metadata (PyTorch >= 2.3 writes it into the kernel's args): the GPU row, the
+# process group and collective names (interned in `names`), and the message size in elements.
+_COMM_COLUMNS = {"row": "q", "group": "l", "collective": "l", "nelems": "q"}
 _MEMORY_COLUMNS = {"ts": "d", "allocated": "q", "reserved": "q", "device": "l"}
 _UNIFIED_COLUMNS = {"ts": "d", "dur": "d", "bytes": "q"}
 
@@ -134,6 +137,8 @@ class Trace:
 
     `host` columns: ts, dur, kind (OP/ANNOTATION/RUNTIME), name (index into `names`), thread
     (index into `threads`), corr (CUDA correlation id or -1), shape (index into `shapes` or -1).
+    `comm` columns: row (into `gpu`), group and collective (into `names`), nelems: the NCCL metadata
+    PyTorch writes into a collective kernel's args (empty for older traces).
     `gpu` columns: ts, dur, kind (KERNEL/MEMCPY/MEMSET), name, device, stream, corr, bytes (-1 if
     unknown), plus from linking: launch_ts (host time of the launching runtime call, NaN if
     unknown), op (innermost `cpu_op` around the launch, -1) and gemm_op (innermost matmul-like op).
@@ -155,6 +160,7 @@ class Trace:
     num_python_events: int = 0
     notes: list[str] = field(default_factory=list)
     counter_ranges: CounterRanges = field(default_factory=CounterRanges.empty)
+    comm: Columns = field(default_factory=lambda: _to_numpy(_Rows(_COMM_COLUMNS)))
 
 
 class _Rows:
@@ -184,6 +190,7 @@ class _Builder:
         self.host, self.gpu = _Rows(_HOST_COLUMNS), _Rows(_GPU_COLUMNS)
         self.flows, self.memory = _Rows(_FLOW_COLUMNS), _Rows(_MEMORY_COLUMNS)
         self.unified = _Rows(_UNIFIED_COLUMNS)
+        self.comm = _Rows(_COMM_COLUMNS)
         self.ranges = _Rows({"name": "l", "dur": "d"})  # CUPTI range-profiler ranges
         self.range_counters: list[dict[str, Any]] = []  # their args: counter name -> value
         self.num_python = 0
@@ -231,6 +238,8 @@ class _Builder:
             self._add_host(event, kind, name, dur)
         elif group == "gpu" and not self._is_unified(name):
             args = _args(event)
+            if "Collective name" in args:
+                self._add_comm(args)
             ts_, dur_, kind_, name_, device_, stream_, corr_, bytes_ = self.gpu.appends
             ts_(_float(event.get("ts")))
             dur_(dur)
@@ -247,6 +256,15 @@ class _Builder:
             self.unified.add(_float(event.get("ts")), dur, _int(_args(event).get("bytes")))
         elif cat == "python_function":
             self.num_python += 1
+
+    def _add_comm(self, args: dict[str, Any]) -> None:
+        """NCCL metadata of the GPU row about to be added (its index is the current row count)."""
+        self.comm.add(
+            len(self.gpu.columns["ts"]),
+            self._intern(self.names, str(args.get("Process Group Name", ""))),
+            self._intern(self.names, str(args.get("Collective name", ""))),
+            _int(args.get("In msg nelems")),
+        )
 
     def _add_host(self, event: dict[str, Any], kind: int, name: str, dur: float) -> None:
         name_index = self.names.get(name)
@@ -470,6 +488,7 @@ def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = No
         window=_window(host, gpu),
         num_python_events=builder.num_python,
         counter_ranges=ranges,
+        comm=_to_numpy(builder.comm),
     )
     if builder.num_invalid:
         trace.notes.append(

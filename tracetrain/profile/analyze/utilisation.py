@@ -208,15 +208,16 @@ def busy_timeline(trace: Trace, busy: Spans, causes: dict[str, Spans], num_bins:
     ]
 
 
-def utilisation(trace: Trace, num_bins: int = 240) -> Utilisation:
-    """GPU utilisation of the rank's main GPU, idle time by cause, per step and over the window."""
+def utilisation(trace: Trace, num_bins: int = 240, causes: dict[str, Spans] | None = None) -> Utilisation:
+    """GPU utilisation of the rank's main GPU, idle time by cause, per step and over the window.
+    `causes` is `idle_by_cause(trace, main_device(trace))` when the caller has it already."""
     device = main_device(trace)
     lo, hi = trace.window
     mask = on_device(trace, device)
     busy = gpu_spans(trace, mask)
     comm = gpu_categories(trace) == _COMM
     exposed = subtract(gpu_spans(trace, mask & comm), gpu_spans(trace, mask & ~comm))
-    causes = idle_by_cause(trace, device)
+    causes = idle_by_cause(trace, device) if causes is None else causes
     steps = _step_table(trace, busy, causes, device)
     step_spans = _step_spans(trace)
     window_us = hi - lo

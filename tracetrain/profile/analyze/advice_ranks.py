@@ -1,0 +1,110 @@
+"""Advice that needs all ranks' traces: a late peer (a straggler, or unbalanced pipeline stages) and
+an all-reduce per micro-batch under gradient accumulation. The table is in collectives.py; the
+single-rank rules and the gain conventions are in advice.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from tracetrain.profile.analyze.advice import Advice, _action, _advice, _fraction, _literal, _num_steps
+from tracetrain.profile.analyze.collectives import PeerWait
+
+if TYPE_CHECKING:
+    from tracetrain.profile.analyze.report import RankReport
+
+
+def _real_wait(wait: PeerWait, by_rank: dict[int, RankReport]) -> float:
+    """The wait less what the profiler's recording cost made the late peer late by (its removed
+    host-side idle): profiled ranks are slowed unevenly, so a rank with more host work looks late."""
+    late = by_rank.get(wait.late_rank) if wait.late_rank is not None else None
+    removed = late.overhead.removed_total_us if late is not None and late.overhead is not None else 0.0
+    return max(wait.wait_us - removed, 0.0)
+
+
+def waiting_for_peer(ranks: list[RankReport], waits: list[PeerWait]) -> Advice | None:
+    """`straggler`, or `load_imbalance` when the waiting is in point-to-point transfers for a peer
+    that was computing (pipeline stages of unequal cost)."""
+    by_rank = {r.rank: r for r in ranks}
+    shares = {w.rank: _fraction(by_rank[w.rank], _real_wait(w, by_rank)) for w in waits if w.rank in by_rank}
+    if not shares or max(shares.values()) < 0.05:
+        return None
+    worst = max(waits, key=lambda w: shares[w.rank])
+    report = by_rank[worst.rank]
+    wait_ms = _real_wait(worst, by_rank) / _num_steps(report) / 1e3
+    late = f"rank {worst.late_rank}" if worst.late_rank is not None else "a peer"
+    doing = (
+        "was still computing (its GPU busy)" if worst.late_computing else "had its GPU idle, waiting for its own host"
+    )
+    evidence = (
+        f"rank {worst.rank} waits {wait_ms:.2f} ms per step ({shares[worst.rank]:.0%} of its step) inside NCCL "
+        f"kernels for {late}, which {doing} before joining."
+    )
+    # Point-to-point waits are a pipeline's stages: whatever makes one late (more layers, more host
+    # work per layer), the fix is to rebalance them.
+    if worst.wait_p2p_us >= 0.5 * worst.wait_us:
+        # Balancing the stages shares the difference out: the step loses the mean wait.
+        gain = sum(shares.values()) / len(shares)
+        found_p2p = _advice(
+            report,
+            "load_imbalance",
+            "Pipeline stages are unbalanced: one stage waits for the other",
+            "Move layers from the slow stage to the waiting one (split by measured time, not layer count: the "
+            "first stage also embeds, the last computes the loss), or use more micro-batches and an "
+            "interleaved schedule to hide the difference.",
+            evidence,
+            gain,
+            gain,
+            shares[worst.rank],
+        )
+        return replace(found_p2p, rank=worst.rank)
+    share = shares[worst.rank]
+    found = _advice(
+        report,
+        "straggler",
+        f"A straggler: {late} is late to the collectives",
+        (
+            f"Find what {late} does that the others do not: "
+            + (
+                "more work (uneven batches, sequence lengths or shards: balance them)."
+                if worst.late_computing
+                else "host work before its collectives (a slow data loader or disk, logging or checkpointing "
+                "only on that rank, a busy or throttled CPU); profile it with its host ops."
+            )
+        ),
+        evidence,
+        share,
+        0.5 * share,
+        share,
+    )
+    return replace(found, rank=worst.rank)
+
+
+def grad_sync_per_microbatch(report: RankReport) -> Advice | None:
+    """The same all-reduce buckets k >= 2 times a step: gradient accumulation that synchronises
+    every micro-batch. With `no_sync` only the last one communicates."""
+    rounds = report.collectives.allreduce_rounds if report.collectives else 1
+    if rounds < 2:
+        return None
+    comm = report.communication
+    fraction = report.transfer_fraction if report.transfer_fraction is not None else 1.0
+    saved = (rounds - 1) / rounds
+    exposed = _fraction(report, comm.exposed_us * fraction) * saved
+    overlapped = _literal(report, comm.comm_us * fraction) * saved
+    return _advice(
+        report,
+        "grad_sync_per_microbatch",
+        "Gradients are all-reduced on every micro-batch",
+        _action(
+            report,
+            "Accumulate without synchronising: tracetrain skips the all-reduce on all but the last "
+            "micro-batch; check that `train.grad_accum_steps` counts micro-batches, not steps.",
+            "Wrap all but the last micro-batch's forward and backward in `with model.no_sync():` (DDP), or call "
+            "`model.set_requires_gradient_sync(False)` before them and `True` before the last (FSDP2).",
+        ),
+        f"the same all-reduce buckets run {rounds} times per step ({comm.num_kernels / _num_steps(report):.0f} "
+        f"NCCL kernels per step); {saved:.0%} of them are not needed.",
+        exposed,
+        exposed,
+        max(exposed, overlapped),
+    )

@@ -1,0 +1,143 @@
+"""Across ranks: how much of each collective was transfer, and how much waiting for a late peer?
+
+An NCCL kernel starts on each rank when that rank reaches it and ends on all ranks together, once the
+last one has joined and the data has moved. So matched across ranks, the shortest instance is the
+transfer (the last rank to arrive waits least), and every other rank's extra time is waiting for that
+peer. Collectives are matched by sequence: the n-th NCCL kernel of a process group on one rank is the
+n-th on every other (PyTorch writes the group and collective into the kernel's args; without them all
+of a rank's NCCL kernels form one sequence). A group whose kernel count differs between ranks is not
+matched. This needs no common clock between the ranks.
+
+Per rank this gives the transfer fraction of its NCCL time (exposed communication counts only that
+part, advice.exposed_comm) and its wait per step. The late rank of each collective is described by
+what it did before joining: its GPU was computing (it had more work: unbalanced stages or shards), or
+its GPU sat idle waiting for its own host (a slow host: a straggler). Three rules read this
+(advice_ranks.py):
+
+| rule                     | fires when                                            | gain                       |
+|--------------------------|-------------------------------------------------------|----------------------------|
+| straggler                | a rank waits >= 5% of its step for a late peer        | that wait                  |
+| load_imbalance           | the same, in point-to-point (pipeline) transfers, the | the mean wait over ranks   |
+|                          | late rank computing                                   | (what balancing gives)     |
+| grad_sync_per_microbatch | the same all-reduce buckets run k >= 2 times a step   | (k-1)/k of their exposed   |
+|                          | (gradient accumulation without `no_sync`)             | transfer                   |
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tracetrain.profile.analyze.categories import CATEGORIES, collective_of
+from tracetrain.profile.analyze.select import gpu_categories, main_device, step_rows
+
+if TYPE_CHECKING:
+    from tracetrain.profile.analyze.report import RankReport
+    from tracetrain.profile.analyze.trace import Trace
+
+_COMM = CATEGORIES.index("communication")
+_P2P = ("send", "recv", "sendrecv")
+
+
+@dataclass(frozen=True)
+class RankCollectives:
+    """One rank's NCCL kernels in sequence per process group (µs), for matching with its peers."""
+
+    groups: dict[str, list[tuple[str, float, bool, int]]] = field(default_factory=dict)
+    # (collective, duration, host_late: the GPU idled waiting for this launch, message elements)
+    allreduce_rounds: int = 1  # how many times a step the same all-reduce buckets run
+
+
+def rank_collectives(trace: Trace) -> RankCollectives:
+    """The NCCL kernels of the rank's main GPU, per process group, in time order."""
+    device = main_device(trace)
+    rows = np.flatnonzero((gpu_categories(trace) == _COMM) & (trace.gpu.device == device))
+    if not len(rows):
+        return RankCollectives()
+    rows = rows[np.argsort(trace.gpu.ts[rows], kind="stable")]
+    meta = {int(r): (trace.names[g], trace.names[c], int(n)) for r, g, c, n in zip(*trace.comm.data.values())}
+    other = np.flatnonzero((gpu_categories(trace) != _COMM) & (trace.gpu.device == device))
+    ends = np.sort(trace.gpu.ts[other] + trace.gpu.dur[other])
+    groups: dict[str, list[tuple[str, float, bool, int]]] = {}
+    for row in rows.tolist():
+        group, coll, nelems = meta.get(row, ("", collective_of(trace.names[trace.gpu.name[row]]), -1))
+        start, launch = trace.gpu.ts[row], trace.gpu.launch_ts[row]
+        before = np.searchsorted(ends, start, side="right") - 1
+        last_compute = ends[before] if before >= 0 else -np.inf
+        host_late = bool(np.isfinite(launch) and launch > last_compute)
+        groups.setdefault(group, []).append((coll.lower(), float(trace.gpu.dur[row]), host_late, nelems))
+    return RankCollectives(groups, _allreduce_rounds(trace, groups))
+
+
+def _allreduce_rounds(trace: Trace, groups: dict[str, list[tuple[str, float, bool, int]]]) -> int:
+    """How many times per step the same all-reduce message sizes repeat (DDP's buckets per backward)."""
+    sizes = Counter(n for calls in groups.values() for coll, _, _, n in calls if coll == "allreduce" and n > 0)
+    num_steps = max(len(step_rows(trace)), 1)
+    if not sizes:
+        return 1
+    per_step = sorted(count / num_steps for count in sizes.values())
+    return max(round(per_step[len(per_step) // 2]), 1)
+
+
+@dataclass(frozen=True)
+class PeerWait:
+    """A rank's NCCL time split into transfer and waiting for a late peer (µs over the window)."""
+
+    rank: int
+    transfer_us: float
+    wait_us: float
+    wait_p2p_us: float  # of which in point-to-point transfers (pipeline stages)
+    late_rank: int | None  # the peer it waited for most
+    late_computing: bool  # whether that peer's GPU was computing (not idle for its host) before joining
+
+
+@dataclass
+class _Tally:
+    transfer_us: float = 0.0
+    wait_us: float = 0.0
+    wait_p2p_us: float = 0.0
+    late: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # peer rank -> µs waited for it
+    late_how: dict[tuple[int, bool], float] = field(default_factory=lambda: defaultdict(float))  # (peer, computing)
+
+    def row(self, rank: int) -> PeerWait:
+        late = max(self.late, key=lambda peer: self.late[peer]) if self.late else None
+        how = self.late_how
+        computing = late is not None and how.get((late, True), 0.0) >= how.get((late, False), 0.0)
+        return PeerWait(rank, self.transfer_us, self.wait_us, self.wait_p2p_us, late, computing)
+
+
+def peer_waits(ranks: list[RankReport]) -> list[PeerWait]:
+    """Match every rank's collectives by sequence (module docstring); one row per rank."""
+    if len(ranks) < 2:
+        return []
+    by_rank = {r.rank: r.collectives for r in ranks if r.collectives is not None}
+    tallies = {rank: _Tally() for rank in by_rank}
+    for group in set().union(*(c.groups for c in by_rank.values())):
+        seqs = {rank: c.groups.get(group, []) for rank, c in by_rank.items()}
+        if len({len(s) for s in seqs.values()}) != 1:
+            continue  # not the same collectives on every rank: cannot match
+        for i in range(len(next(iter(seqs.values())))):
+            _match({rank: seq[i] for rank, seq in seqs.items()}, tallies)
+    return [tally.row(rank) for rank, tally in sorted(tallies.items())]
+
+
+def _match(calls: dict[int, tuple[str, float, bool, int]], tallies: dict[int, _Tally]) -> None:
+    """One collective on every rank: the shortest is the transfer; the rest of each is waiting."""
+    late = min(calls, key=lambda r: calls[r][1])
+    transfer = calls[late][1]
+    for rank, (coll, dur, _, _) in calls.items():
+        tally, wait = tallies[rank], dur - transfer
+        tally.transfer_us += transfer
+        tally.wait_us += wait
+        tally.wait_p2p_us += wait if coll in _P2P else 0.0
+        if rank != late and wait > 0:
+            tally.late[late] += wait
+            tally.late_how[(late, not calls[late][2])] += wait
+
+
+def transfer_fraction(wait: PeerWait) -> float | None:
+    total = wait.transfer_us + wait.wait_us
+    return wait.transfer_us / total if total > 0 else None
