@@ -28,11 +28,47 @@ LAYOUTS_2 = {
     "lora_fsdp": ["--parallel.dp_shard=2", "--train.mode=lora", "--lora.targets=['all-linear']"],
     "ep": ["--parallel.dp_shard=2", "--parallel.ep=2", *MOE],
 }
+# Each rank reads only its blocks of a multi-file HF checkpoint (fp32, written at test time from seed 99).
+HF = "--model.init_from={hf}"
+LAYOUTS_2_HF = {
+    "hf_fsdp": ["--parallel.dp_shard=2", HF],
+    "hf_tp": ["--parallel.tp=2", HF],
+    "hf_pp": ["--parallel.pp=2", "--parallel.pp_microbatches=2", HF],
+    "hf_lora_fsdp": ["--parallel.dp_shard=2", "--train.mode=lora", HF],
+}
 LAYOUTS_4 = {
     "fsdp_uneven": ["--parallel.dp_shard=4", "--model.vocab_size=130"],  # 33, 33, 33, 31 embedding rows
     "fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"],
     "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.pp_microbatches=2"],
 }
+
+
+def _config(overrides: list[str]) -> object:
+    """The tiny config; with model.init_from the shape comes from the checkpoint (no model.* overrides)."""
+    from parallel_harness import TINY
+
+    from tracetrain.config import load_config
+
+    if any(o.startswith("--model.init_from") for o in overrides):
+        return load_config(None, [o for o in TINY if not o.startswith("--model.")] + overrides)
+    return load_config(None, TINY + overrides)
+
+
+def write_tiny_hf(out: Path) -> None:
+    """A tiny HF checkpoint in 3 files (fp32), from a seed the runs do not use."""
+    from tracetrain.models.build import materialize, model_args_from_config
+    from tracetrain.models.hf import export_hf
+
+    args = model_args_from_config(_config([]))  # type: ignore[arg-type]
+    export_hf(materialize(args, torch.device("cpu"), 99), args, out, torch.float32, max_shard_bytes=250_000)
+
+
+def _stored(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {
+        k.removeprefix("model."): v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()
+    }
 
 
 def _full_weights(a: object) -> dict[str, torch.Tensor]:
@@ -53,7 +89,6 @@ def gather_and_compare(layouts: dict[str, list[str]], out_path: str) -> None:
     """Each layout: assemble up to `materialise` on every rank, gather the full weights on rank 0, and
     compare them bitwise with a 1-rank assembly of the same config; rank 0 writes the mismatches."""
     import torch.distributed as dist
-    from parallel_harness import tiny_config
 
     from tracetrain.parallel import dist as tdist
     from tracetrain.parallel.mesh import build_mesh
@@ -64,17 +99,22 @@ def gather_and_compare(layouts: dict[str, list[str]], out_path: str) -> None:
     info = tdist.init_distributed(120, "cpu")
     results: dict[str, object] = {}
     for name, overrides in layouts.items():
-        cfg = tiny_config(overrides)
+        cfg = _config(overrides)
         a = assemble(resolve(cfg, torch.device("cpu"), info.world_size), build_mesh(cfg.parallel, "cpu"))
         assert a.optimizer is not None  # the whole table ran on the materialised shards
         gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(info.world_size)]
         dist.all_gather_object(gathered, _full_weights(a))
         if info.rank == 0:
             merged = {k: v for d in gathered for k, v in d.items()}
-            one_rank = tiny_config([o for o in overrides if not o.startswith("--parallel.")])
-            single = resolve(one_rank, torch.device("cpu"), 1)
+            one_rank = _config([o for o in overrides if not o.startswith("--parallel.")])
+            single = resolve(one_rank, torch.device("cpu"), 1)  # type: ignore[arg-type]
             ref = _full_weights(assemble(single, until="materialise"))
+            init_from = cfg.model.init_from  # type: ignore[attr-defined]
+            stored = _stored(init_from) if init_from else {}
             results[name] = {
+                "not_from_checkpoint": sorted(
+                    k for k in stored if not torch.equal(stored[k], merged.get(k, stored[k] + 1))
+                ),
                 "names_missing": sorted(ref.keys() - merged.keys()),
                 "different": sorted(k for k in ref.keys() & merged.keys() if not torch.equal(ref[k], merged[k])),
                 "num_params": len(ref),
@@ -84,14 +124,20 @@ def gather_and_compare(layouts: dict[str, list[str]], out_path: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("world", "layouts"), [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2_ranks", "4_ranks"])
+@pytest.mark.parametrize(
+    ("world", "layouts"), [(2, LAYOUTS_2), (2, LAYOUTS_2_HF), (4, LAYOUTS_4)], ids=["2_ranks", "2_ranks_hf", "4_ranks"]
+)
 def test_sharded_init_equals_one_rank_init(tmp_path: Path, world: int, layouts: dict) -> None:
+    write_tiny_hf(tmp_path / "hf")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    layouts = {k: [o.format(hf=tmp_path / "hf") for o in v] for k, v in layouts.items()}
     out = tmp_path / "init.json"
     launch_local(gather_and_compare, world, layouts, str(out), timeout_s=400)
     results = json.loads(out.read_text())
     for name in layouts:
         r = results[name]
         assert r["num_params"] > 10 and not r["names_missing"] and not r["different"], (name, r)
+        assert not r["not_from_checkpoint"], (name, r)  # with init_from every stored tensor was read, not drawn
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,7 +154,6 @@ def _peak_rss_bytes() -> int:
 def peak_during_assembly(out_path: str) -> None:
     """Assemble the BIG model under FSDP over every rank; each rank reports its peak RSS growth."""
     import torch.distributed as dist
-    from parallel_harness import tiny_config
 
     from tracetrain.models.accounting import num_params
     from tracetrain.models.build import model_args_from_config
@@ -119,7 +164,7 @@ def peak_during_assembly(out_path: str) -> None:
 
     torch.set_num_threads(1)
     info = tdist.init_distributed(120, "cpu")
-    cfg = tiny_config([*BIG, f"--parallel.dp_shard={info.world_size}"])
+    cfg = _config([*BIG, f"--parallel.dp_shard={info.world_size}"])
     spec = resolve(cfg, torch.device("cpu"), info.world_size)
     mesh = build_mesh(cfg.parallel, "cpu")
     Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from what this process holds now
