@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -27,6 +28,7 @@ LAYOUTS_2 = {
     "pp": ["--parallel.pp=2", "--parallel.pp_microbatches=2"],
     "lora_fsdp": ["--parallel.dp_shard=2", "--train.mode=lora", "--lora.targets=['all-linear']"],
     "ep": ["--parallel.dp_shard=2", "--parallel.ep=2", *MOE],
+    "tied_fsdp": ["--parallel.dp_shard=2"],  # tied embeddings (as llama3.2-1b): the head stays the embedding
 }
 # Each rank reads only its blocks of a multi-file HF checkpoint (fp32, written at test time from seed 99).
 HF = "--model.init_from={hf}"
@@ -71,6 +73,18 @@ def _stored(path: str) -> dict[str, torch.Tensor]:
     }
 
 
+def _spec(cfg: object, world: int, tied: bool) -> object:
+    from tracetrain.spec import resolve
+
+    spec = resolve(cfg, torch.device("cpu"), world)  # type: ignore[arg-type]
+    return spec.replace(model_args=dataclasses.replace(spec.model_args, tie_embeddings=True)) if tied else spec
+
+
+def _tie_kept(a: object) -> bool:
+    parts = a.parts  # type: ignore[attr-defined]
+    return all(p.lm_head.weight is p.embed_tokens.weight for p in parts if getattr(p, "lm_head", None) is not None)
+
+
 def _full_weights(a: object) -> dict[str, torch.Tensor]:
     """This rank's parameters as full tensors by plain-model name (collective for DTensors)."""
     from torch.distributed.tensor import DTensor
@@ -92,7 +106,6 @@ def gather_and_compare(layouts: dict[str, list[str]], out_path: str) -> None:
 
     from tracetrain.parallel import dist as tdist
     from tracetrain.parallel.mesh import build_mesh
-    from tracetrain.spec import resolve
     from tracetrain.train.assemble import assemble
 
     torch.set_num_threads(1)
@@ -100,15 +113,16 @@ def gather_and_compare(layouts: dict[str, list[str]], out_path: str) -> None:
     results: dict[str, object] = {}
     for name, overrides in layouts.items():
         cfg = _config(overrides)
-        a = assemble(resolve(cfg, torch.device("cpu"), info.world_size), build_mesh(cfg.parallel, "cpu"))
+        tied = name.startswith("tied")
+        a = assemble(_spec(cfg, info.world_size, tied), build_mesh(cfg.parallel, "cpu"))  # type: ignore[arg-type]
         assert a.optimizer is not None  # the whole table ran on the materialised shards
         gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(info.world_size)]
         dist.all_gather_object(gathered, _full_weights(a))
         if info.rank == 0:
             merged = {k: v for d in gathered for k, v in d.items()}
             one_rank = _config([o for o in overrides if not o.startswith("--parallel.")])
-            single = resolve(one_rank, torch.device("cpu"), 1)  # type: ignore[arg-type]
-            ref = _full_weights(assemble(single, until="materialise"))
+            ref_assembly = assemble(_spec(one_rank, 1, tied), until="materialise")  # type: ignore[arg-type]
+            ref = _full_weights(ref_assembly)
             init_from = cfg.model.init_from  # type: ignore[attr-defined]
             stored = _stored(init_from) if init_from else {}
             results[name] = {
@@ -118,6 +132,7 @@ def gather_and_compare(layouts: dict[str, list[str]], out_path: str) -> None:
                 "names_missing": sorted(ref.keys() - merged.keys()),
                 "different": sorted(k for k in ref.keys() & merged.keys() if not torch.equal(ref[k], merged[k])),
                 "num_params": len(ref),
+                "tie_lost": tied and not (_tie_kept(a) and _tie_kept(ref_assembly)),
             }
     if info.rank == 0:
         Path(out_path).write_text(json.dumps(results))
@@ -137,6 +152,7 @@ def test_sharded_init_equals_one_rank_init(tmp_path: Path, world: int, layouts: 
     for name in layouts:
         r = results[name]
         assert r["num_params"] > 10 and not r["names_missing"] and not r["different"], (name, r)
+        assert not r["tie_lost"], (name, r)
         assert not r["not_from_checkpoint"], (name, r)  # with init_from every stored tensor was read, not drawn
 
 
