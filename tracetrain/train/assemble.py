@@ -36,7 +36,7 @@ class Assembly:
 
     spec: RunSpec
     mesh: Any = None  # tracetrain.parallel.mesh.ParallelMesh with several ranks
-    model: nn.Module | None = None  # the plain model (weights .. fp8 act on it)
+    model: nn.Module | None = None  # the plain model, on meta until `materialise` (rows model .. fp8 act on it)
     parts: list[nn.Module] = field(default_factory=list)
     fsdp_units: list[Any] = field(default_factory=list)
     pipeline: Any = None  # tracetrain.parallel.pipeline.Pipeline (pp > 1)
