@@ -66,7 +66,7 @@ def run_case(overrides: list[str], fsdp: bool, a: argparse.Namespace, mesh1: obj
     torch.cuda.reset_peak_memory_stats()
     held_before = torch.cuda.memory_allocated()
     spec = resolve(cfg, device)
-    built = assemble(spec, until="compile")
+    built = assemble(spec, until="materialise")
     model = built.module
     par = None
     if fsdp:

@@ -98,7 +98,7 @@ def probe(a: argparse.Namespace, fp8: str, root: Path) -> dict:
     ds, _, _ = build_datasets(cfg.data, load_tokenizer(cfg.data.tokenizer))
     batch = to_device(next(build_loader(ds, a.batch, cfg.data, seed=cfg.data.seed)), device)
     spec = resolve(cfg, device)
-    model = assemble(spec, until="compile").module
+    model = assemble(spec, until="materialise").module
     ctx = step_context(spec)
     targets = int((batch["labels"] != IGNORE_INDEX).sum())
     rows = probe_amax(model, lambda: (loss_sum(model, batch, ctx) / targets).backward())

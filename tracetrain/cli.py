@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # output piped to a reader that quit shows up here, while we can still handle it
         return code
     except TracetrainError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):  # an OOM on a rank other than 0: rank 0 prints the job's line
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         if not _stdout_reader_gone():

@@ -13,9 +13,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracetrain.errors import TracetrainError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
@@ -156,7 +159,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
-    from tracetrain.inference import load_trained
+    from tracetrain.inference import find_checkpoint, load_trained
     from tracetrain.models.export import EXPORT_DTYPES, check_export_target, export_run_hf, export_run_peft, parse_size
 
     targets = [Path(p) for p in (a.peft, a.hf) if p]
@@ -171,6 +174,10 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
     max_shard_bytes = parse_size(a.max_shard_size)
     for out in targets:  # refuse a bad target before loading a possibly large model
         check_export_target(out, a.overwrite)
+    dtype = EXPORT_DTYPES.get(a.dtype)  # 'auto' -> None: the run's weights dtype
+    ckpt = find_checkpoint(a.path)
+    if a.hf and not a.peft and not a.gguf and (ckpt / "dcp" / ".metadata").is_file():
+        return _export_sharded(ckpt, a, dtype, max_shard_bytes, overrides)
     loaded = load_trained(a.path, "cpu", overrides)
     if a.peft and loaded.cfg.train.mode != "lora":
         raise TracetrainError(f"{loaded.checkpoint} is a full fine-tune; --peft needs a LoRA run")
@@ -179,7 +186,6 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
         notes += export_run_peft(loaded, a.peft, a.overwrite)
         print(f"PEFT adapter written to {a.peft}")
     if a.hf:
-        dtype = EXPORT_DTYPES.get(a.dtype)  # 'auto' -> None: the run's weights dtype
         from rich.console import Console
 
         from tracetrain.progress import live_progress
@@ -195,6 +201,23 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
             loaded, a.gguf, EXPORT_DTYPES.get(a.dtype) or run_weights_dtype(loaded)[0], a.overwrite
         )
         print(f"GGUF file (llama architecture, adapters merged) written to {a.gguf}")
+    for note in dict.fromkeys(notes):
+        print(note)
+    return 0
+
+
+def _export_sharded(
+    ckpt: Path, a: argparse.Namespace, dtype: torch.dtype | None, max_shard_bytes: int, overrides: list[str]
+) -> int:
+    """--hf of a checkpoint saved by several ranks: streamed tensor by tensor, never gathered in one place."""
+    from rich.console import Console
+
+    from tracetrain.progress import live_progress
+    from tracetrain.train.sharded_export import export_sharded_run_hf
+
+    with live_progress(Console(stderr=True)) as progress:
+        notes = export_sharded_run_hf(ckpt, a.hf, dtype, a.overwrite, max_shard_bytes, progress, overrides)
+    print(f"Hugging Face model (adapters merged) written to {a.hf}")
     for note in dict.fromkeys(notes):
         print(note)
     return 0

@@ -15,3 +15,14 @@ class DataError(TracetrainError):
 
 class CheckpointError(TracetrainError):
     """A checkpoint is missing, incomplete, or does not match the model or run."""
+
+
+class OutOfMemory(TracetrainError):
+    """A rank ran out of memory (train/oom.py `explain_oom` writes the line). `quiet`: the console of this
+    rank does not print it (ranks other than 0: rank 0 prints the job's one line)."""
+
+    MARK = "ran out of memory"  # in every such line: the watchdog tells them from other failures by it
+
+    def __init__(self, message: str, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet

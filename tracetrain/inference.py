@@ -69,10 +69,10 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
         )
         cfg = load_config(ckpt / "config.toml", [*(overrides or []), "--train.fp8=none"])
     # The training run's own spec on this device (lora.base_dtype honoured, as training did), and its
-    # model rows: weights, MoE, LoRA, attention, kernels, FP8, recompute, compile (no optimizer).
+    # model rows: model (meta), MoE, LoRA, attention, kernels, FP8, recompute, compile, materialise (no optimizer).
     spec = resolve(cfg, dev)
     precision = spec.precision
-    model = assemble(spec, until="compile").plain()
+    model = assemble(spec, until="materialise").plain()
     if (ckpt / "dcp" / ".metadata").is_file():
         # Saved by several ranks (train/sharded_checkpoint.py): DCP gathers every shard into this single
         # process's full tensors, whatever layout wrote them (no process group needed).

@@ -1,22 +1,28 @@
 """The model's architecture and its materialisation; the transforms are applied by train/assemble.py.
 
 `model_args_from_config`: a preset (or a Hugging Face checkpoint's config.json) plus the config's
-overrides. `materialize`: built on the meta device (no memory), allocated directly on the target device
-in the requested dtype, then initialised there with a seeded generator — a 7B model never exists in
-fp32 on the CPU. Everything that changes the model after that (weights from a checkpoint, MoE, LoRA,
-attention backend, kernels, FP8, parallelism, recomputation, compile) is a row of the ordered table
-`tracetrain.train.assemble.TRANSFORMS`.
+overrides. `build_on_meta`: the model on the meta device (no memory), in its final dtype. The layout
+rows of `train/assemble.py` shard it there; `materialize_parts` then allocates only this rank's
+shards on the target device and fills them with seeded values that do not depend on the layout
+(models/init.py) or with a checkpoint's slices (models/hf_load.py): a rank never holds the whole
+model, and a 70B model never exists in fp32 anywhere. Everything that changes the model (MoE, LoRA,
+attention backend, kernels, FP8, parallelism, recomputation, compile, materialisation) is a row of the
+ordered table `tracetrain.train.assemble.TRANSFORMS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tracetrain.config import Config
 from tracetrain.errors import ConfigError
-from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.init import canonical_name, fill_local, init_rule
+from tracetrain.models.llama import ModelArgs, Transformer, rope_inv_freq
 from tracetrain.models.presets import PRESETS, get_preset
 
 _OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
@@ -51,15 +57,82 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
     return args
 
 
-def materialize(args: ModelArgs, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build on meta, allocate on `device` in `dtype`, and initialise with a seeded generator."""
+class WeightSource(Protocol):
+    """Where a parameter's values come from instead of the seeded init (a HF checkpoint, models/hf_load.py)."""
+
+    def fill(self, local: torch.Tensor, name: str, shape: tuple[int, ...], offsets: tuple[int, ...]) -> bool:
+        """Write this rank's block of the full tensor `name`; False if the source does not hold it."""
+        ...
+
+
+def build_on_meta(args: ModelArgs, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The model on the meta device (no memory), its parameters in `dtype`; rotary frequencies stay fp32."""
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device=device)
-    if dtype != torch.float32:
-        model.to(dtype)
-        model.rope_inv_freq.data = model.rope_inv_freq.float()  # rotary frequencies stay float32
-    model.tie_weights()  # to_empty replaces parameters, which breaks the tie
-    torch.manual_seed(seed)
-    model.init_weights()
+        if dtype != torch.float32:
+            model.to(dtype)
+            model.rope_inv_freq.data = model.rope_inv_freq.float()
+    return model
+
+
+def local_block(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this rank's tensor, the full shape, the block's offsets in the full tensor) of a parameter."""
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        local = p._local_tensor
+        assert tuple(local.shape) == tuple(shape), f"local shard {tuple(local.shape)} != DTensor's {shape}"
+        return local, tuple(p.shape), tuple(offsets)
+    return p.data, tuple(p.shape), (0,) * p.dim()
+
+
+def _shared_params(part: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    # Parameters held by several modules (a tied head): `to_empty` gives each holder its own copy.
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in part.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((module, name))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+@torch.no_grad()
+def materialize_parts(
+    parts: list[nn.Module],
+    args: ModelArgs,
+    device: torch.device,
+    seed: int,
+    *,
+    params_device: torch.device | None = None,
+    source: WeightSource | None = None,
+) -> None:
+    """Allocate each part's meta tensors (this rank's shards only, in their dtype) and fill them: from
+    `source` where it holds the tensor, else seeded values independent of the layout (models/init.py).
+    `params_device`: where parameters live when not on `device` (the host under FSDP's CPU offload).
+    Parts already materialised (built for a test or a benchmark) are left as they are."""
+    for part in parts:
+        if not any(t.is_meta for t in [*part.parameters(), *part.buffers()]):
+            continue
+        shared = _shared_params(part)
+        part.to_empty(device=params_device or device)
+        for holders in shared:  # tie again to the first holder's (FSDP's primary) new parameter
+            first = getattr(holders[0][0], holders[0][1])
+            for module, name in holders[1:]:
+                module._parameters[name] = first
+        for module in part.modules():
+            for name, buf in module._buffers.items():
+                assert buf is not None and name == "rope_inv_freq", f"no initial value for buffer {name!r}"
+                module._buffers[name] = rope_inv_freq(args).to(device)
+        for name, p in part.named_parameters():
+            local, shape, offsets = local_block(p)
+            canon = canonical_name(name, tied=args.tie_embeddings)
+            if source is None or not source.fill(local, canon, shape, offsets):
+                fill_local(local, canon, shape, offsets, init_rule(canon, shape, args), seed)
+
+
+def materialize(args: ModelArgs, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The whole model on `device` in `dtype`, seeded: the values of any layout's shards of the same seed."""
+    model = build_on_meta(args, dtype)
+    materialize_parts([model], args, device, seed)
     return model

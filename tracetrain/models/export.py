@@ -27,7 +27,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +36,7 @@ import torch
 from tracetrain import __version__
 from tracetrain.errors import CheckpointError, ConfigError
 from tracetrain.models.hf import _checkpoint_files, _read_json, hf_config_dict, write_hf_weights, write_peft_adapter
+from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import is_lora_key, lora_state_dict
 from tracetrain.safe_load import open_safetensors
 
@@ -344,14 +345,19 @@ def export_run_hf(
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 10**9,
     progress: Progress | None = None,
+    *,
+    args: ModelArgs | None = None,
+    write_weights: Callable[[Path, torch.dtype], None] | None = None,
 ) -> list[str]:
     """A trained run (`inference.load_trained`) as a transformers checkpoint folder, adapters merged.
 
     `dtype` None: the run's weights dtype (`run_weights_dtype`). Returns notes for the user (the dtype
     chosen for it; no tokenizer files for the byte tokenizer). `progress` hears the weight bytes written
-    (tracetrain/progress.py).
+    (tracetrain/progress.py). `args` and `write_weights(folder, dtype)` replace the loaded model when there
+    is none: a sharded checkpoint is streamed tensor by tensor instead (train/sharded_export.py).
     """
     cfg, tok, model = loaded.cfg, loaded.tokenizer, loaded.model
+    args = args or model.args
     notes = []
     if dtype is None:
         dtype, where = run_weights_dtype(loaded)
@@ -359,11 +365,14 @@ def export_run_hf(
         notes.append(f"weights: {name}, as the run stores them ({where}); --dtype bf16/fp16/fp32 converts")
     ids = special_token_ids(tok, cfg.model.init_from)
     with export_folder(Path(out_dir), "hf", overwrite, loaded.checkpoint) as tmp:
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.args, dtype, **ids), indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(args, dtype, **ids), indent=2))
         gen = generation_config_dict(tok, cfg.model.init_from)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         notes += write_tokenizer_files(cfg, tok, tmp)
-        write_hf_weights(model, model.args, tmp, dtype, max_shard_bytes, progress)
+        if write_weights is not None:
+            write_weights(tmp, dtype)
+        else:
+            write_hf_weights(model, args, tmp, dtype, max_shard_bytes, progress)
         (tmp / "README.md").write_text(model_card(cfg, loaded.checkpoint, dtype, "hf", _tokenizer_note(tok)))
     return notes
 

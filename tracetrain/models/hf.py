@@ -8,8 +8,8 @@ Sliding-window attention (Mistral's `sliding_window`, Qwen2's `use_sliding_windo
 the model attends to the full causal context, which is identical while sequences are no longer than
 the window (4096 for Mistral 7B v0.1; later Mistral and Qwen2 checkpoints disable it).
 
-Weights are streamed tensor by tensor (`safetensors.safe_open`) and copied into the existing
-parameters, so a model already materialised on a GPU or in bf16 needs no second full-size copy.
+Weights are streamed block by block (`safetensors.safe_open(...).get_slice`, models/hf_load.py) into the
+existing parameters or into each rank's shards, so no rank ever reads or holds a whole checkpoint.
 Exports are written to a temporary directory and renamed into place, so a crash never leaves a
 half-written checkpoint behind.
 """
@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tracetrain.errors import CheckpointError
+from tracetrain.models.hf_load import HFCheckpoint, local_name
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import (
     LoRALinear,
@@ -46,7 +47,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed here
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PEFT_PREFIX = "base_model.model."
 
@@ -182,14 +182,9 @@ def load_hf_config(path: str | Path) -> ModelArgs:
 # Weights: HF checkpoint -> model
 
 
-def _local_name(hf_name: str) -> str:
-    """'model.layers.0.self_attn.q_proj.weight' -> 'layers.0.self_attn.q_proj.weight'."""
-    return hf_name.removeprefix("model.")
-
-
-def _hf_name(local_name: str) -> str:
+def _hf_name(key: str) -> str:
     """The model's state-dict key (LoRA-wrapped or not) -> HF's key ('.base.' dropped, 'model.' added)."""
-    name = local_name.replace(".base.", ".")
+    name = key.replace(".base.", ".")
     return name if name.startswith("lm_head.") else "model." + name
 
 
@@ -209,15 +204,23 @@ def _checkpoint_files(path: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single.name)
 
 
-def _model_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Local (HF-style, no 'model.') name -> the parameter to fill; LoRA adapters are not in HF files."""
+def _model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Local (HF-style, no 'model.') name -> full shape of what the checkpoint must hold; LoRA adapters are not in HF files."""
     state = model.state_dict(keep_vars=True)
-    return {_local_name(_hf_name(k)): v for k, v in state.items() if not is_lora_key(k)}
+    return {local_name(_hf_name(k)): tuple(v.shape) for k, v in state.items() if not is_lora_key(k)}
 
 
-def _list_some(names: set[str], limit: int = 5) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(sorted(names)[:limit]) + more
+def open_hf_checkpoint(path: str | Path, model: nn.Module) -> HFCheckpoint:
+    """The checkpoint at `path` for `model` (on any device, meta included; LoRA-wrapped or not), its names
+    and shapes checked against the model's (headers only): one CheckpointError line on a mismatch."""
+    path = Path(path)
+    tied = bool(getattr(getattr(model, "args", None), "tie_embeddings", False))
+    checkpoint = HFCheckpoint(path, _checkpoint_files(path), tied=tied)
+    shapes = _model_shapes(model)
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    checkpoint.check(shapes)
+    return checkpoint
 
 
 @torch.no_grad()
@@ -225,39 +228,14 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """Copy a HF checkpoint's tensors (single or sharded safetensors) into `model`'s parameters in place.
 
     Works on a model already on any device and in any dtype (tensors are converted on copy), and on a
-    LoRA-wrapped model (the `.base` weights are filled). Names are all checked before anything is copied.
+    LoRA-wrapped model (the `.base` weights are filled). Names and shapes are all checked before
+    anything is copied. A sharded model reads its shards through `materialize_parts` instead.
     """
-    path = Path(path)
-    files = {_local_name(k): v for k, v in _checkpoint_files(path).items() if not k.endswith(_IGNORED_SUFFIXES)}
-    targets = _model_targets(model)
-    if getattr(model, "args", None) is not None and model.args.tie_embeddings:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
-        # Tied: lm_head is the embedding (as in HF, which ties after loading); a saved copy is skipped.
-        targets.pop("lm_head.weight", None)
-        files.pop("lm_head.weight", None)
-    missing, unexpected = targets.keys() - files.keys(), files.keys() - targets.keys()
-    if missing:
-        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {_list_some(missing)}")
-    if unexpected:
-        raise CheckpointError(f"{path}: unexpected tensors in the checkpoint: {_list_some(unexpected)}")
-    by_file: dict[str, list[str]] = {}
-    for name, file in files.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
-        with open_safetensors(path / file) as f:
-            stored = {_local_name(k): k for k in f.keys()}  # noqa: SIM118  # a safetensors handle, not a dict
-            for name in names:
-                _copy_tensor(f, stored, name, targets[name], path / file)
-
-
-def _copy_tensor(f: Any, stored: dict[str, str], name: str, param: torch.Tensor, file: Path) -> None:
-    if name not in stored:
-        raise CheckpointError(f"{file}: tensor '{name}' is listed in the index but not in the file")
-    shape = tuple(f.get_slice(stored[name]).get_shape())  # read the header only, not the data
-    if shape != tuple(param.shape):
-        raise CheckpointError(
-            f"{file}: tensor '{stored[name]}' has shape {shape} but the model expects {tuple(param.shape)}"
-        )
-    param.copy_(f.get_tensor(stored[name]))
+    checkpoint = open_hf_checkpoint(path, model)
+    for name, p in model.state_dict(keep_vars=True).items():
+        if not is_lora_key(name):
+            checkpoint.fill(p.data, local_name(_hf_name(name)), tuple(p.shape), (0,) * p.dim())
+    checkpoint.close()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -533,7 +511,7 @@ def load_peft_adapter(
         raise CheckpointError(f"{file} does not exist")
     with safe_open(file, framework="pt") as f:
         # 'base_model.model.model.layers.0...lora_A.weight' -> 'layers.0...lora_A.weight'
-        tensors = {_local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        tensors = {local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     count = apply_lora(
         model,
         cfg["r"],

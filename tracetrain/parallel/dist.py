@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tracetrain.errors import OutOfMemory
+
 log = logging.getLogger("tracetrain")
 
 _FAILURE_KEY = "tracetrain/failure"
@@ -179,6 +181,13 @@ class Watchdog:
         print(f"[tracetrain] {message}", file=sys.stderr, flush=True)
         os._exit(1)  # the main thread may sit in a collective that never returns
 
+    def _end_out_of_memory(self, posted: str) -> None:
+        # Another rank ran out of memory: rank 0 prints its one line, the others end quietly (no stacks).
+        if self.rank == 0:
+            print(f"error: {posted}", file=sys.stderr, flush=True)
+        _flush_logs()
+        os._exit(2)
+
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
@@ -192,6 +201,8 @@ class Watchdog:
                 )
                 return
             stalled_s = time.monotonic() - self._last_beat
+            if posted is not None and not posted.startswith(f"rank {self.rank} ") and OutOfMemory.MARK in posted:
+                self._end_out_of_memory(posted)
             if posted is not None and not posted.startswith(f"rank {self.rank} "):
                 # Say where this rank was: when it is the one that hung, this is the diagnosis.
                 self._end(
@@ -208,6 +219,24 @@ class Watchdog:
                 self._end(message, dump_stacks=True)
 
 
+def report_out_of_memory(watchdog: Watchdog | None, error: OutOfMemory) -> None:
+    """Post this rank's OOM line for the others (rank 0 prints it if it did not run out itself), without a
+    traceback anywhere, and linger two polls so that they read it before this process (maybe the store's
+    host) exits. Rank 0 prints its own line first: once another rank has exited, torchrun may end this
+    one at any moment. The caller then raises `error`; the CLI prints nothing more (`quiet`)."""
+    if watchdog is None:
+        return
+    if watchdog.rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:  # its log file only: the console is rank 0's
+        log.error(str(error))
+    error.quiet = True
+    watchdog.report(str(error))
+    watchdog.stop()
+    time.sleep(2.5 * watchdog.poll_s)
+    _flush_logs()
+
+
 @contextmanager
 def failure_guard(watchdog: Watchdog | None, rank: int) -> Iterator[None]:
     """Run a rank's work; on an error, tell the other ranks (via the store) before re-raising."""
@@ -215,6 +244,9 @@ def failure_guard(watchdog: Watchdog | None, rank: int) -> Iterator[None]:
         yield
     except BaseException as e:
         if watchdog is None:
+            raise
+        if isinstance(e, OutOfMemory):  # already told to the others, as one line (report_out_of_memory)
+            watchdog.stop()
             raise
         cause = watchdog.peer_failure()
         if cause is not None and not cause.startswith(f"rank {rank} "):

@@ -6,9 +6,9 @@ A new transform is a new row here: the model (models/llama.py), the loop (train/
 (train/step.py) do not change. The same path builds the trainer's run, inference's model (rows up to
 `compile`), the benchmarks' variants (a spec changed with `RunSpec.replace`) and the test layouts.
 
-The model is built on the meta device, materialised on the target device in its final dtype and
-initialised there (a 7B model never exists in fp32 on the CPU). With several ranks the layout rows cut,
-shard and wrap this rank's part(s) of it; the result's `par` (a `ParallelModel`) carries the hooks the
+The model is built on the meta device; the layout rows cut, shard and wrap this rank's part(s) of it
+there, and `materialise` then allocates only this rank's shards on the target device, in their final
+dtype, and fills them (seeded values that do not depend on the layout, or a checkpoint's slices); the result's `par` (a `ParallelModel`) carries the hooks the
 training step calls (all of them no-ops on one process, where `par` is None).
 """
 
@@ -36,7 +36,7 @@ class Assembly:
 
     spec: RunSpec
     mesh: Any = None  # tracetrain.parallel.mesh.ParallelMesh with several ranks
-    model: nn.Module | None = None  # the plain model (weights .. fp8 act on it)
+    model: nn.Module | None = None  # the plain model, on meta until `materialise` (rows model .. fp8 act on it)
     parts: list[nn.Module] = field(default_factory=list)
     fsdp_units: list[Any] = field(default_factory=list)
     pipeline: Any = None  # tracetrain.parallel.pipeline.Pipeline (pp > 1)
@@ -47,7 +47,7 @@ class Assembly:
 
     def plain(self) -> Transformer:
         """The plain model, for the rows before the layout."""
-        assert isinstance(self.model, Transformer), "the weights row builds the model first"
+        assert isinstance(self.model, Transformer), "the model row builds the model first"
         return self.model
 
     @property
@@ -78,16 +78,28 @@ def _blocks(part: nn.Module) -> types.SimpleNamespace:
 # The rows' apply functions, in table order
 
 
-def _weights(a: Assembly) -> None:
-    from tracetrain.models.build import materialize
+def _model(a: Assembly) -> None:
+    from tracetrain.models.build import build_on_meta
+
+    a.model = build_on_meta(a.spec.model_args, a.spec.weights_dtype)
+    a.parts = [a.plain()]
+
+
+def _materialise(a: Assembly) -> None:
+    from tracetrain.models.build import materialize_parts
 
     s = a.spec
-    a.model = materialize(s.model_args, s.device, s.cfg.train.seed, s.weights_dtype)
+    source = None
     if s.cfg.model.init_from:
-        from tracetrain.models.hf import load_hf_weights
+        from tracetrain.models.hf import open_hf_checkpoint
 
-        load_hf_weights(a.plain(), s.cfg.model.init_from)
-    a.parts = [a.plain()]
+        source = open_hf_checkpoint(s.cfg.model.init_from, a.plain())  # names and shapes checked first
+    # Under FSDP's CPU offload the sharded parameters live on the host (FSDP moves what it gathers).
+    offload = s.distributed and s.cfg.parallel.fsdp_cpu_offload
+    host = torch.device("cpu") if offload else None
+    materialize_parts(a.parts, s.model_args, s.device, s.cfg.train.seed, params_device=host, source=source)
+    if source is not None:
+        source.close()
 
 
 def _moe(a: Assembly) -> None:
@@ -270,11 +282,11 @@ def _parallel(axis: str) -> Callable[[RunSpec], bool]:
 
 TRANSFORMS: tuple[Transform, ...] = (
     Transform(
-        "weights",
+        "model",
         _always,
-        _weights,
-        "first: materialised on the device in the final dtype (LoRA base, bf16 under optimizer offload), "
-        "then the checkpoint's weights; every row after sees the final tensors",
+        _model,
+        "first: the plain model on the meta device in its final dtype (LoRA base, bf16 under optimizer "
+        "offload); the rows up to `materialise` change modules, not values, and cost no memory",
     ),
     Transform(
         "moe",
@@ -305,6 +317,13 @@ TRANSFORMS: tuple[Transform, ...] = (
         lambda s: s.fused_ce_chunk > 0,
         _fused_ce,
         "the head's loss path (no full logits), on the root module: independent of the block rows",
+    ),
+    Transform(
+        "materialise_for_fp8",
+        lambda s: s.fp8 != "none",
+        _materialise,
+        "FP8 quantises the frozen bases' values once, so they must exist before it; FP8 runs with FSDP "
+        "alone (validate.py), and each rank holds the whole model until FSDP shards it",
     ),
     Transform(
         "fp8",
@@ -359,6 +378,14 @@ TRANSFORMS: tuple[Transform, ...] = (
         "blocks and reduces their gradients",
     ),
     Transform(
+        "materialise",
+        lambda s: s.fp8 == "none",
+        _materialise,
+        "after every layout row, before the schedule and the optimizer (which need real tensors): "
+        "allocates only this rank's shards and fills them with layout-independent seeded values or the "
+        "checkpoint's slices, so no rank ever holds the whole model",
+    ),
+    Transform(
         "pipeline_schedule", _parallel("pp"), _pipeline_schedule, "wraps the finished stage modules in the schedule"
     ),
     Transform(
@@ -403,7 +430,8 @@ def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None) -> As
     """Apply every row of TRANSFORMS that applies to `spec`, in order; stop after row `until` if given.
 
     `mesh` is the ParallelMesh of a multi-rank job (required when spec.world_size > 1). The model must be
-    identical on every rank before the layout rows (same seed or same checkpoint): `weights` sees to it.
+    identical on every rank (same seed or same checkpoint): `materialise` fills each shard with the values
+    the whole model has at that place, whatever the layout.
     """
     if spec.distributed and mesh is None:
         raise ValueError(f"a RunSpec for {spec.world_size} ranks needs their ParallelMesh")
@@ -423,7 +451,7 @@ def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None) -> As
 def parallelize(model: Transformer, spec: RunSpec, mesh: Any) -> Any:
     """The layout rows of TRANSFORMS (pipeline_split .. layout) on an already built plain model; returns
     the ParallelModel (None on one process). For tests and benchmarks that build the model themselves
-    (`assemble` builds it too: use that when the weights row fits)."""
+    (`assemble` builds it on meta and materialises only this rank's shards: prefer it)."""
     names = [t.name for t in TRANSFORMS]
     a = Assembly(spec=spec, mesh=mesh, model=model, parts=[model])
     for t in TRANSFORMS[names.index("pipeline_split") : names.index("layout") + 1]:
@@ -469,7 +497,7 @@ def run_step_context(
 
 
 def build_model(cfg: Any, device: torch.device) -> nn.Module:
-    """The single-process model of `cfg` on `device`: every model row up to `compile` (no optimizer)."""
+    """The single-process model of `cfg` on `device`: every model row up to `materialise` (no optimizer)."""
     from tracetrain.spec import resolve
 
-    return assemble(resolve(cfg, device), until="compile").module
+    return assemble(resolve(cfg, device), until="materialise").module

@@ -36,7 +36,6 @@ from tracetrain.train.checkpoint import (
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
 from tracetrain.train.metrics import MetricsLogger
-from tracetrain.train.oom import explain_oom
 from tracetrain.train.resume import ResumePoint, claim_run_dir
 from tracetrain.train.run_setup import Callbacks, RunSetup
 from tracetrain.train.rundir import RunLock, atomic_write_text, discard_unstarted, lock_run_dir
@@ -159,13 +158,10 @@ def _train(run: _Run) -> TrainResult:
     from tracetrain.parallel import dist as tdist
 
     try:
-        # Several ranks: an error on one is reported to the others, which then stop too.
-        with tdist.failure_guard(run.watchdog, run.dist.rank):
-            try:
-                interrupted_at = run.run_steps(stop)
-            except torch.OutOfMemoryError as e:
-                # At the step boundary: snapshot the allocator and say which switches would fit.
-                raise explain_oom(e, run.cfg, run.device, run.run_dir, run.step) from None
+        # Several ranks: an error on one is reported to the others, which then stop too. Out of memory in
+        # a step, an evaluation or a save is one line naming the phase (train/oom.py).
+        with tdist.failure_guard(run.watchdog, run.dist.rank), run.oom_guard("step"):
+            interrupted_at = run.run_steps(stop)
             summary = run.finish(interrupted_at, stop.name)
         tdist.shutdown(run.watchdog)
         return TrainResult(
@@ -200,7 +196,11 @@ class _Run(RunSetup):
             counters=counters,
             data_fingerprint=self.data_fingerprint,
         )
-        with self.reporter.status(f"saving checkpoint at step {step}") as progress, self.prof.phase("checkpoint"):
+        with (
+            self.reporter.status(f"saving checkpoint at step {step}") as progress,
+            self.prof.phase("checkpoint"),
+            self.phases("save"),
+        ):
             if self.dist.is_distributed:  # every rank writes its shards (DCP), atomically as one folder
                 from tracetrain.train.sharded_checkpoint import save_sharded
 
@@ -294,7 +294,7 @@ class _Run(RunSetup):
     def evaluate(self, done: int) -> None:
         if not self.can_evaluate():
             return
-        with self.prof.phase("eval"), self.reporter.status("evaluating") as progress:
+        with self.prof.phase("eval"), self.phases("evaluation"), self.reporter.status("evaluating") as progress:
             values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx, progress)
         self.metrics.log_eval(done, values)
         self.reporter.eval_line(done, values)

@@ -1,18 +1,28 @@
-"""GPU memory hygiene: allocator settings, a pre-flight check against the planner, and a clear answer to
-a CUDA out-of-memory error (what was being allocated, the peak, a snapshot, and which switches fit).
+"""Memory hygiene: allocator settings, a pre-flight check against the planner, and a one-line answer to
+running out of memory (issue #27): the phase (build, load, forward, backward, optimizer, save), what was
+being allocated, the planned and the actual peak, a snapshot, and the planner's suggestion.
+
+Out of memory is a CUDA `torch.OutOfMemoryError`, or on the host the CPU allocator's RuntimeError
+("can't allocate memory") or a MemoryError. `MemoryPhases` remembers the phase a run is in (the step's
+phases come through its `StepContext.phase`); `explain_oom` turns the error into `OutOfMemory`, a
+`TracetrainError` whose one line rank 0 prints (cli.py) and the other ranks keep to their logs: with
+several ranks each one reports its line through the store first, so that rank 0 prints it even when
+only another rank ran out (parallel/dist.py `Watchdog`). Checkpoints are staged and renamed into place
+(train/checkpoint.py), so an OOM while saving leaves no half-written one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from tracetrain.config import Config, MemorySection
-from tracetrain.errors import TracetrainError
+from tracetrain.errors import OutOfMemory
 
 # Alternatives the planner evaluates after an OOM, cheapest in speed first.
 _REMEDIES: list[tuple[str, dict[str, object]]] = [
@@ -36,7 +46,7 @@ def configure_allocator(memory: MemorySection, device: torch.device) -> None:
     setter("expandable_segments:True")
 
 
-def _plan_peak(cfg: Config, gpu: str, **memory_changes: object) -> tuple[float, float]:
+def _plan_peak(cfg: Config, gpu: str, world_size: int = 1, **memory_changes: object) -> tuple[float, float]:
     """(predicted peak GiB, capacity GiB) for `cfg` with some memory switches changed."""
     import dataclasses
 
@@ -44,7 +54,7 @@ def _plan_peak(cfg: Config, gpu: str, **memory_changes: object) -> tuple[float, 
 
     # Unvalidated on purpose: the alternatives are what-ifs for the planner, never run.
     changed = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **memory_changes))  # type: ignore[arg-type]  # values from _REMEDIES
-    p = plan(plan_input_from_config(changed, 1, gpu))
+    p = plan(plan_input_from_config(changed, world_size, gpu))
     return p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30
 
 
@@ -65,42 +75,120 @@ def preflight(cfg: Config, device: torch.device, note: Callable[[str], None]) ->
         )
 
 
-def suggestions(cfg: Config, gpu: str) -> str:
+_FALLBACK = "Lower train.micro_batch_size (now {mbs}) or data.seq_len, or use more GPUs."
+
+
+def suggestions(cfg: Config, gpu: str, world_size: int = 1) -> str:
     """Switches that the planner predicts would fit, with their predicted peaks."""
     found = []
     for flag, change in _REMEDIES:
         if all(getattr(cfg.memory, k) == v for k, v in change.items()):
             continue
         try:
-            need, have = _plan_peak(cfg, gpu, **change)
+            need, have = _plan_peak(cfg, gpu, world_size, **change)
         except Exception:
             continue
         if need <= have:
             found.append(f"{flag} (planned peak {need:.1f} GiB)")
     if not found:
-        return f"Lower train.micro_batch_size (now {cfg.train.micro_batch_size}) or data.seq_len, or use more GPUs."
+        return _FALLBACK.format(mbs=cfg.train.micro_batch_size)
     return (
         "Would fit: " + "; ".join(found[:3]) + f"; or lower train.micro_batch_size (now {cfg.train.micro_batch_size})."
     )
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """A CUDA OOM, or the host's allocator failing (torch raises a RuntimeError for that)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+class MemoryPhases:
+    """The phase a run is in, for the OOM line. Entering a phase names it; leaving it normally restores
+    the outer one, leaving it by an exception keeps it (that is where the memory ran out)."""
+
+    def __init__(self, name: str = "build") -> None:
+        self.name = name
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        outer, self.name = self.name, name
+        yield
+        self.name = outer
+
+    def around(
+        self, other: Callable[[str], contextlib.AbstractContextManager]
+    ) -> Callable[[str], contextlib.AbstractContextManager]:
+        """A `StepContext.phase` that enters `other(name)` (the profiler's) and this phase."""
+
+        @contextlib.contextmanager
+        def both(name: str) -> Iterator[None]:
+            with other(name), self(name):
+                yield
+
+        return both
+
+
+def _asked(error: BaseException) -> str:
+    text = str(error)
+    cuda = re.search(r"Tried to allocate ([\d.]+ [KMG]iB)", text)
+    if cuda:
+        return cuda.group(1)
+    host = re.search(r"tried to allocate (\d+) bytes", text)
+    return f"{int(host.group(1)) / 2**30:.1f} GiB" if host else "memory"
+
+
+def _host_peak_gib() -> float:
+    # The process's peak resident memory (VmHWM): what the host allocator had handed out at most.
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return float("nan")
+    found = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return int(found.group(1)) / 2**20 if found else float("nan")
+
+
+def _snapshot(cfg: Config, run_dir: Path | None) -> str:
+    if not cfg.memory.oom_snapshot or run_dir is None:
+        return ""
+    path = run_dir / "oom_snapshot.pickle"
+    try:
+        torch.cuda.memory._dump_snapshot(str(path))
+    except Exception as e:  # a failed snapshot must not hide the OOM itself
+        return f" (no snapshot: {e})"
+    return f" Allocator snapshot: {path} (drag it into pytorch.org/memory_viz)."
+
+
 def explain_oom(
-    error: torch.OutOfMemoryError, cfg: Config, device: torch.device, run_dir: Path, step: int
-) -> TracetrainError:
-    """Snapshot the allocator and turn the OOM into one actionable message."""
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMG]iB)", str(error))
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    total = torch.cuda.get_device_properties(device).total_memory / 2**30
-    where = ""
-    if cfg.memory.oom_snapshot:
-        path = run_dir / "oom_snapshot.pickle"
+    error: BaseException,
+    cfg: Config,
+    device: torch.device,
+    phase: str,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    run_dir: Path | None = None,
+) -> OutOfMemory:
+    """The OOM as one actionable line: phase, what was asked, planned vs actual peak, the suggestion."""
+    where = f"rank {rank} {OutOfMemory.MARK}" if world_size > 1 else f"{device.type.upper()} {OutOfMemory.MARK}"
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
         try:
-            torch.cuda.memory._dump_snapshot(str(path))
-            where = f" Allocator snapshot: {path} (drag it into pytorch.org/memory_viz)."
-        except Exception as e:  # a failed snapshot must not hide the OOM itself
-            where = f" (no snapshot: {e})"
-    return TracetrainError(
-        f"CUDA out of memory at step {step + 1} while allocating {asked.group(1) if asked else 'memory'}; "
-        f"peak allocated {peak:.1f} of {total:.1f} GiB.{where} "
-        f"{suggestions(cfg, torch.cuda.get_device_name(device))}"
+            planned = f"{_plan_peak(cfg, gpu, world_size=world_size)[0]:.1f} GiB"
+        except Exception:  # the planner must never hide the OOM
+            planned = "not modelled"
+        actual = f"actual {peak:.1f} of {total:.1f} GiB"
+        advice = _snapshot(cfg, run_dir) + " " + suggestions(cfg, gpu, world_size=world_size)
+    else:
+        planned = "not modelled on the host (the planner plans GPUs)"
+        actual = f"actual {_host_peak_gib():.1f} GiB resident"
+        advice = " " + _FALLBACK.format(mbs=cfg.train.micro_batch_size)
+    if phase in ("build", "load"):  # the weights alone do not fit: activations switches cannot help
+        advice = " Hold less of the model per rank: more ranks in parallel.dp_shard, tp or pp, or train.mode=lora."
+    return OutOfMemory(
+        f"{where} during {phase} (allocating {_asked(error)}); planned peak {planned}, {actual}.{advice}",
+        quiet=rank != 0,
     )

@@ -5,8 +5,10 @@ files, and the state a checkpoint restores. `train/loop.py` runs the steps over 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from tracetrain.train.assemble import reapply_after_load, run_step_context
 from tracetrain.train.checkpoint import load_checkpoint, set_rng_state, train_state_from_dict
 from tracetrain.train.console import Reporter
 from tracetrain.train.metrics import MetricsLogger
-from tracetrain.train.oom import configure_allocator, preflight
+from tracetrain.train.oom import MemoryPhases, configure_allocator, explain_oom, is_out_of_memory, preflight
 from tracetrain.train.optim import build_scheduler, note_resolved_steps, size_by_epochs
 from tracetrain.train.resume import ResumePoint, check_data_unchanged, check_steps_cover, data_fingerprint
 from tracetrain.train.rundir import atomic_write_text
@@ -55,6 +57,7 @@ class RunSetup:
         self.metrics: MetricsLogger
         self.prof: ProfileCapture
         self.callbacks = Callbacks()
+        self.phases = MemoryPhases()  # the phase an out-of-memory error names
         self._join_job(log_dir)
         configure_allocator(cfg.memory, self.device)
         torch.manual_seed(cfg.train.seed)
@@ -138,7 +141,11 @@ class RunSetup:
             from tracetrain.parallel.mesh import build_mesh
 
             mesh = build_mesh(cfg.parallel, device.type)
-        with self.reporter.status(f"building model on {device}"):
+        # With model.init_from the materialise row reads each rank's slices of the checkpoint: a load.
+        with (
+            self.reporter.status(f"building model on {device}"),
+            self.oom_guard("load" if cfg.model.init_from else "build"),
+        ):
             self.assembly = assemble(self.spec, mesh)
         self.par = self.assembly.par
         self.model = self.assembly.module
@@ -201,7 +208,30 @@ class RunSetup:
 
             self.metrics.trackers = open_trackers(cfg, run_dir, run_dir.name, self.dist.world_size)
         self.prof = ProfileCapture(cfg.profile, run_dir, device)
-        self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.prof.phase)
+        self.ctx = run_step_context(self.assembly, scaler=self.scaler, phase=self.phases.around(self.prof.phase))
+
+    @contextlib.contextmanager
+    def oom_guard(self, phase: str) -> Iterator[None]:
+        """Run a phase; running out of memory in it becomes one line (train/oom.py), told to the other ranks."""
+        from tracetrain.parallel.dist import report_out_of_memory
+
+        try:
+            with self.phases(phase):
+                yield
+        except BaseException as e:
+            if not is_out_of_memory(e):
+                raise
+            error = explain_oom(
+                e,
+                self.cfg,
+                self.device,
+                self.phases.name,
+                rank=self.dist.rank,
+                world_size=self.dist.world_size,
+                run_dir=getattr(self, "run_dir", None),
+            )
+            report_out_of_memory(self.watchdog, error)
+            raise error from None
 
     def note_managed(self) -> None:
         """Say how much this rank holds in managed (unified) memory: the torch allocator's figures do not
@@ -215,14 +245,8 @@ class RunSetup:
         """Continue exactly: weights, optimizer, schedule, loss scale, data position, RNG, counters.
         Refused (before any file is touched) if the run would end before the checkpoint or the data changed."""
         check_steps_cover(self.cfg, resume.checkpoint)  # after train.epochs has set the step count
-        if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
-            from tracetrain.train.sharded_checkpoint import load_sharded
-
-            raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
-            set_rng_state(raw["rng"])
-            state = train_state_from_dict(raw)
-        else:
-            state = load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
+        with self.oom_guard("load"):
+            state = self._load(resume)
         if reapply_after_load(self.assembly):
             self.note_managed()
         self.scheduler.load_state_dict(state.scheduler)
@@ -237,6 +261,16 @@ class RunSetup:
         self.start_step = self.step = self.done = state.step
         self.skipped_at_start = state.counters.get("skipped_steps", 0)
         self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
+
+    def _load(self, resume: ResumePoint) -> Any:
+        """The checkpoint's weights and optimizer into this rank's tensors; the rest of its state returned."""
+        if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
+            from tracetrain.train.sharded_checkpoint import load_sharded
+
+            raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
+            set_rng_state(raw["rng"])
+            return train_state_from_dict(raw)
+        return load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
 
     def close(self) -> None:
         if hasattr(self, "metrics"):
