@@ -55,20 +55,35 @@ class ProfileCapture:
         # Unprofiled steps around the window, for the real step time next to the profiled one.
         warmup = 1 if self.first >= 1 and not cfg.cuda_profiler_api else 0
         self.timer = StepTimer(self.first, self.last, warmup, device)
+        self.profiler_due = self.on and not cfg.cuda_profiler_api  # started at the run's first step
         if self.on:
             self.dir.mkdir(parents=True, exist_ok=True)
-            if not cfg.cuda_profiler_api:
-                self.profiler = self._make_profiler()
-                self.profiler.start()
 
-    def _make_profiler(self) -> torch.profiler.profile:
+    def _start_profiler(self, step: int) -> None:
+        """Start the PyTorch profiler before the run's first step (0-based `step`: 0, or where a resumed
+        run continues), counting steps as the trainer prints them, so the trace's `ProfilerStep#N` is
+        step N of the run (the profiler would count its own `step()` calls from 0)."""
+        first_number = step + 1
+        self.profiler = self._make_profiler(first_number)
+        self.profiler.step_num = first_number  # labels the running step; the schedule reads the same count
+        self.profiler.start()
+
+    def _make_profiler(self, first_number: int) -> torch.profiler.profile:
         acts = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        # The schedule counts profiler.step() calls: wait until the step before the window, warm up on
-        # it (the profiler's own start-up cost lands there, not in the window), then record the window.
-        warmup = 1 if self.first >= 1 else 0
-        schedule = torch.profiler.schedule(wait=self.first - warmup, warmup=warmup, active=self.cfg.num_steps, repeat=1)
+        # Over step numbers (1-based): nothing until the step before the window, warm up on it (the
+        # profiler's own start-up cost lands there, not in the window), then record the window.
+        start = self.first + 1
+        warmup = 1 if start - 1 >= first_number else 0
+        steps = torch.profiler.schedule(
+            skip_first=start - warmup, wait=0, warmup=warmup, active=self.cfg.num_steps, repeat=1
+        )
+
+        def schedule(number: int) -> torch.profiler.ProfilerAction:
+            # The profiler asks once for step 0, before its counter is set: answer for the first step.
+            return steps(max(number, first_number))
+
         return torch.profiler.profile(
             activities=acts,
             schedule=schedule,
@@ -104,6 +119,9 @@ class ProfileCapture:
     def step_begin(self, step: int) -> None:
         if not self.on:
             return
+        if self.profiler_due:
+            self.profiler_due = False
+            self._start_profiler(step)
         if step == self.first:
             if self.cfg.cuda_profiler_api and self.cuda:
                 torch.cuda.synchronize()  # the capture range must not include earlier queued work
