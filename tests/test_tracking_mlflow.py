@@ -145,10 +145,15 @@ def test_default_store_is_read_by_mlflow_ui(tmp_path):
         ("http://127.0.0.1:{port}", FAST_HTTP, "no MLflow server answered"),
         ("{tmp}/store", {"MLFLOW_ALLOW_FILE_STORE": "false"}, "opens only with MLFLOW_ALLOW_FILE_STORE=true"),
         ("foo://x", {}, "unsupported URI 'foo://x'"),
+        ("sqlite:///{tmp}/m.db", {"PYTHONPATH": "{shadow}"}, "needs the full mlflow package (mlflow-skinny has no"),
     ],
 )
 def test_a_store_that_cannot_be_opened_is_one_line(tmp_path, uri, env, expected):
     uri = uri.format(port=_free_port(), tmp=tmp_path)
+    if env.get("PYTHONPATH") == "{shadow}":  # SQLAlchemy absent, as with mlflow-skinny
+        (tmp_path / "shadow" / "sqlalchemy").mkdir(parents=True)
+        (tmp_path / "shadow" / "sqlalchemy" / "__init__.py").write_text("raise ImportError('absent (test shadow)')\n")
+        env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")])}
     proc = train_cli(tmp_path, "bad", {**env, "MLFLOW_TRACKING_URI": uri})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]

@@ -15,7 +15,6 @@ Runs are written through an `MlflowClient` of their own, so MLflow's global acti
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ def prepare_store(uri: str, source: str) -> None:
                 f"MLFLOW_ALLOW_FILE_STORE=true (it is {os.environ['MLFLOW_ALLOW_FILE_STORE']!r}); "
                 "unset it, or use a database such as sqlite:///mlflow.db"
             )
-    elif scheme in _DATABASES and importlib.util.find_spec("sqlalchemy") is None:
+    elif scheme in _DATABASES and not _has_sqlalchemy():
         raise TracetrainError(
             f"{source} = {uri!r} needs the full mlflow package (mlflow-skinny has no SQLAlchemy): "
             "pip install 'tracetrain[mlflow]'"
@@ -63,6 +62,14 @@ def prepare_store(uri: str, source: str) -> None:
     elif scheme in ("http", "https"):
         for name, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
+
+
+def _has_sqlalchemy() -> bool:
+    try:
+        import sqlalchemy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _reason(exc: BaseException) -> str:
