@@ -53,7 +53,7 @@ class Server:
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a loaded machine; a healthy server answers in seconds
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
