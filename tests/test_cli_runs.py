@@ -31,8 +31,16 @@ def trained(tmp_path_factory):
 @pytest.mark.skipif(
     not HAVE_TENSORBOARD, reason="tensorboard is an optional extra: pip install 'tracetrain[tensorboard]'"
 )
-def test_tensorboard_events_written(trained):
-    assert list((trained / "tensorboard").glob("events.out.tfevents.*"))
+def test_tensorboard_events_hold_the_logged_losses(trained):
+    """TensorBoard's own reader finds every train loss of metrics.jsonl at its step (train/tracking.py)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list((trained / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(trained / "tensorboard"))
+    events.Reload()
+    steps, _ = read_metrics(trained)
+    logged = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in steps]
 
 
 @pytest.mark.skipif(HAVE_TENSORBOARD, reason="tensorboard is installed: this checks a bare install without it")

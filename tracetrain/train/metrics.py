@@ -5,7 +5,8 @@ interval with one host sync. Each step's own duration comes from markers recorde
 events on the GPU, read after that sync; the clock on the CPU), so it covers the GPU work of that step and
 any time the GPU waited for it, without a sync per step. The console shows the interval's throughput;
 `summary()` gives the whole run's after warm-up (compile, allocator growth). Records go to
-`metrics.jsonl` (schema in docs/metrics.md), the console, TensorBoard and the trackers (train/tracking.py).
+`metrics.jsonl` (schema in docs/metrics.md), the console and the trackers (train/tracking.py: the report
+page, TensorBoard, MLflow, W&B).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ class MetricsLogger:
     flops_per_token: float  # model FLOPs (MFU convention, see models/accounting.py)
     peak_flops: float | None  # None: unknown device, MFU is not reported
     max_bad_steps: int
-    tensorboard: bool = False
     filename: str = "metrics.jsonl"  # other ranks of a job write under logs/
     pending: list[_Pending] = field(default_factory=list)
     bad_streak: int = 0
@@ -60,15 +60,6 @@ class MetricsLogger:
         self.file = open(path, "a", buffering=1)  # noqa: SIM115  # open for the run's life; close() closes it
         self.window_start = time.perf_counter()
         self.mark = self._marker()
-        self.tb = None
-        if self.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise TracetrainError(
-                    "logging.tensorboard = true needs the tensorboard package: pip install 'tracetrain[tensorboard]'"
-                ) from None
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def record(
         self,
@@ -107,9 +98,8 @@ class MetricsLogger:
         return start.elapsed_time(end) / 1000.0  # both recorded and done: read after flush's sync
 
     def write(self, rec: dict[str, Any]) -> None:
-        """One metrics.jsonl line, and the same record to TensorBoard and the trackers."""
+        """One metrics.jsonl line, and the same record to the trackers (TensorBoard is one)."""
         self.file.write(json.dumps(rec) + "\n")
-        self._tensorboard(rec)
         for tracker in self.trackers:
             tracker.log(rec)
 
@@ -213,18 +203,9 @@ class MetricsLogger:
         for tracker in trackers:
             tracker.finish(summary)
 
-    def _tensorboard(self, rec: dict[str, Any]) -> None:
-        if self.tb is None:
-            return
-        for key, value in rec.items():
-            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.tb.add_scalar(key, value, rec["step"])
-
     def close(self) -> None:
         self.finish_trackers(None)  # still open only when the run did not reach its summary
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 def format_line(rec: dict[str, Any], total_steps: int) -> str:

@@ -199,7 +199,6 @@ class RunSetup:
             self.flops.model,
             self.peak,
             cfg.train.max_bad_steps,
-            cfg.logging.tensorboard and self.rank0,
             filename=name,
             skipped_steps=self.skipped_at_start,
         )

@@ -1,20 +1,24 @@
-"""Experiment trackers: MLflow and Weights & Biases, on rank 0, fed the same records as metrics.jsonl.
+"""Experiment trackers: the report page, TensorBoard, MLflow and Weights & Biases, on rank 0, fed the same
+records as metrics.jsonl.
 
-`open_trackers(cfg, run_dir, run_name)` returns the trackers the config turns on (`logging.mlflow`,
-`logging.wandb`, and `logging.report`: RUN/report.html); each gets the resolved config as parameters when it starts, every metrics.jsonl record
-(`log(record)`: train lines under `train/`, eval lines under `eval/`, at their step) and the summary at
-the end (`finish(summary)`). A package that is not installed is a one-line error naming the extra.
+`open_trackers(cfg, run_dir, run_name)` returns the trackers the config turns on (`logging.report`:
+RUN/report.html, `logging.tensorboard`, `logging.mlflow`, `logging.wandb`); each gets the resolved config
+as parameters when it starts, every metrics.jsonl record (`log(record)`: MLflow and W&B name train lines
+`train/<field>`, eval lines `eval/<field>`, at their step), `refresh()` at each log interval and the summary
+at the end (`finish(summary)`). A package that is not installed, or a store that cannot be opened, is a
+one-line error before training; a tracker that fails mid-run is one warning and is left out (`_Guarded`).
 
-MLflow: the tracking URI is `logging.mlflow_tracking_uri`, else the standard `MLFLOW_TRACKING_URI`, else
-a local file store at `<output_dir>/mlruns` (nothing to run; `mlflow ui --backend-store-uri` reads it).
-MLflow 3 keeps its file store only behind `MLFLOW_ALLOW_FILE_STORE=true`, which is set for that default.
-W&B: project `logging.wandb_project`, files under the run directory (`RUN/wandb`), and the standard
-environment (`WANDB_MODE=offline`, `WANDB_API_KEY`, ...) as wandb reads it.
+MLflow: train/tracking_mlflow.py (every tracking URI form). W&B: project `logging.wandb_project`, files
+under the run directory (`RUN/wandb`), and the standard environment (`WANDB_MODE=offline`,
+`WANDB_API_KEY`, ...) as wandb reads it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,6 +49,12 @@ def flat_config(cfg: Config) -> dict[str, Any]:
     return out
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message in one line of at most 300 characters (trackers' messages run to paragraphs)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numeric values of a metrics record, named `<kind>/<key>` (booleans as 0/1, None dropped)."""
     kind = record.get("kind", "train")
@@ -56,45 +66,6 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-class MlflowTracker:
-    def __init__(self, cfg: Config, run_dir: Path, run_name: str) -> None:
-        try:
-            import mlflow
-        except ImportError:
-            raise TracetrainError(
-                "logging.mlflow = true needs the mlflow package: pip install 'tracetrain[mlflow]'"
-            ) from None
-        uri = cfg.logging.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-        if not uri:
-            uri = (Path(cfg.train.output_dir).resolve() / "mlruns").as_uri()
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.mlflow = mlflow
-        self.uri = uri
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(cfg.logging.mlflow_experiment)
-        self.run = mlflow.start_run(run_name=run_name)
-        params = {k: str(v)[:500] for k, v in flat_config(cfg).items()}
-        items = list(params.items())
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per call
-            mlflow.log_params(dict(items[i : i + 100]))
-        mlflow.set_tag("tracetrain.run_dir", str(run_dir))
-
-    def log(self, record: dict[str, Any]) -> None:
-        values = scalars(record)
-        if values:
-            self.mlflow.log_metrics(values, step=int(record.get("step", 0)))
-
-    def refresh(self) -> None:
-        pass
-
-    def finish(self, summary: dict[str, Any] | None) -> None:
-        if summary:
-            values = scalars({**summary, "kind": "summary"})
-            if values:
-                self.mlflow.log_metrics(values, step=int(summary.get("steps", summary.get("step", 0)) or 0))
-        self.mlflow.end_run("FINISHED" if summary is not None else "KILLED")
-
-
 class WandbTracker:
     def __init__(self, cfg: Config, run_dir: Path, run_name: str) -> None:
         try:
@@ -103,13 +74,16 @@ class WandbTracker:
             raise TracetrainError(
                 "logging.wandb = true needs the wandb package: pip install 'tracetrain[wandb]'"
             ) from None
-        self.run = wandb.init(
-            project=cfg.logging.wandb_project,
-            name=run_name,
-            dir=str(run_dir),
-            config=flat_config(cfg),
-            reinit="create_new",
-        )
+        try:
+            self.run = wandb.init(
+                project=cfg.logging.wandb_project,
+                name=run_name,
+                dir=str(run_dir),
+                config=flat_config(cfg),
+                reinit="create_new",
+            )
+        except Exception as exc:  # no key, a bad WANDB_MODE or project: the user's setting, in one line
+            raise TracetrainError(f"logging.wandb: cannot start a W&B run: {one_line(exc)}") from None
 
     def log(self, record: dict[str, Any]) -> None:
         values = scalars(record)
@@ -125,16 +99,99 @@ class WandbTracker:
         self.run.finish(exit_code=0 if summary is not None else 1)
 
 
+class TensorBoardTracker:
+    """TensorBoard event files under RUN/tensorboard, tagged by field (`loss`, `eval_loss`) as before. Written on
+    this thread at each log interval, the file opened for each append: a failure (the folder removed, a full
+    disk) is an exception here, which the guard turns into one warning, not a traceback from a writer thread
+    (SummaryWriter's) that the run cannot see."""
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.summary.writer.record_writer import RecordWriter
+        except ImportError:
+            raise TracetrainError(
+                "logging.tensorboard = true needs the tensorboard package: pip install 'tracetrain[tensorboard]'"
+            ) from None
+        self.event_pb2, self.summary_pb2, self.record_writer = event_pb2, summary_pb2, RecordWriter
+        folder = run_dir / "tensorboard"
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        self.path = folder / name
+        self.pending = [event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")]
+        self.refresh()
+
+    def log(self, record: dict[str, Any]) -> None:
+        Value = self.summary_pb2.Summary.Value
+        values = [
+            Value(tag=key, simple_value=float(v))
+            for key, v in record.items()
+            if key not in ("step", "time") and isinstance(v, int | float) and not isinstance(v, bool)
+        ]
+        if values:
+            summary = self.summary_pb2.Summary(value=values)
+            self.pending.append(self.event_pb2.Event(wall_time=time.time(), step=int(record["step"]), summary=summary))
+
+    def refresh(self) -> None:
+        events, self.pending = self.pending, []
+        with open(self.path, "ab") as f:  # a removed folder fails here, on the training thread
+            writer = self.record_writer(f)
+            for event in events:
+                writer.write(event.SerializeToString())
+
+    def finish(self, summary: dict[str, Any] | None) -> None:
+        self.refresh()
+
+
+class _Guarded:
+    """A tracker whose failure mid-run is one warning on stderr, after which it is left out: trackers copy what
+    metrics.jsonl already holds, so a store that goes away must not stop training or cost the checkpoint the
+    run is heading to. Start-up failures are not guarded: they are the user's setting, refused in one line."""
+
+    def __init__(self, name: str, tracker: Tracker) -> None:
+        self.name, self.tracker = name, tracker
+        self.failed = False
+        self.step = 0
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.step = int(record.get("step", self.step))
+        self._call(self.tracker.log, record)
+
+    def refresh(self) -> None:
+        self._call(self.tracker.refresh)
+
+    def finish(self, summary: dict[str, Any] | None) -> None:
+        self._call(self.tracker.finish, summary)
+
+    def _call(self, method: Any, *args: Any) -> None:
+        if self.failed:
+            return
+        try:
+            method(*args)
+        except Exception as exc:  # warned, not hidden: the run goes on and metrics.jsonl keeps every record
+            self.failed = True
+            print(
+                f"warning: {self.name} stopped working at step {self.step} ({type(exc).__name__}: {one_line(exc)}); "
+                "training goes on without it (metrics.jsonl has every record)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def open_trackers(cfg: Config, run_dir: Path, run_name: str, world_size: int = 1) -> list[Tracker]:
-    """The trackers the config turns on, the report page (train/run_report.py) first."""
-    trackers: list[Tracker] = []
+    """The trackers the config turns on, the report page (train/run_report.py) first, each guarded (`_Guarded`)."""
+    trackers: list[tuple[str, Tracker]] = []
     if cfg.logging.report:
         from tracetrain.train.run_report import RunReport
 
-        trackers.append(RunReport(run_dir, world_size))
+        trackers.append(("the report page", RunReport(run_dir, world_size)))
+    if cfg.logging.tensorboard:
+        trackers.append(("TensorBoard", TensorBoardTracker(run_dir)))
     if cfg.logging.mlflow:
-        trackers.append(MlflowTracker(cfg, run_dir, run_name))
+        from tracetrain.train.tracking_mlflow import MlflowTracker
+
+        trackers.append(("MLflow", MlflowTracker(cfg, run_dir, run_name)))
     if cfg.logging.wandb:
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
-        trackers.append(WandbTracker(cfg, run_dir, run_name))
-    return trackers
+        trackers.append(("W&B", WandbTracker(cfg, run_dir, run_name)))
+    return [_Guarded(name, tracker) for name, tracker in trackers]
