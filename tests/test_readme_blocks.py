@@ -34,10 +34,13 @@ NOT_RUNNABLE = {
     "# LoRA on your own instruction data": "needs a local Mistral-7B checkpoint and the reader's my.jsonl",
     "tracetrain data --config configs/chat-lora.toml": "needs a local chat model folder (the config's paths)",
     "# 4 GPUs, parameters": "torchrun over 4 to 16 GPUs, with the reader's my.toml",
+    "# Llama-3-70B LoRA on 2 GPUs": "torchrun over 2 GPUs of 140 GiB (measured by benchmarks/scale_large.py)",
     "tracetrain profile --config my.toml": "the reader's my.toml (the tour runs the same window on the default run)",
     "tracetrain analyze runs/<run>/profile": "placeholders (<run>, before/after traces) for the reader's traces",
     "pip install 'tracetrain[mlflow]'": "installs from PyPI; the reader's my.toml",
     "runs/<name>/": "a folder listing, not a command",
+    "MLFLOW_ALLOW_FILE_STORE=true mlflow ui": "a server that runs until stopped; tests/test_tracking_mlflow.py starts "
+    "mlflow ui on a run's store and checks it serves",
 }
 
 
