@@ -90,6 +90,17 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _enclosing_run_dir(out: Path) -> Path | None:
+    """The run directory that `out` would sit inside (at any depth), if any: a run's rotation removes whole
+    checkpoint folders and a claim may reuse the directory, so nothing exported there is safe. Resolved
+    first, so neither `..` nor a symbolic link hides the run directory."""
+    for folder in out.resolve().parents:
+        # ".lock": train/rundir.py LOCK_NAME (models/ does not import train/)
+        if (folder / ".lock").is_file() or ((folder / "checkpoints").is_dir() and (folder / "config.toml").is_file()):
+            return folder
+    return None
+
+
 def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
     """CheckpointError (one line) unless `out_dir` may receive an export; changes nothing on disk.
 
@@ -103,6 +114,12 @@ def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
         raise CheckpointError(f"export folder {out} is an existing file, not a folder; name a new or empty folder")
     if out.parent.name == "checkpoints":
         raise CheckpointError(f"export folder {out} would sit among a run's checkpoints; export elsewhere")
+    run_dir = _enclosing_run_dir(out)
+    if run_dir is not None:
+        raise CheckpointError(
+            f"export folder {out} is inside the run directory {run_dir}, whose checkpoint rotation and "
+            "resume may delete it; export to a folder outside any run directory"
+        )
     if out.is_dir() and any(out.iterdir()):
         kind = _kind_of_folder(out)
         if kind is not None:
