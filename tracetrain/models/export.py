@@ -95,8 +95,10 @@ def _enclosing_run_dir(out: Path) -> Path | None:
     checkpoint folders and a claim may reuse the directory, so nothing exported there is safe. Resolved
     first, so neither `..` nor a symbolic link hides the run directory."""
     for folder in out.resolve().parents:
-        # ".lock": train/rundir.py LOCK_NAME (models/ does not import train/)
-        if (folder / ".lock").is_file() or ((folder / "checkpoints").is_dir() and (folder / "config.toml").is_file()):
+        # A run directory always has config.toml, and its lock (train/rundir.py LOCK_NAME; models/ does not
+        # import train/) or its checkpoints: a lone `.lock` is not enough (pytest's temp folders have one).
+        marks = (folder / ".lock").is_file() or (folder / "checkpoints").is_dir()
+        if marks and (folder / "config.toml").is_file():
             return folder
     return None
 
@@ -114,12 +116,6 @@ def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
         raise CheckpointError(f"export folder {out} is an existing file, not a folder; name a new or empty folder")
     if out.parent.name == "checkpoints":
         raise CheckpointError(f"export folder {out} would sit among a run's checkpoints; export elsewhere")
-    run_dir = _enclosing_run_dir(out)
-    if run_dir is not None:
-        raise CheckpointError(
-            f"export folder {out} is inside the run directory {run_dir}, whose checkpoint rotation and "
-            "resume may delete it; export to a folder outside any run directory"
-        )
     if out.is_dir() and any(out.iterdir()):
         kind = _kind_of_folder(out)
         if kind is not None:
@@ -134,6 +130,12 @@ def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
             raise CheckpointError(
                 f"export folder {out} holds an earlier tracetrain export; pass --overwrite to replace it"
             )
+    run_dir = _enclosing_run_dir(out)
+    if run_dir is not None:
+        raise CheckpointError(
+            f"export folder {out} is inside the run directory {run_dir}, whose checkpoint rotation and "
+            "resume may delete it; export to a folder outside any run directory"
+        )
     base = _nearest_existing(out.parent)
     if not base.is_dir():
         raise CheckpointError(f"cannot export to {out}: {base} is a file, not a folder")
