@@ -91,10 +91,19 @@ def train(
             discard_unstarted(lock)  # only a directory this process created, holding only its own files
         raise
     try:
-        return _train(run, StopFlag(hold_signals))
-    finally:
-        run.close()
+        result = _train(run, StopFlag(hold_signals))
+    except BaseException:
+        # The error in flight is the one to report (RunStopped names the saved checkpoint): closing the
+        # metrics file or a tracker on the same full disk must not replace it.
+        with contextlib.suppress(Exception):
+            run.close()
         lock.release()
+        raise
+    try:
+        run.close()
+    finally:
+        lock.release()
+    return result
 
 
 def _lock_before_setup(cfg: Config, run_dir: Path | None, resume: ResumePoint | None) -> RunLock | None:
