@@ -7,8 +7,6 @@ This module holds the parser and `main`; the subcommands' handlers are in `cli_c
 from __future__ import annotations
 
 import argparse
-import os
-import select
 import sys
 from collections.abc import Callable
 
@@ -28,6 +26,7 @@ from tracetrain.cli_commands import (
     cmd_train,
 )
 from tracetrain.errors import TracetrainError
+from tracetrain.train.faults import silence_stdout, stdout_reader_gone
 
 EPILOG_OVERRIDES = (
     "Any config key can be overridden as --section.key=value, e.g. --optim.lr=3e-4 "
@@ -253,28 +252,6 @@ def _check_flags(a: argparse.Namespace) -> None:
             check_output_path(getattr(a, dest), flag)
 
 
-def _stdout_reader_gone() -> bool:
-    """True when stdout is a pipe whose reading end is closed (`tracetrain presets | head -1`)."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # replaced by a non-file object (tests capturing output)
-        return False
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
-
-
-def _quit_on_closed_stdout() -> int:
-    """Stop quietly, as the Python docs advise (library/signal.html, "Note on SIGPIPE"), with their status 1.
-
-    Rich, which renders the analyze and plan reports, does the same, so every subcommand ends alike.
-    """
-    # Point stdout at devnull: the interpreter flushes it once more at exit, which would fail again.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    return 1
-
-
 def main(argv: list[str] | None = None) -> int:
     parser, handlers = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -292,11 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     except TracetrainError as e:
         if not getattr(e, "quiet", False):  # an OOM on a rank other than 0: rank 0 prints the job's line
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 2: a user mistake; RunStopped: 1 (train/faults.py)
     except BrokenPipeError:
-        if not _stdout_reader_gone():
+        if not stdout_reader_gone():
             raise  # another pipe (a data worker, a socket) broke: a real failure, keep its traceback
-        return _quit_on_closed_stdout()
+        # Stop quietly, as the Python docs advise (library/signal.html, "Note on SIGPIPE"), with their
+        # status 1; rich, which renders the analyze and plan reports, does the same.
+        silence_stdout()
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

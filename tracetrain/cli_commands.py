@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 
 def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
-    """Exit 0 when the run finished; 128 + the signal's number (130, 143) when SIGINT/SIGTERM stopped it
-    after saving a checkpoint, so that a requeue wrapper can tell the two apart."""
+    """Exit 0 when the run finished; 128 + the first signal's number (130, 143, 129) when SIGINT/SIGTERM/
+    SIGHUP stopped it after saving a checkpoint, so that a requeue wrapper can tell the two apart; 1 when an
+    error stopped it after saving one (train/faults.py)."""
     from tracetrain.config import load_config
     from tracetrain.train.loop import train
     from tracetrain.train.resume import resolve_resume
@@ -35,7 +36,7 @@ def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
     else:
         cfg, point = load_config(a.config, overrides), None
     # No run directory yet: train() claims one only after the data, model and device checks pass.
-    result = train(cfg, resume=point)
+    result = train(cfg, resume=point, hold_signals=True)
     return 128 + result.signum if result.signum else 0
 
 
@@ -282,7 +283,7 @@ def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
         if cfg.optim.warmup_steps is not None:
             window["optim.warmup_steps"] = min(cfg.optim.warmup_steps, steps - 1)
         cfg = cfg.replace(window)
-    result = train(cfg)
+    result = train(cfg, hold_signals=True)
     for key in ("trace", "report_html", "report_json"):
         if key in result.summary:
             print(f"{key.replace('_', ' ')}: {result.summary[key]}")

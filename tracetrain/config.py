@@ -447,16 +447,41 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: Config) -> str:
-    """The fully resolved config as TOML. Unset optional fields (None) are written as comments saying who
-    decides them ("(preset)", "(auto)"), so the file loads back with them unset."""
-    lines: list[str] = []
+    """The fully resolved config as TOML, written by a TOML library (tomli-w escapes control characters and
+    quotes in strings) and read back before it is returned: a run whose config.toml could not be read by
+    `eval`, `export` or `--resume` does not start. Unset optional fields (None) are written as comments
+    saying who decides them ("(preset)", "(auto)"), so the file loads back with them unset."""
+    import tomli_w
+
+    chunks: list[str] = []
+    tables = {section: {k: v for k, v in values.items() if v is not None} for section, values in to_dict(cfg).items()}
     for section, values in to_dict(cfg).items():
-        lines.append(f"[{section}]")
+        unset = "".join(
+            f"# {key} = ({_field(_SECTION_OWNER[section], key).metadata.get('unset', 'preset')})\n"
+            for key, value in values.items()
+            if value is None
+        )
+        chunks.append(tomli_w.dumps({section: tables[section]}) + unset)
+    text = "\n".join(chunks)
+    _check_read_back(text, tables)
+    return text
+
+
+def _check_read_back(text: str, tables: dict[str, dict[str, Any]]) -> None:
+    """ConfigError unless `text` is UTF-8 TOML that reads back to `tables` exactly."""
+    try:
+        back = tomllib.loads(text.encode("utf-8").decode("utf-8"))
+    except (UnicodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(
+            f"the resolved config cannot be written as TOML ({e}); check the config's text values"
+        ) from None
+    for section, values in tables.items():
         for key, value in values.items():
-            unset = _field(_SECTION_OWNER[section], key).metadata.get("unset", "preset")
-            lines.append(f"# {key} = ({unset})" if value is None else f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
+            if back.get(section, {}).get(key) != value:
+                raise ConfigError(
+                    f"config key '{section}.{key}': {value!r} does not survive being written to config.toml; "
+                    "use plain text"
+                )
 
 
 def _allowed_text(owner: type, f: dataclasses.Field) -> str:

@@ -38,7 +38,7 @@ import torch
 
 from tracetrain.progress import Progress
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: meta.json holds the arrays' digest, checked on every use
 DATA_CACHE_DIR = ".cache/data"  # the trainer's cache folder, under train.output_dir
 ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 SPLITS = ("train", "eval")
@@ -109,15 +109,24 @@ def _complete(folder: Path) -> dict[str, Any] | None:
             size = int(meta["rows"][split]) * seq_len * 4
             if any(row_file(folder, split, key).stat().st_size != size for key in ROW_KEYS):
                 return None
+        # The bytes too, not only the sizes: a damaged entry of the right size would train on wrong tokens
+        # (and a later resume would blame the unchanged data file). One read of the arrays, per run start.
+        if meta["digest"] != _arrays_digest(folder):
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return dict(meta)
+
+
+def _arrays_digest(folder: Path) -> str:
+    return files_digest(sorted(folder.glob("*.i32")), folder, "token cache")
 
 
 def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
     for array in folder.glob("*.i32"):  # the arrays reach the disk before the meta that vouches for them
         with open(array, "rb") as f:
             os.fsync(f.fileno())
+    meta["digest"] = _arrays_digest(folder)
     (folder / "meta.json").write_text(json.dumps(meta, indent=2))
 
 

@@ -90,6 +90,19 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _enclosing_run_dir(out: Path) -> Path | None:
+    """The run directory that `out` would sit inside (at any depth), if any: a run's rotation removes whole
+    checkpoint folders and a claim may reuse the directory, so nothing exported there is safe. Resolved
+    first, so neither `..` nor a symbolic link hides the run directory."""
+    for folder in out.resolve().parents:
+        # A run directory always has config.toml, and its lock (train/rundir.py LOCK_NAME; models/ does not
+        # import train/) or its checkpoints: a lone `.lock` is not enough (pytest's temp folders have one).
+        marks = (folder / ".lock").is_file() or (folder / "checkpoints").is_dir()
+        if marks and (folder / "config.toml").is_file():
+            return folder
+    return None
+
+
 def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
     """CheckpointError (one line) unless `out_dir` may receive an export; changes nothing on disk.
 
@@ -117,6 +130,12 @@ def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
             raise CheckpointError(
                 f"export folder {out} holds an earlier tracetrain export; pass --overwrite to replace it"
             )
+    run_dir = _enclosing_run_dir(out)
+    if run_dir is not None:
+        raise CheckpointError(
+            f"export folder {out} is inside the run directory {run_dir}, whose checkpoint rotation and "
+            "resume may delete it; export to a folder outside any run directory"
+        )
     base = _nearest_existing(out.parent)
     if not base.is_dir():
         raise CheckpointError(f"cannot export to {out}: {base} is a file, not a folder")

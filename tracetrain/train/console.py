@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,16 @@ from tracetrain.models.accounting import num_params
 from tracetrain.progress import Progress as ReportProgress
 from tracetrain.progress import live_progress
 from tracetrain.train.metrics import format_line
+
+
+class _RunConsole(Console):
+    """A console whose closed output (`tracetrain train ... | head`) raises BrokenPipeError for the loop to
+    handle: rich's default exits the process (SystemExit) at once, losing the steps done (train/faults.py
+    saves them first). Further output is dropped (quiet)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output quit")
 
 
 class _Bar:
@@ -41,7 +52,7 @@ class _Bar:
 class Reporter:
     def __init__(self, progress: bool = True, console: Console | None = None) -> None:
         # soft_wrap: never break metric lines at the console width (logs and CI are not terminals).
-        self.console = console or Console(soft_wrap=True)
+        self.console = console or _RunConsole(soft_wrap=True)
         self.show_bar = progress and self.console.is_terminal
 
     @contextlib.contextmanager

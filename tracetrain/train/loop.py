@@ -13,10 +13,10 @@ RUN_DIR layout:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,9 @@ from tracetrain.train.checkpoint import (
 )
 from tracetrain.train.console import Reporter
 from tracetrain.train.evaluation import final_evaluation, run_eval
+from tracetrain.train.faults import CallbackError, RunStopped, StopFlag, describe, silence_stdout, stdout_reader_gone
 from tracetrain.train.metrics import MetricsLogger
+from tracetrain.train.oom import is_out_of_memory
 from tracetrain.train.resume import ResumePoint, claim_run_dir
 from tracetrain.train.run_setup import Callbacks, RunSetup
 from tracetrain.train.rundir import RunLock, atomic_write_text, discard_unstarted, lock_run_dir
@@ -51,44 +53,6 @@ class TrainResult:
     tokenizer: Any = None  # the tokenizer the run trained with
 
 
-class _StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary and the CLI exits
-    with 128 + the signal's number (130, 143), so a requeue wrapper can tell a stop from a finished run.
-    Further SIGINT/SIGTERM are ignored until the process exits, so that a second Ctrl-C cannot cut the
-    save in half; the first of them says how to stop at once anyway (kill -9)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.warned = False
-        self.previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        for s in self.previous:
-            signal.signal(s, self._handle)
-
-    @property
-    def name(self) -> str | None:
-        return signal.Signals(self.signum).name if self.signum else None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.signum is None:
-            self.signum = signum
-            # os.write: safe inside a signal handler (no buffered stream that may be mid-write).
-            os.write(2, f"{name} received: finishing this step, then saving a checkpoint\n".encode())
-            return
-        if not self.warned:
-            self.warned = True
-            os.write(
-                2,
-                (
-                    f"{name} ignored: saving a checkpoint first; to stop now without it: kill -9 {os.getpid()}\n"
-                ).encode(),
-            )
-
-    def restore(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
 def train(
     cfg: Config,
     run_dir: Path | None = None,
@@ -96,6 +60,7 @@ def train(
     resume: ResumePoint | None = None,
     reporter: Reporter | None = None,
     callbacks: Any = (),
+    hold_signals: bool = False,
 ) -> TrainResult:
     """Train as `cfg` says and leave a complete run directory.
 
@@ -103,7 +68,9 @@ def train(
     else a fresh one claimed (`claim_run_dir`) only once every setup check has passed (data read and
     tokenised, vocabulary vs model, device, shapes): a run that cannot start leaves nothing behind. It is
     locked for the run's life: one process per run directory (rank 0 locks under torchrun).
-    SIGINT/SIGTERM save a checkpoint and return with `TrainResult.signum` set.
+    SIGINT/SIGTERM/SIGHUP save a checkpoint and return with `TrainResult.signum` set; any other error after
+    the first step saves one and raises `RunStopped` naming the cause (train/faults.py). `hold_signals`:
+    keep ignoring further signals after returning (the CLI, whose exit status says the first signal).
     """
     reporter = reporter or Reporter(cfg.logging.progress)
     lock = _lock_before_setup(cfg, run_dir, resume)
@@ -124,10 +91,19 @@ def train(
             discard_unstarted(lock)  # only a directory this process created, holding only its own files
         raise
     try:
-        return _train(run)
-    finally:
-        run.close()
+        result = _train(run, StopFlag(hold_signals))
+    except BaseException:
+        # The error in flight is the one to report (RunStopped names the saved checkpoint): closing the
+        # metrics file or a tracker on the same full disk must not replace it.
+        with contextlib.suppress(Exception):
+            run.close()
         lock.release()
+        raise
+    try:
+        run.close()
+    finally:
+        lock.release()
+    return result
 
 
 def _lock_before_setup(cfg: Config, run_dir: Path | None, resume: ResumePoint | None) -> RunLock | None:
@@ -152,17 +128,23 @@ def _newest(resume: ResumePoint) -> ResumePoint:
     return dataclasses.replace(resume, checkpoint=latest_checkpoint(resume.run_dir))
 
 
-def _train(run: _Run) -> TrainResult:
-    """The loop, then the final evaluation and checkpoint (or the interruption record)."""
-    stop = _StopFlag()
+def _train(run: _Run, stop: StopFlag) -> TrainResult:
+    """The loop, then the final evaluation and checkpoint (or the interruption record); an error after the
+    first step saves the steps done before it ends the run."""
     from tracetrain.parallel import dist as tdist
 
     try:
         # Several ranks: an error on one is reported to the others, which then stop too. Out of memory in
-        # a step, an evaluation or a save is one line naming the phase (train/oom.py).
+        # a step, an evaluation or a save is one line naming the phase (train/oom.py). Any other error
+        # after the first step saves the steps done first (train/faults.py).
         with tdist.failure_guard(run.watchdog, run.dist.rank), run.oom_guard("step"):
-            interrupted_at = run.run_steps(stop)
-            summary = run.finish(interrupted_at, stop.name)
+            try:
+                interrupted_at = run.run_steps(stop)
+                summary = run.finish(interrupted_at, stop.name)
+            except Exception as e:
+                if is_out_of_memory(e):
+                    raise  # oom_guard explains it
+                raise run.save_after_failure(e) from e
         tdist.shutdown(run.watchdog)
         return TrainResult(
             run_dir=run.run_dir,
@@ -226,6 +208,34 @@ class _Run(RunSetup):
                 progress=progress,
             )
 
+    def save_after_failure(self, error: Exception) -> BaseException:
+        """Save the steps done before `error` stopped the run, and write the interruption record; the error
+        to raise: `RunStopped` (one line: the cause, the checkpoint, how to continue), or `error` itself when
+        there is nothing new to save (no step done, or already saved), under torchrun (a save is collective),
+        or when the save failed too (the message then says so and names the last good checkpoint)."""
+        if isinstance(error, TracetrainError) and not isinstance(error, CallbackError):
+            return error  # the run's own verdicts (NaN weights, diverged steps) say what is kept already
+        done, saved = self.done, list_checkpoints(self.run_dir)
+        if self.dist.is_distributed or done <= self.start_step or (saved and _step_of(saved[-1]) == done):
+            return error
+        if stdout_reader_gone():
+            silence_stdout()  # nothing more can be shown there; the one line goes to stderr
+        cause = describe(error)
+        try:
+            path = self._save(done)  # no on_save callback: a callback may be what failed
+        except Exception as save_error:
+            kept = f"the last good checkpoint {saved[-1]} is kept" if saved else "no checkpoint exists"
+            return RunStopped(
+                f"{cause} at step {done}; saving a checkpoint failed too ({describe(save_error)}): {kept}"
+            )
+        summary = {"interrupted": True, "error": cause, "step": done, "checkpoint": str(path)}
+        # The checkpoint is what a resume needs; summary.json is only the record.
+        with contextlib.suppress(OSError, TracetrainError):
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        return RunStopped(
+            f"{cause} at step {done}: saved checkpoint {path}; continue with: tracetrain train --resume {self.run_dir}"
+        )
+
     def _refuse_non_finite_weights(self, step: int) -> None:
         """A checkpoint never holds NaN/inf weights: an update from finite gradients can still overflow them,
         and saving such a checkpoint would rotate the good ones out (keep_last). One host sync, at save
@@ -263,7 +273,7 @@ class _Run(RunSetup):
         if self.watchdog is not None:
             self.watchdog.beat(f"step {self.done}")
 
-    def run_steps(self, stop: _StopFlag) -> Path | None:
+    def run_steps(self, stop: StopFlag) -> Path | None:
         """The loop; returns the checkpoint written on SIGINT/SIGTERM, if one arrived."""
         cfg, total = self.cfg, self.cfg.train.steps
         self.model.train()
@@ -359,6 +369,10 @@ class _Run(RunSetup):
         return final_evaluation(
             self.model, self.tokenizer, self.eval_ds, cfg, self.ctx, self.run_dir if self.rank0 else None, self.reporter
         )
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step_"))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ page, TensorBoard, MLflow, W&B).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from tracetrain.errors import TracetrainError
+from tracetrain.train.rundir import open_no_follow
 
 
 @dataclass
@@ -57,7 +59,10 @@ class MetricsLogger:
     def __post_init__(self) -> None:
         path = self.run_dir / self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115  # open for the run's life; close() closes it
+        fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # never appended through a link
+        # Unbuffered: each line is one write(2), so a failed write (disk full) leaves nothing pending that
+        # close() would try, and fail, to write again.
+        self.file = open(fd, "ab", buffering=0)  # noqa: SIM115  # open for the run's life; close() closes it
         self.window_start = time.perf_counter()
         self.mark = self._marker()
 
@@ -99,7 +104,10 @@ class MetricsLogger:
 
     def write(self, rec: dict[str, Any]) -> None:
         """One metrics.jsonl line, and the same record to the trackers (TensorBoard is one)."""
-        self.file.write(json.dumps(rec) + "\n")
+        try:
+            self.file.write((json.dumps(rec) + "\n").encode())
+        except OSError as e:  # name the file: a full disk's error says only "No space left on device"
+            raise OSError(e.errno, e.strerror, str(self.run_dir / self.filename)) from e
         for tracker in self.trackers:
             tracker.log(rec)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -282,12 +283,15 @@ class RunReport:
         self.run.data_stats = self.run.data_stats or _json_or_none(run_dir / "data_stats.json") or {}
         try:
             page = render([self.run], run_dir)
-        except Exception as e:  # a page that cannot be drawn never stops the training it shows
+            atomic_write_text(run_dir / "report.html", page)
+        except Exception as e:  # a page that cannot be drawn or written (disk full) never stops the training
             if not self.warned:
-                print(f"warning: could not draw {run_dir / 'report.html'} ({type(e).__name__}: {e}); training goes on")
+                # stderr: the one warning must not depend on stdout, which may be the pipe that failed.
+                print(
+                    f"warning: could not write {run_dir / 'report.html'} ({type(e).__name__}: {e}); training goes on",
+                    file=sys.stderr,
+                )
                 self.warned = True
-            return
-        atomic_write_text(run_dir / "report.html", page)
 
     def finish(self, summary: dict[str, Any] | None) -> None:
         self.run.summary = summary

@@ -23,6 +23,7 @@ from tracetrain.profile.capture import ProfileCapture
 from tracetrain.train.assemble import reapply_after_load, run_step_context
 from tracetrain.train.checkpoint import load_checkpoint, set_rng_state, train_state_from_dict
 from tracetrain.train.console import Reporter
+from tracetrain.train.faults import CallbackError
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.oom import MemoryPhases, configure_allocator, explain_oom, is_out_of_memory, preflight
 from tracetrain.train.optim import build_scheduler, note_resolved_steps, size_by_epochs
@@ -35,7 +36,7 @@ class Callbacks:
     """User hooks, each optional on each object: `on_step(step, metrics)` every `logging.log_interval`
     steps with the latest step's metrics (read at the interval's one host sync), `on_eval(step, metrics)`
     after each held-out evaluation (and the final one), `on_save(step, path)` after each checkpoint.
-    Rank 0 only. An exception in a callback stops the run like any error (the latest checkpoint stays)."""
+    Rank 0 only. An exception in a callback stops the run: the steps done are saved first (train/faults.py)."""
 
     def __init__(self, callbacks: Any = ()) -> None:
         self.callbacks = list(callbacks)
@@ -43,8 +44,12 @@ class Callbacks:
     def __call__(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
-            if fn is not None:
+            if fn is None:
+                continue
+            try:
                 fn(*args)
+            except Exception as e:
+                raise CallbackError(f"callback {type(cb).__name__}.{hook} raised {type(e).__name__}: {e}") from e
 
 
 class RunSetup:

@@ -12,6 +12,8 @@ Under torchrun only rank 0 locks: the other ranks are part of the same run.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -40,15 +42,40 @@ class RunLock:
             self.fd = None
 
 
+def open_no_follow(path: Path, flags: int) -> int:
+    """os.open with O_NOFOLLOW: a file of the run directory that is a symbolic link (a run folder copied from
+    someone else, `.lock -> ~/.bashrc`) is refused with one line instead of written through."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TracetrainError(
+                f"{path} is a symbolic link; tracetrain writes only real files inside a run directory "
+                "(remove the link and try again)"
+            ) from None
+        raise
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so that a reader (or a crash) sees the old file or the new, never a mix:
-    write a temporary sibling, fsync it, rename it over `path`, fsync the folder."""
+    write a temporary sibling (created exclusively, never through a link), fsync it, rename it over `path`,
+    fsync the folder. A failed write (disk full) removes the temporary file and raises."""
+    if path.is_symlink():
+        open_no_follow(path, os.O_RDONLY)  # raises the one-line refusal
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of an earlier process with this PID (unlink never follows a link)
+    fd = open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        with open(fd, "w", closefd=True) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_path(path.parent)
 
 
@@ -78,7 +105,7 @@ def _lock(run_dir: Path, fd: int, created: bool) -> RunLock:
 
 def lock_run_dir(run_dir: Path) -> RunLock:
     """Lock an existing run directory (resume), or refuse with one line naming the process that holds it."""
-    return _lock(run_dir, os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644), created=False)
+    return _lock(run_dir, open_no_follow(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT), created=False)
 
 
 def claim_new_run_dir(run_dir: Path) -> RunLock | None:
@@ -94,7 +121,7 @@ def claim_new_run_dir(run_dir: Path) -> RunLock | None:
         created = False  # made empty beforehand (by the user, or by another rank of this job)
     try:
         # O_EXCL decides between processes that both found the directory empty.
-        fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_no_follow(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
         return None
     lock = _lock(run_dir, fd, created)
