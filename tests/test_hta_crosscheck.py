@@ -48,3 +48,17 @@ def test_busy_close_to_aligned_hta(case):
 
 def test_shipped_hta_reproduced_by_its_rules(case):
     assert case["rules"]["hta_rounded"] == pytest.approx(case["hta"]["busy_pct"], abs=0.1)
+
+
+def test_advice_truth_hta_column_is_htas_idle_over_the_whole_recorded_window():
+    # The HTA column of docs/profiling.md's advice-truth table: HTA keeps both recorded steps there
+    # (include_last_profiler_step=True) with ns timestamps, so its idle is 100 - busy over its span of
+    # launched events, as aligned HTA's on the golden traces.
+    from advice_truth_table import CORPUS, hta_view
+
+    paths = sorted((CORPUS / "loader_workers").glob("rank*.json.gz"))
+    view = hta_view(paths)
+    assert isinstance(view, list) and len(view) == 1, view
+    rules = busy_decomposition(paths[0], 0.0)
+    assert 100 * view[0]["idle"] == pytest.approx(100 - rules["hta_launched_in_trace"], abs=0.05)
+    assert 0.9 < view[0]["host_wait"] <= 1.0  # a data-loader stall: the GPU waits on the host
