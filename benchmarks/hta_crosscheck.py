@@ -12,7 +12,7 @@ profiled window), its last-step cut, and its rounding of timestamps to whole mic
 last column equals HTA's own number, the difference is fully explained. docs/profiling.md discusses
 the results.
 
-HTA is a benchmark/test-only dependency (not in pyproject):
+HTA is in the dev extra (pip install -e '.[dev]'), or alone:
 
     pip install HolisticTraceAnalysis
     python benchmarks/hta_crosscheck.py      # writes benchmarks/results/analyze_hta_crosscheck.json

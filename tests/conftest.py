@@ -112,13 +112,13 @@ HARDWARE_SKIP = re.compile(
     r"CUDA|GPU|Chromium|node is not installed|compiler|g\+\+|c\+\+|tmpfs|\broot\b|/proc|on CPU|CPU build|"
     r"golden losses recorded with torch"
 )
-EXTRA_SKIP = re.compile(r"\b(transformers|peft|mlflow|orjson|pyarrow|datasets|tensorboard|wandb|torchao|gguf)\b")
-# Outside every extra: a benchmark's cross-check against HolisticTraceAnalysis, which no index here has.
-OTHER_ALLOWED_SKIP = re.compile(r"HolisticTraceAnalysis is not installed")
+EXTRA_SKIP = re.compile(
+    r"\b(transformers|peft|mlflow|orjson|pyarrow|datasets|tensorboard|wandb|torchao|gguf|HolisticTraceAnalysis)\b"
+)
 
 
 def skip_reason_allowed(reason: str) -> bool:
-    return any(p.search(reason) for p in (HARDWARE_SKIP, EXTRA_SKIP, OTHER_ALLOWED_SKIP))
+    return any(p.search(reason) for p in (HARDWARE_SKIP, EXTRA_SKIP))
 
 
 def _disallowed_skips(session: pytest.Session) -> list[str]:
