@@ -223,7 +223,10 @@ def _across_ranks(ranks: list[RankReport]) -> tuple[list[RankReport], list[Advic
     ranks = [replace(r, transfer_fraction=fractions.get(r.rank)) for r in ranks]
     redone = []
     for r in ranks:
-        extra = grad_sync_per_microbatch(r) if r.has_gpu else None
+        if not r.has_gpu:  # no GPU timeline (e.g. a counters-only trace): nothing to advise, as in analyze_trace
+            redone.append(r)
+            continue
+        extra = grad_sync_per_microbatch(r)
         found = advise(r) + ([replace(extra, rank=r.rank)] if extra else [])
         redone.append(replace(r, advice=sorted(found, key=lambda a: -(a.gain if a.gain is not None else -1.0))))
     late = waiting_for_peer(redone, waits)
