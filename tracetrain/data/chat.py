@@ -271,15 +271,22 @@ def tokenize_conversation(
     markers = has_generation_markers(template.source)
     full, spans = _render(template, tok, messages, track=markers)
     _check_all_rendered(template, messages, full)
+    spans = [(a, b) for a, b in spans if b > a]  # an empty block marks nothing
     if markers and not spans:
         raise TemplateMismatch(
             f"{template.name} has {{% generation %}} markers but marks nothing in a conversation "
-            "with assistant messages"
+            "with assistant messages (an empty block, or one where no text is rendered): every token's "
+            "loss would be masked; put the blocks around what the assistant writes"
         )
     if not markers:
         spans = _spans_by_prefix(template, tok, messages, full)
     ids, offsets = tok.encode_with_offsets(full)
     is_target = [True] * len(ids) if train_on_prompt else _token_mask(offsets, spans)
+    if not any(is_target):
+        raise TemplateMismatch(
+            f"{template.name} marks no token of this conversation as trained (the marked text is only "
+            "whitespace or lies outside the rendering): every token's loss would be masked"
+        )
     bos_text = tok.bos_text
     if tok.add_bos and not (bos_text and full.startswith(bos_text)):
         ids, is_target = [tok.bos_id] + ids, [train_on_prompt] + is_target

@@ -1,0 +1,151 @@
+"""Bounded work on untrusted input (#29 item 3-4): hostile chat templates, config files and model shapes are
+each refused with one line naming the file or key, quickly and without growing memory."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_here
+
+from tracetrain.config import load_config
+from tracetrain.data.chat_templates import TemplateLimitExceeded, render
+from tracetrain.errors import ConfigError
+
+CONV = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
+CHAT = "{% for m in messages %}{{ m.content }}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+
+
+def _one_line(proc, *fragments: str) -> str:
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def _chat_data(tmp_path: Path, template: str | bytes, *extra: str):
+    data = tmp_path / "chat.jsonl"
+    data.write_text((json.dumps({"messages": CONV}) + "\n") * 3)
+    path = tmp_path / "hostile.jinja"
+    path.write_bytes(template if isinstance(template, bytes) else template.encode("utf-8", "surrogatepass"))
+    args = ["--data.kind=chat", f"--data.path={data}", "--data.tokenizer=byte", f"--data.chat_template={path}"]
+    return cli_here("data", *args, "--data.eval_fraction=0", *extra, check=False)
+
+
+HOSTILE = {
+    "nested_loops": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        "steps to render",
+    ),
+    "huge_range": ("{% for i in range(10**12) %}{% endfor %}", "limit"),
+    "recursion": ("{% macro f(n) %}{{ f(n+1) }}{% endmacro %}{{ f(0) }}", "recurses too deeply"),
+    "huge_string": ("{{ 'x' * 10**10 }}", "limit"),
+    "doubling": (
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        "limit",
+    ),
+    "huge_power": ("{{ 2 ** (10 ** 9) }}", "limit"),
+    "padding": ("{{ 'a' | center(10**10) }}", "limit"),
+    "format_width": ("{{ '{:>9999999999}'.format(1) }}", "limit"),
+    "division_by_zero": ("{{ 1/0 }}", "division by zero"),
+    "lone_surrogate": (CHAT + "{{ '\\ud800' }}", "lone surrogate"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_template_is_one_line_naming_the_file(tmp_path, name):
+    source, fragment = HOSTILE[name]
+    start = time.monotonic()
+    _one_line(_chat_data(tmp_path, source), "hostile.jinja", fragment)
+    assert time.monotonic() - start < 30  # nested range(100000) loops ran forever
+
+
+def test_template_not_utf8(tmp_path):
+    _one_line(_chat_data(tmp_path, b"\xff\xfe{{ x }}"), "hostile.jinja", "not UTF-8", "data.chat_template")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for m in messages %}{{ m.content }}{% generation %}{% endgeneration %}{% endfor %}",
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}{% generation %}x{% endgeneration %}{% endif %}",
+    ],
+    ids=["empty_block", "block_never_rendered"],
+)
+def test_generation_blocks_that_mark_nothing_are_refused(tmp_path, source):
+    # Both trained with loss 0.0000 and `train_target_tokens: 0` before.
+    _one_line(_chat_data(tmp_path, source), "hostile.jinja", "marks nothing", "masked")
+
+
+def test_bounded_render_leaves_real_templates_alone():
+    text, spans = render(CHAT, {}, CONV * 200, track=True)
+    assert text.count("Hello!") == 400 and len(spans) == 400
+
+
+def test_render_limit_is_an_exception_of_its_own():
+    with pytest.raises(TemplateLimitExceeded, match="1,000,000 steps"):
+        render("{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}", {}, CONV)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config files and shapes
+
+
+def test_config_from_a_device_is_refused(capsys):
+    with pytest.raises(ConfigError, match="/dev/zero is not a regular file"):
+        load_config("/dev/zero")  # read until memory ran out (12 GB) before
+
+
+def test_config_file_too_large(tmp_path):
+    path = tmp_path / "big.toml"
+    path.write_bytes(b"# " + b"x" * (5 << 20) + b"\n")
+    with pytest.raises(ConfigError, match="big.toml is larger than 4 MiB"):
+        load_config(path)
+
+
+def test_deeply_nested_toml_file_and_override(tmp_path):
+    path = tmp_path / "deep.toml"
+    path.write_text("a = " + "[" * 50_000 + "]" * 50_000)
+    with pytest.raises(ConfigError, match="deep.toml: arrays or tables nested too deeply"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"override '--train.steps=\[\[.*characters\)': arrays or tables nested"):
+        load_config(None, ["--train.steps=" + "[" * 50_000 + "]" * 50_000])
+
+
+def test_toml_integer_of_thousands_of_digits(tmp_path):
+    path = tmp_path / "digits.toml"
+    path.write_text("[train]\nsteps = " + "9" * 6000 + "\n")
+    with pytest.raises(ConfigError, match="digits.toml: not readable TOML"):
+        load_config(path)
+
+
+def test_plan_refuses_a_billion_layers_before_allocating():
+    start = time.monotonic()
+    _one_line(cli_here("plan", "--model.n_layers=1000000000", check=False), "model.n_layers", "<= 1024")
+    assert time.monotonic() - start < 20  # grew to 13 GB before
+
+
+def test_hf_config_with_a_million_layers(tmp_path):
+    from tracetrain.errors import CheckpointError
+    from tracetrain.models.hf import load_hf_config
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1_000_000,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        CheckpointError, match=r"config.json: n_layers = 1000000 is out of range \(allowed: 1 to 1,024\)"
+    ):
+        load_hf_config(tmp_path)
