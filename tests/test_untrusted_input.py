@@ -149,3 +149,42 @@ def test_hf_config_with_a_million_layers(tmp_path):
         CheckpointError, match=r"config.json: n_layers = 1000000 is out of range \(allowed: 1 to 1,024\)"
     ):
         load_hf_config(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Option values: no inf, empty or absurd value where it means nothing
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("plan", "--gpu-memory-gib", "inf"), "--gpu-memory-gib inf: must be above 0 and finite"),
+        (("generate", "x", "--prompt", "a", "--stop", ""), "--stop '': a stop string must not be empty"),
+        (("generate", "x", "--prompt", "a", "--temperature=inf"), "--temperature inf: must be >= 0 and finite"),
+        (("generate", "x", "--prompt", "a", "--max-new-tokens=10000000000"), "must be from 0 to 1,048,576"),
+        (("profile", '--profile.ranks=["x"]'), "config key 'profile.ranks': 'x' is not allowed"),
+        (("profile", "--train.steps=5"), "end at step 14, past train.steps (5)"),
+    ],
+    ids=["gpu_memory_inf", "empty_stop", "temperature_inf", "max_new_tokens", "profile_ranks", "profile_window"],
+)
+def test_meaningless_option_values_are_refused_up_front(tmp_path, args, fragment):
+    # Before: accepted (inf GiB spare, empty completions, no trace and exit 0).
+    _one_line(cli_here(*args, f"--train.output_dir={tmp_path}", check=False, cwd=tmp_path), fragment)
+    assert not any(tmp_path.iterdir())  # refused before any run folder was made
+
+
+@pytest.mark.parametrize(
+    "config, kwargs, fragment",
+    [
+        (5, {}, "not int"),
+        ({"train": 5}, {}, "config section 'train' must be a dict"),
+        ([{"train": {}}], {}, "not list"),
+        (None, {"callbacks": 5}, "callbacks must be a list"),
+    ],
+    ids=["int", "section_int", "list", "callbacks_int"],
+)
+def test_api_rejects_wrong_types_with_one_message(config, kwargs, fragment):
+    import tracetrain
+
+    with pytest.raises(ConfigError, match=fragment):
+        tracetrain.train(config, **kwargs)  # AttributeError / TypeError tracebacks before

@@ -374,6 +374,24 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             "CPU backward); use 'sdpa' or 'auto'"
         )
     check_device_spec(cfg.train.device, f"{where}config key 'train.device'")
+    _check_profile(cfg, where)
+
+
+def _check_profile(cfg: Config, where: str) -> None:
+    """Ranks that name no rank, or a window the run never reaches, would capture nothing and exit 0."""
+    bad = [r for r in cfg.profile.ranks if not (r == "all" or (r.isascii() and r.isdigit()))]
+    if bad:
+        raise ConfigError(
+            f"{where}config key 'profile.ranks': {bad[0]!r} is not allowed; give rank numbers as strings "
+            "(['0', '1']) or ['all']"
+        )
+    last = cfg.profile.start_step + cfg.profile.num_steps - 1
+    if cfg.profile.enabled and not cfg.train.epochs and last > cfg.train.steps:
+        raise ConfigError(
+            f"{where}config keys 'profile.start_step' ({cfg.profile.start_step}) and 'profile.num_steps' "
+            f"({cfg.profile.num_steps}) end at step {last}, past train.steps ({cfg.train.steps}); nothing "
+            "would be captured"
+        )
 
 
 def parse_override(arg: str) -> tuple[str, Any]:

@@ -31,6 +31,7 @@ line per prompt; it is what `tracetrain generate --prompts-file` calls.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -103,11 +104,14 @@ class _Row:
         return GenerationResult(self.tokens, self.finish_reason or "length", text, self.num_generated)
 
 
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
 # Allowed values of the sampling options: one table, read by the library checks and the CLI's flag errors.
 GENERATION_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "max_new_tokens": (lambda v: v >= 0, ">= 0"),
+    # A million new tokens is past any model's context; a larger count is a typo that would size buffers.
+    "max_new_tokens": (lambda v: 0 <= v <= MAX_NEW_TOKENS_LIMIT, f"from 0 to {MAX_NEW_TOKENS_LIMIT:,}"),
     "batch_size": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "temperature": (lambda v: 0 <= v < math.inf, ">= 0 and finite (0 = greedy)"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
     "gpu_window": (lambda v: v >= 0, ">= 0"),
