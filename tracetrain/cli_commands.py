@@ -98,6 +98,8 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     )
     if bad is not None:
         raise TracetrainError(f"--{bad[0].replace('_', '-')} {bad[1]}: must be {bad[2]}")
+    if not 0 <= a.seed < 2**63:  # torch.Generator.manual_seed takes a 64-bit seed
+        raise TracetrainError(f"--seed {a.seed}: must be from 0 to 2**63 - 1")
     if "" in a.stop:  # every continuation contains '', so every completion would come back empty
         raise TracetrainError("--stop '': a stop string must not be empty")
     output = Path(a.output) if a.output else None
@@ -241,8 +243,8 @@ def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
         render_terminal,
     )
 
-    if a.show is not None and a.show < 0:
-        raise TracetrainError(f"--show {a.show}: must be >= 0")
+    if a.show is not None and not 0 <= a.show <= SHOW_LIMIT:
+        raise TracetrainError(f"--show {a.show}: must be from 0 to {SHOW_LIMIT:,} (examples printed)")
     num_examples = a.show if a.show is not None else (3 if a.as_json else 0)
     cfg = load_config(a.config, overrides)
     err = Console(stderr=True)
@@ -261,6 +263,9 @@ def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
     else:
         sys.stdout.write(render_plain(report))
     return 0
+
+
+SHOW_LIMIT = 1_000_000  # more examples than anyone reads; a larger count is a typo
 
 
 def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
