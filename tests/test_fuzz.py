@@ -160,12 +160,18 @@ TOML_PIECES = st.sampled_from(
 )
 
 
+# First lines that each broke the reader once (a traceback, or memory until the kernel stepped in).
+TOML_HEADS = st.sampled_from(
+    ["", "[train]\nsteps = " + "9" * 5000 + "\n", "a = " + "[" * 5000 + "]" * 5000 + "\n", "b = " + "{c = " * 3000]
+)
+
+
 @FUZZ
-@given(st.lists(TOML_PIECES | st.text(max_size=10), max_size=12), st.binary(max_size=8))
-def test_config_file_text_is_accepted_or_one_config_error(pieces, tail):
+@given(TOML_HEADS, st.lists(TOML_PIECES | st.text(max_size=10), max_size=12), st.binary(max_size=8))
+def test_config_file_text_is_accepted_or_one_config_error(head, pieces, tail):
     with _sandbox() as (work, _):
         path = work / "c.toml"
-        path.write_bytes("".join(pieces).encode("utf-8", "surrogatepass") + tail)
+        path.write_bytes((head + "".join(pieces)).encode("utf-8", "surrogatepass") + tail)
         try:
             load_config(path)
         except TracetrainError as e:
@@ -391,10 +397,19 @@ ARGS = st.sampled_from(
 )
 
 
+# Command lines that each ended in a traceback once; random arguments are appended to them.
+HUGE = "1" + "0" * 20
+KNOWN = st.sampled_from(
+    [("data", ["--show", HUGE]), ("generate", ["x", "--prompt", "a", "--seed", HUGE]), ("plan", []), ("data", [])]
+)
+
+
 @FEW
-@given(COMMANDS, st.lists(ARGS, max_size=5))
-def test_command_lines_run_or_refuse_in_one_line(command, args):
+@given(COMMANDS, st.lists(ARGS, max_size=5), KNOWN | st.just(None))
+def test_command_lines_run_or_refuse_in_one_line(command, args, known):
     with _sandbox() as (work, sentinel):
+        if known is not None:
+            command, args = known[0], known[1] + args
         argv = [a.replace("SENTINEL", str(sentinel)) for a in args]
         if command in ("plan", "data"):
             argv.append("--data.synthetic_examples=16")  # keeps an accepted `data` quick
