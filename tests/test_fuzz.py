@@ -4,7 +4,7 @@ and a non-zero exit: never a traceback, never a file touched outside the folders
 
 Examples are derived from the test's name (derandomize), so a run is repeatable and CI sees the same
 inputs; the `fuzz` profile keeps the whole file near a minute on two cores. HYPOTHESIS_PROFILE=fuzz-long
-explores more."""
+(FUZZ_EXAMPLES=N) draws fresh examples to hunt for more."""
 
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ from tracetrain.errors import TracetrainError
 
 _COMMON = {"derandomize": True, "deadline": None, "suppress_health_check": list(HealthCheck), "database": None}
 settings.register_profile("fuzz", max_examples=40, **_COMMON)
-settings.register_profile("fuzz-long", max_examples=1000, **_COMMON)
+# Fresh random examples on each run, as many as FUZZ_EXAMPLES: for hunting, not for CI.
+settings.register_profile(
+    "fuzz-long", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "1000")), **{**_COMMON, "derandomize": False}
+)
 FUZZ = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "fuzz"))
 FEW = settings(FUZZ, max_examples=max(FUZZ.max_examples // 4, 8))  # examples that each run a command
 

@@ -188,3 +188,73 @@ def test_api_rejects_wrong_types_with_one_message(config, kwargs, fragment):
 
     with pytest.raises(ConfigError, match=fragment):
         tracetrain.train(config, **kwargs)  # AttributeError / TypeError tracebacks before
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("data", "--show", "1" + "0" * 20, "--data.synthetic_examples=16"), "--show 1000"),
+        (("generate", "x", "--prompt", "a", "--seed", "1" + "0" * 23), "must be from 0 to 2**63 - 1"),
+    ],
+    ids=["data_show", "generate_seed"],
+)
+def test_huge_integer_options(tmp_path, args, fragment):
+    _one_line(cli_here(*args, check=False, cwd=tmp_path), fragment)  # islice / manual_seed tracebacks before
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer folders and traces
+
+
+def _tokenizer_folder(folder: Path, generation: dict) -> Path:
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>")])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder
+
+
+@pytest.mark.parametrize("eos", [5.5, -1, 7, [4, 99], True])
+def test_tokenizer_eos_token_id_must_be_an_id_of_the_vocabulary(tmp_path, eos):
+    from tracetrain.data.tokenizer import load_tokenizer
+    from tracetrain.errors import DataError
+
+    _tokenizer_folder(tmp_path, {"eos_token_id": eos})
+    # TypeError, OverflowError or an eos id past the embedding before.
+    with pytest.raises(DataError, match=r"generation_config.json: eos_token_id .* must be a token id from 0 to 4"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_tokenizer_chat_template_jinja_not_utf8(tmp_path):
+    from tracetrain.data.tokenizer import load_tokenizer
+    from tracetrain.errors import DataError
+
+    _tokenizer_folder(tmp_path, {"eos_token_id": 4})
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(DataError, match="chat_template.jinja is not UTF-8"):
+        load_tokenizer(str(tmp_path))
+
+
+def _kernel(**fields) -> dict:
+    event = {"ph": "X", "name": "k", "cat": "kernel", "ts": 0, "dur": 10, "pid": 0, "tid": 7}
+    return {**event, "args": {"device": 0, "stream": 7}, **fields}
+
+
+def test_trace_with_an_absurd_duration_is_dropped_with_a_note(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [_kernel(dur=1e308), _kernel(ts=20)]}))
+    proc = cli_here("analyze", str(path), "--json", str(tmp_path / "r.json"))
+    assert "dropped 1 events" in proc.stdout + proc.stderr
+    assert "e+307" not in proc.stdout and "0000000000000000" not in proc.stdout  # 1e308 s printed before
+
+
+def test_trace_device_name_not_a_string_and_deep_nesting(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [_kernel()], "deviceProperties": [{"id": 0, "name": 5}]}))
+    cli_here("analyze", str(path))  # AttributeError: 'int' object has no attribute 'lower' before
+    path.write_text('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _one_line(cli_here("analyze", str(path), check=False), "t.json: not a readable JSON trace (nested too deeply)")
