@@ -258,3 +258,37 @@ def test_trace_device_name_not_a_string_and_deep_nesting(tmp_path):
     cli_here("analyze", str(path))  # AttributeError: 'int' object has no attribute 'lower' before
     path.write_text('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}")
     _one_line(cli_here("analyze", str(path), check=False), "t.json: not a readable JSON trace (nested too deeply)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forged trainer state
+
+
+@pytest.mark.parametrize(
+    "step, fragment",
+    [
+        (-5, "step -5 is not allowed"),
+        (10**15, "step 1000000000000000 is not allowed"),
+        (2, "step 2 does not match its folder"),
+        (1e15, "'step' is float, not int"),
+        ("1", "'step' is str, not int"),
+    ],
+    ids=["negative", "huge", "other_folder", "float", "string"],
+)
+def test_forged_checkpoint_step_is_refused(tmp_path, step, fragment):
+    import torch
+    from test_checkpoint_integrity import _load, _tiny
+
+    from tracetrain.errors import CheckpointError
+    from tracetrain.train.checkpoint import TrainState, save_checkpoint
+    from tracetrain.train.manifest import write_manifest
+
+    model, opt = _tiny(1.0)
+    path = save_checkpoint(tmp_path, model, opt, TrainState(1, {}, {}, {"value": 1}), "", lora=False, keep_last=2)
+    raw = torch.load(path / "trainer_state.pt", weights_only=True)
+    raw["step"] = step  # accepted on resume before: a run "resumed" at step -5 or 1e15
+    torch.save(raw, path / "trainer_state.pt")
+    (path / "manifest.json").unlink()
+    write_manifest(path, 1)
+    with pytest.raises(CheckpointError, match=f"trainer_state.pt: {fragment}"):
+        _load(path)
