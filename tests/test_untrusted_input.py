@@ -292,3 +292,38 @@ def test_forged_checkpoint_step_is_refused(tmp_path, step, fragment):
     write_manifest(path, 1)
     with pytest.raises(CheckpointError, match=f"trainer_state.pt: {fragment}"):
         _load(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# `tracetrain report` over damaged run files
+
+GOOD_LINES = '{"kind": "train", "step": 1, "loss": 2.0, "lr": 0.1}\n{"kind": "eval", "step": 1, "eval_loss": 2.0}\n'
+
+
+@pytest.mark.parametrize(
+    "damage, fragment",
+    [
+        ({"metrics.jsonl": GOOD_LINES + '{"loss": 1.0}\n' + GOOD_LINES}, "metrics.jsonl:3: not a metrics record"),
+        ({"metrics.jsonl": GOOD_LINES + "5\n" + GOOD_LINES}, "metrics.jsonl:3: not a metrics record"),
+        ({"metrics.jsonl": GOOD_LINES.encode() + b"\xff\xfe\n"}, "metrics.jsonl:3: byte 0xff is not UTF-8"),
+        ({"config.toml": "x = [\n"}, "config.toml: not valid TOML"),
+    ],
+    ids=["no_step", "bare_number", "not_utf8", "config_toml"],
+)
+def test_report_of_damaged_run_files_is_one_line(tmp_path, damage, fragment):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(GOOD_LINES)
+    for name, content in damage.items():
+        (run / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    _one_line(cli_here("report", str(run), check=False), fragment)  # KeyError, AttributeError, ... before
+
+
+@pytest.mark.parametrize("summary", ["5", "[1, 2]", '{"world_size": "x"}', "{not json", "\udcff"])
+def test_report_draws_the_page_without_a_malformed_summary(tmp_path, summary):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(GOOD_LINES)
+    (run / "summary.json").write_bytes(summary.encode("utf-8", "surrogateescape"))
+    cli_here("report", str(run))
+    assert (run / "report.html").is_file()
