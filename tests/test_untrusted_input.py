@@ -327,3 +327,18 @@ def test_report_draws_the_page_without_a_malformed_summary(tmp_path, summary):
     (run / "summary.json").write_bytes(summary.encode("utf-8", "surrogateescape"))
     cli_here("report", str(run))
     assert (run / "report.html").is_file()
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": ' + "9" * 5000 + "}"], ids=["deep", "digits"])
+def test_deeply_nested_or_huge_number_json_in_folders_is_one_line(tmp_path, text):
+    from tracetrain.data.tokenizer import load_tokenizer
+    from tracetrain.errors import CheckpointError, DataError
+    from tracetrain.models.hf import load_hf_config
+
+    _tokenizer_folder(tmp_path, {"eos_token_id": 4})
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    with pytest.raises(DataError, match="tokenizer_config.json: (JSON nested too deeply|not readable JSON)"):
+        load_tokenizer(str(tmp_path))  # RecursionError / ValueError tracebacks before
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="config.json: (JSON nested too deeply|not readable JSON)"):
+        load_hf_config(tmp_path)

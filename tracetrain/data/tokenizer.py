@@ -173,6 +173,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise DataError(f"{path}: JSON nested too deeply to read") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise DataError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
