@@ -342,3 +342,44 @@ def test_deeply_nested_or_huge_number_json_in_folders_is_one_line(tmp_path, text
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(CheckpointError, match="config.json: (JSON nested too deeply|not readable JSON)"):
         load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, text, fragment",
+    [
+        ("rows.jsonl", '{"instruction": "a\\ud800", "response": "b"}\n', "rows.jsonl:1: text with a lone surrogate"),
+        ("rows.json", '[{"instruction": "a\\udc00", "response": "b"}]', "rows.json: row 0: text with a lone surrogate"),
+        (
+            "rows.jsonl",
+            '{"instruction": "a", "response": "b", "n": ' + "9" * 5000 + "}\n",
+            "rows.jsonl:1: not readable",
+        ),
+    ],
+    ids=["surrogate_jsonl", "surrogate_json_array", "digits"],
+)
+def test_data_rows_with_lone_surrogates_or_huge_numbers(tmp_path, name, text, fragment):
+    path = tmp_path / name
+    path.write_text(text + '{"instruction": "x", "response": "y"}\n' if name.endswith("l") else text)
+    args = ["--data.kind=instruction", f"--data.path={path}", "--data.tokenizer=byte", "--data.eval_fraction=0"]
+    _one_line(cli_here("data", *args, check=False), fragment)  # UnicodeEncodeError / ValueError before
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b'{"prompt": "\xff"}\n', "p.jsonl:1: not UTF-8 text"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "p.jsonl:1: JSON nested too deeply"),
+        (b'{"prompt": "a", "max_new_tokens": 100000000000}\n', "p.jsonl:1: 'max_new_tokens' must be an integer"),
+        (b'{"prompt": "a", "stop": ["x", ""]}\n', "p.jsonl:1: 'stop' must be a non-empty string"),
+    ],
+    ids=["not_utf8", "nested", "max_new_tokens", "empty_stop"],
+)
+def test_prompt_files_are_read_or_refused_in_one_line(tmp_path, content, fragment):
+    from tracetrain.config import DataSection
+    from tracetrain.errors import DataError
+    from tracetrain.models.generate import read_prompts_jsonl
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=fragment):
+        read_prompts_jsonl(path, DataSection())
