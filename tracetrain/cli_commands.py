@@ -244,7 +244,7 @@ def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
     )
 
     if a.show is not None and not 0 <= a.show <= SHOW_LIMIT:
-        raise TracetrainError(f"--show {a.show}: must be from 0 to {SHOW_LIMIT:,} (examples printed)")
+        raise TracetrainError(f"--show {a.show}: must be >= 0 and <= {SHOW_LIMIT:,} (examples printed)")
     num_examples = a.show if a.show is not None else (3 if a.as_json else 0)
     cfg = load_config(a.config, overrides)
     err = Console(stderr=True)
