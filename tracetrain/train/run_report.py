@@ -12,6 +12,7 @@ the files of one run, or overlays several (one colour per run).
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import tomllib
