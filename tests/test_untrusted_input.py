@@ -193,7 +193,10 @@ def test_api_rejects_wrong_types_with_one_message(config, kwargs, fragment):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (("data", "--show", "1" + "0" * 20, "--data.synthetic_examples=16"), "--show 100000000000000000000: must be >= 0 and <= 1,000,000"),
+        (
+            ("data", "--show", "1" + "0" * 20, "--data.synthetic_examples=16"),
+            "--show 100000000000000000000: must be >= 0 and <= 1,000,000",
+        ),
         (("generate", "x", "--prompt", "a", "--seed", "1" + "0" * 23), "must be from 0 to 2**63 - 1"),
     ],
     ids=["data_show", "generate_seed"],
