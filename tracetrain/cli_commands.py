@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -97,6 +98,10 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     )
     if bad is not None:
         raise TracetrainError(f"--{bad[0].replace('_', '-')} {bad[1]}: must be {bad[2]}")
+    if not 0 <= a.seed < 2**63:  # torch.Generator.manual_seed takes a 64-bit seed
+        raise TracetrainError(f"--seed {a.seed}: must be from 0 to 2**63 - 1")
+    if "" in a.stop:  # every continuation contains '', so every completion would come back empty
+        raise TracetrainError("--stop '': a stop string must not be empty")
     output = Path(a.output) if a.output else None
     if output is not None and output.is_dir():  # checked before the model loads, not after generating
         raise TracetrainError(f"--output {output} is a folder; name a file such as {output / 'out.jsonl'}")
@@ -238,8 +243,8 @@ def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
         render_terminal,
     )
 
-    if a.show is not None and a.show < 0:
-        raise TracetrainError(f"--show {a.show}: must be >= 0")
+    if a.show is not None and not 0 <= a.show <= SHOW_LIMIT:
+        raise TracetrainError(f"--show {a.show}: must be >= 0 and <= {SHOW_LIMIT:,} (examples printed)")
     num_examples = a.show if a.show is not None else (3 if a.as_json else 0)
     cfg = load_config(a.config, overrides)
     err = Console(stderr=True)
@@ -258,6 +263,9 @@ def cmd_data(a: argparse.Namespace, overrides: list[str]) -> int:
     else:
         sys.stdout.write(render_plain(report))
     return 0
+
+
+SHOW_LIMIT = 1_000_000  # more examples than anyone reads; a larger count is a typo
 
 
 def cmd_profile(a: argparse.Namespace, overrides: list[str]) -> int:
@@ -357,8 +365,8 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
         ("--gpu-memory-gib", a.gpu_memory_gib, 0),
         ("--host-memory-gib", a.host_memory_gib, 0),
     ):
-        if value is not None and (value < least if least else not value > 0):
-            raise TracetrainError(f"{flag} {value}: must be {f'at least {least}' if least else 'above 0'}")
+        if value is not None and (value < least if least else not 0 < value < math.inf):
+            raise TracetrainError(f"{flag} {value}: must be {f'at least {least}' if least else 'above 0 and finite'}")
     cfg = load_config(a.config, overrides)
     validate_run(cfg, model_args_from_config(cfg))  # plan only runs that train would accept
     inp = plan_input_from_config(cfg, num_gpus=a.gpus, gpu=a.gpu)  # PlanInputError: one line, as the others

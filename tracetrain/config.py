@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import stat
 import tomllib
 import types
 import typing
@@ -372,6 +374,24 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             "CPU backward); use 'sdpa' or 'auto'"
         )
     check_device_spec(cfg.train.device, f"{where}config key 'train.device'")
+    _check_profile(cfg, where)
+
+
+def _check_profile(cfg: Config, where: str) -> None:
+    """Ranks that name no rank, or a window the run never reaches, would capture nothing and exit 0."""
+    bad = [r for r in cfg.profile.ranks if not (r == "all" or (r.isascii() and r.isdigit()))]
+    if bad:
+        raise ConfigError(
+            f"{where}config key 'profile.ranks': {bad[0]!r} is not allowed; give rank numbers as strings "
+            "(['0', '1']) or ['all']"
+        )
+    last = cfg.profile.start_step + cfg.profile.num_steps - 1
+    if cfg.profile.enabled and not cfg.train.epochs and last > cfg.train.steps:
+        raise ConfigError(
+            f"{where}config keys 'profile.start_step' ({cfg.profile.start_step}) and 'profile.num_steps' "
+            f"({cfg.profile.num_steps}) end at step {last}, past train.steps ({cfg.train.steps}); nothing "
+            "would be captured"
+        )
 
 
 def parse_override(arg: str) -> tuple[str, Any]:
@@ -384,7 +404,39 @@ def parse_override(arg: str) -> tuple[str, Any]:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word such as --data.path=my.jsonl
+    except (RecursionError, ValueError) as e:  # [[[[...]]]] thousands deep; an integer of 5,000 digits
+        shown = arg if len(arg) <= 60 else f"{arg[:40]}... ({len(arg):,} characters)"
+        raise ConfigError(f"override {shown!r}: {_toml_failure(e)}") from None
     return key, value
+
+
+# A config is a few kilobytes; reading stops here so that `--config /dev/zero` or a wrong multi-GB file
+# is one line, not all the memory.
+CONFIG_FILE_LIMIT_BYTES = 4 << 20
+
+
+def _toml_failure(e: Exception) -> str:
+    """The reason tomllib gave up, for the two ways that are not a TOMLDecodeError."""
+    if isinstance(e, RecursionError):
+        return "arrays or tables nested too deeply to read"
+    return f"not readable TOML ({str(e).splitlines()[0]})"
+
+
+def _read_limited(path: Path) -> bytes:
+    """The bytes of a regular file of at most CONFIG_FILE_LIMIT_BYTES (devices, FIFOs and larger files are
+    refused: a read of /dev/zero never ends)."""
+    try:
+        with path.open("rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(f"config file {path} is not a regular file; give a .toml file")
+            data = f.read(CONFIG_FILE_LIMIT_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    if len(data) > CONFIG_FILE_LIMIT_BYTES:
+        raise ConfigError(
+            f"config file {path} is larger than {CONFIG_FILE_LIMIT_BYTES >> 20} MiB; a config is a few KB"
+        )
+    return data
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -393,10 +445,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is a directory; give a .toml file")
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    data = _read_limited(path)
     try:
         text = data.decode("utf-8")  # TOML is UTF-8 by definition, whatever the locale says
     except UnicodeDecodeError as e:
@@ -408,6 +457,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except (RecursionError, ValueError) as e:
+        raise ConfigError(f"{path}: {_toml_failure(e)}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

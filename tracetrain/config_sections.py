@@ -31,18 +31,44 @@ def fld(
     return field(default=default, metadata=meta)
 
 
+# The largest model shapes tracetrain builds or plans: several times today's largest open models (Llama 3
+# 405B: dim 16384, 126 layers, ffn 53248; DeepSeek-V3: 256 experts; vocabularies near 256k). A larger
+# value is a typo or a forged config, and refusing it up front keeps plan and build from allocating
+# per-layer tables until memory runs out. The config fields and ModelArgs.validate (HF configs) share them.
+MODEL_SHAPE_LIMITS: dict[str, int] = {
+    "dim": 1 << 16,
+    "n_layers": 1024,
+    "n_heads": 1024,
+    "n_kv_heads": 1024,
+    "ffn_dim": 1 << 20,
+    "vocab_size": 1 << 24,
+    "num_experts": 4096,
+    "max_seq_len": 1 << 24,
+}
+
+
 @dataclass(frozen=True)
 class ModelSection:
     preset: str = fld("tiny", "Architecture preset name (see `tracetrain presets`).")
     init_from: str = fld("", "Hugging Face checkpoint directory to load weights and shape from ('' = random init).")
-    dim: int | None = fld(None, "Override the preset's hidden size.", gt=0)
-    n_layers: int | None = fld(None, "Override the preset's number of transformer blocks.", gt=0)
-    n_heads: int | None = fld(None, "Override the preset's number of attention heads.", gt=0)
-    n_kv_heads: int | None = fld(None, "Override the preset's number of key/value heads (GQA).", gt=0)
-    ffn_dim: int | None = fld(None, "Override the preset's SwiGLU hidden size.", gt=0)
-    vocab_size: int | None = fld(None, "Override the preset's vocabulary size (embedding rows).", gt=0)
+    dim: int | None = fld(None, "Override the preset's hidden size.", gt=0, le=MODEL_SHAPE_LIMITS["dim"])
+    n_layers: int | None = fld(
+        None, "Override the preset's number of transformer blocks.", gt=0, le=MODEL_SHAPE_LIMITS["n_layers"]
+    )
+    n_heads: int | None = fld(
+        None, "Override the preset's number of attention heads.", gt=0, le=MODEL_SHAPE_LIMITS["n_heads"]
+    )
+    n_kv_heads: int | None = fld(
+        None, "Override the preset's number of key/value heads (GQA).", gt=0, le=MODEL_SHAPE_LIMITS["n_kv_heads"]
+    )
+    ffn_dim: int | None = fld(None, "Override the preset's SwiGLU hidden size.", gt=0, le=MODEL_SHAPE_LIMITS["ffn_dim"])
+    vocab_size: int | None = fld(
+        None, "Override the preset's vocabulary size (embedding rows).", gt=0, le=MODEL_SHAPE_LIMITS["vocab_size"]
+    )
     init_std: float = fld(0.02, "Standard deviation of the random weight init.", gt=0)
-    num_experts: int = fld(0, "Mixture-of-experts: experts per block (0 = dense SwiGLU MLP).", ge=0)
+    num_experts: int = fld(
+        0, "Mixture-of-experts: experts per block (0 = dense SwiGLU MLP).", ge=0, le=MODEL_SHAPE_LIMITS["num_experts"]
+    )
     experts_top_k: int = fld(2, "MoE: experts each token is routed to.", gt=0)
     moe_aux_loss_coef: float = fld(0.01, "MoE: weight of the load-balancing loss.", ge=0)
 

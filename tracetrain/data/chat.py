@@ -33,7 +33,12 @@ import jinja2
 import torch
 
 from tracetrain.config import DataSection
-from tracetrain.data.chat_templates import BUILTIN_TEMPLATES, has_generation_markers, render
+from tracetrain.data.chat_templates import (
+    BUILTIN_TEMPLATES,
+    TemplateLimitExceeded,
+    has_generation_markers,
+    render,
+)
 from tracetrain.data.files import ReadPosition, iter_rows
 from tracetrain.data.instruction import held_out_split
 from tracetrain.data.packing import DataStats, Document, Documents, TokenizedExample, compact_document
@@ -85,7 +90,12 @@ def chat_template_for(data: DataSection, tok: Tokenizer) -> ChatTemplate | None:
         return ChatTemplate(f"built-in template '{spec}'", BUILTIN_TEMPLATES[spec])
     path = chat_template_file(data)
     if path is not None:
-        return ChatTemplate(str(path), path.read_text(encoding="utf-8"))
+        try:
+            return ChatTemplate(str(path), path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"chat template file {path} is not UTF-8 text (byte {e.start}; config key 'data.chat_template')"
+            ) from None
     raise DataError(
         f"config key 'data.chat_template': {spec!r} is not 'auto', a built-in template "
         f"({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file"
@@ -162,14 +172,33 @@ def _render(
     track: bool = False,
 ) -> tuple[str, list[tuple[int, int]]]:
     try:
-        return render(
+        text, spans = render(
             template.source, tok.special_tokens(), messages, add_generation_prompt=add_generation_prompt, track=track
         )
+        if not text.isascii():
+            text.encode("utf-8")  # a surrogate escape in the template's strings is not text a tokenizer reads
+        return text, spans
+    except UnicodeEncodeError as e:
+        raise TemplateMismatch(
+            f"{template.name} renders a lone surrogate (\\u{ord(e.object[e.start]):04x}), which is not Unicode text"
+        ) from None
     except jinja2.TemplateSyntaxError as e:
         raise TemplateMismatch(
             f"{template.name} is not a valid Jinja template (line {e.lineno}: {e.message})"
         ) from None
-    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    except TemplateLimitExceeded as e:
+        raise TemplateMismatch(f"{template.name} {e}") from None
+    except RecursionError:
+        raise TemplateMismatch(f"{template.name} nests or recurses too deeply to render") from None
+    except (
+        jinja2.TemplateError,
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        ArithmeticError,
+    ) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{template.name} raised an error for this conversation: {reason}") from None
 
@@ -242,15 +271,22 @@ def tokenize_conversation(
     markers = has_generation_markers(template.source)
     full, spans = _render(template, tok, messages, track=markers)
     _check_all_rendered(template, messages, full)
+    spans = [(a, b) for a, b in spans if b > a]  # an empty block marks nothing
     if markers and not spans:
         raise TemplateMismatch(
             f"{template.name} has {{% generation %}} markers but marks nothing in a conversation "
-            "with assistant messages"
+            "with assistant messages (an empty block, or one where no text is rendered): every token's "
+            "loss would be masked; put the blocks around what the assistant writes"
         )
     if not markers:
         spans = _spans_by_prefix(template, tok, messages, full)
     ids, offsets = tok.encode_with_offsets(full)
     is_target = [True] * len(ids) if train_on_prompt else _token_mask(offsets, spans)
+    if not any(is_target):
+        raise TemplateMismatch(
+            f"{template.name} marks no token of this conversation as trained (the marked text is only "
+            "whitespace or lies outside the rendering): every token's loss would be masked"
+        )
     bos_text = tok.bos_text
     if tok.add_bos and not (bos_text and full.startswith(bos_text)):
         ids, is_target = [tok.bos_id] + ids, [train_on_prompt] + is_target

@@ -9,12 +9,22 @@ text transformers would produce, character for character (tests compare them).
 
 A template may mark what the model generates with `{% generation %}...{% endgeneration %}`; rendering
 then also returns the character spans of those blocks (`render(..., track=True)`).
+
+Templates come from tokenizer folders and the Hub, so rendering is bounded: every call, attribute or item
+lookup and loop step counts against a step budget and a time limit, the output against a size limit,
+and a number that would size a string, list or power past that limit is refused before it is computed
+(`TemplateLimitExceeded`, with the limit named). Jinja's sandbox keeps the template away from Python
+internals; these limits keep it from hanging or filling memory.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -23,7 +33,19 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+
+# Limits for one render (one conversation): a real template takes well under a millisecond and a few
+# thousand steps; these leave room for long conversations and slow machines.
+RENDER_TIME_LIMIT_S = 5.0
+RENDER_STEP_LIMIT = 1_000_000  # calls, lookups and loop steps: deterministic, unlike the time
+RENDER_OUTPUT_LIMIT_CHARS = 1 << 24  # on top of the messages' own text, which templates repeat verbatim
+_CONTENT_REPEATS = 4  # a template may render each message a few times (e.g. tojson of the whole list)
+
+
+class TemplateLimitExceeded(Exception):
+    """A render went past a step, time or output-size limit (the message names which)."""
+
 
 # Written for tracetrain. Every template renders each message's content verbatim, so the data pipeline
 # can find it, and ends an assistant turn with the family's end-of-turn token.
@@ -117,6 +139,9 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _Namespace._check(name)
+        budget = _BUDGET.get()  # the only state a template can grow across loop steps (`ns.s = ns.s ~ ns.s`)
+        if budget is not None and isinstance(value, (str, list, tuple, dict)):
+            budget.check_size(len(value), "a namespace value")
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -125,16 +150,157 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"a chat template may not store {name!r} on a namespace")
 
 
+class _Budget:
+    """What one render may still spend; `tick` is called at every step the template takes."""
+
+    def __init__(self, output_chars: int) -> None:
+        self.deadline = time.monotonic() + RENDER_TIME_LIMIT_S
+        self.steps_left = RENDER_STEP_LIMIT
+        self.output_chars = output_chars
+
+    def tick(self) -> None:
+        self.steps_left -= 1
+        if self.steps_left < 0:
+            raise TemplateLimitExceeded(f"took more than {RENDER_STEP_LIMIT:,} steps to render one conversation")
+        if self.steps_left % 1024 == 0 and time.monotonic() > self.deadline:
+            raise TemplateLimitExceeded(f"took more than {RENDER_TIME_LIMIT_S:g} s to render one conversation")
+
+    def check_size(self, size: int, what: str) -> None:
+        if size > self.output_chars:
+            raise TemplateLimitExceeded(
+                f"would build {what} of {size:,} items (limit {self.output_chars:,} for this conversation)"
+            )
+
+
+# The budget of the render under way in this thread; None outside a render (compiling, tests).
+_BUDGET: ContextVar[_Budget | None] = ContextVar("chat_template_budget", default=None)
+
+
+class _BoundedRange:
+    """`range()` for templates: Jinja's sandbox caps the length, this also counts each step."""
+
+    def __init__(self, env: _BoundedSandbox, *args: Any) -> None:
+        self.env, self.items = env, safe_range(*args)
+
+    def __iter__(self) -> Iterator[int]:
+        for i in self.items:
+            self.env.tick()
+            yield i
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.items[index]
+
+    def __contains__(self, value: Any) -> bool:
+        return value in self.items
+
+
+_FORMATS = ("format", "format_map")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with every call, lookup and operator counted against the render's `_Budget`."""
+
+    intercepted_binops = frozenset(["*", "**", "%", "+"])
+
+    def tick(self) -> None:
+        budget = _BUDGET.get()
+        if budget is not None:
+            budget.tick()
+
+    def _check_arguments(self, values: Any) -> None:
+        """Numbers that size a result (`range`, `center`, `ljust`) and values grown by `~` (which Jinja
+        does not route through any hook) are checked where they are passed on."""
+        budget = _BUDGET.get()
+        if budget is None:
+            return
+        for v in values:
+            if isinstance(v, int):
+                budget.check_size(abs(v), "a value sized by a number")
+            elif isinstance(v, (str, list, tuple, dict)):
+                budget.check_size(len(v), "a value")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        __self.tick()
+        __self._check_arguments([*args, *kwargs.values()])
+        return __self._sized(super().call(__context, __obj, *args, **kwargs))
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self.tick()
+        if isinstance(obj, str) and attribute in _FORMATS:  # '{:>9999999999}'.format(1)
+            self._check_arguments([_format_widths(obj)])
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self.tick()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        self.tick()
+        budget = _BUDGET.get()
+        if budget is not None:
+            budget.check_size(_binop_size(operator, left, right), f"the result of {operator!r}")
+        return self._sized(super().call_binop(context, operator, left, right))
+
+    def _sized(self, value: Any) -> Any:
+        budget = _BUDGET.get()
+        if budget is not None and isinstance(value, (str, list, tuple, dict)):
+            budget.check_size(len(value), "a value")
+        return value
+
+
+def _binop_size(operator: str, left: Any, right: Any) -> int:
+    """An upper bound on the size of `left operator right`, worked out without computing it."""
+    sized = (str, list, tuple)
+    if operator == "*" and isinstance(left, sized) and isinstance(right, int):
+        return len(left) * max(right, 0)
+    if operator == "*" and isinstance(right, sized) and isinstance(left, int):
+        return len(right) * max(left, 0)
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        return abs(left).bit_length() * right // 8  # the digits' bytes: 9**9**9 is refused, not computed
+    if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        return len(left) + len(right)
+    if operator == "%" and isinstance(left, str):
+        numbers = right if isinstance(right, tuple) else (right,)
+        widths = sum(abs(v) for v in numbers if isinstance(v, int) and not isinstance(v, bool))
+        return len(left) + widths + _format_widths(left)
+    return 0
+
+
+def _format_widths(fmt: str) -> int:
+    """An upper bound on the padding the widths written in a format string ask for (`'%9999999999d'`,
+    `'{:>9999999999}'`): every run of digits counts, so literal numbers only make it larger."""
+    runs = re.findall(r"\d{4,}", fmt)
+    return sum(int(run) if len(run) < 20 else 10**20 for run in runs)
+
+
+def _bounded_filter(env: _BoundedSandbox, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A filter that counts a step, refuses numbers past the size limit (`center(10**10)`) and results
+    past it (Jinja calls filters directly, not through `call`)."""
+
+    @functools.wraps(fn)  # keeps `jinja_pass_arg`, which tells Jinja what to pass first
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        env.tick()
+        env._check_arguments([*args[1:], *kwargs.values()])
+        return env._sized(fn(*args, **kwargs))
+
+    return bounded
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """The template compiled in its own sandboxed environment (one per template: the tracker has state).
 
     Raises jinja2.TemplateSyntaxError for a malformed template.
     """
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.filters.update({name: _bounded_filter(env, fn) for name, fn in env.filters.items()})
+    env.globals["range"] = functools.partial(_BoundedRange, env)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace
@@ -156,7 +322,8 @@ def render(
 ) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, generation-block spans) of `messages`; spans are only collected with `track`.
 
-    `variables` are the tokenizer's special tokens (bos_token, ...). Template errors propagate.
+    `variables` are the tokenizer's special tokens (bos_token, ...). Template errors propagate; a render
+    past the step, time or output limits raises TemplateLimitExceeded.
     """
     template = compile_template(source)
     context = {
@@ -166,13 +333,19 @@ def render(
         "documents": None,
         "add_generation_prompt": add_generation_prompt,
     }
-    if not track:
-        return template.render(**context), []
+    content_chars = sum(len(str(m.get("content", ""))) for m in messages)
+    budget = _Budget(RENDER_OUTPUT_LIMIT_CHARS + _CONTENT_REPEATS * content_chars)
     tracker = next(e for e in template.environment.extensions.values() if isinstance(e, _GenerationTracker))
-    tracker.output, tracker.spans = [], []
+    output: list[str] = []
+    token = _BUDGET.set(budget)
+    tracker.output, tracker.spans = (output if track else None), []
     try:
+        size = 0
         for chunk in template.generate(**context):
-            tracker.output.append(chunk)
-        return "".join(tracker.output), list(tracker.spans)
+            size += len(chunk)
+            budget.check_size(size, "an output")
+            output.append(chunk)
+        return "".join(output), list(tracker.spans) if track else []
     finally:
+        _BUDGET.reset(token)
         tracker.output, tracker.spans = None, []

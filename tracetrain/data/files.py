@@ -16,6 +16,7 @@ bad row like any other, not a RecursionError.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,15 +147,34 @@ def _first_char(path: Path) -> str:
     return head[:1].decode("ascii", errors="replace")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _loads(text: str) -> Any:
-    """json.loads, with the two ways it fails turned into a DataError reason."""
+    """json.loads, with the ways it fails turned into a DataError reason."""
     try:
-        return json.loads(text)
+        return _no_lone_surrogates(json.loads(text), text)
     except json.JSONDecodeError as e:
         return DataError(f"not valid JSON ({e.msg} at column {e.colno})")
     except RecursionError:
         # Python's parser recurses once per nesting level; no training row is legitimately that deep.
         return DataError("JSON nested too deeply to read")
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        return DataError(f"not readable JSON ({str(e).splitlines()[0]})")
+
+
+def _no_lone_surrogates(value: Any, text: str) -> Any:
+    """`value`, or a DataError when a `\\udXXX` escape decoded to half a surrogate pair: such text cannot
+    be encoded as UTF-8, so no tokenizer can read it. The costly check runs only where an escape is."""
+    if _SURROGATE_ESCAPE.search(text) is None:
+        return value
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return DataError(
+            f"text with a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), which is not Unicode text"
+        )
+    return value
 
 
 def _jsonl_rows(path: str, key: str, position: ReadPosition) -> Iterator[RawRow]:
@@ -189,6 +209,7 @@ def _json_array_rows(path: Path) -> Iterator[RawRow]:
     pos = _skip_space(text, text.index("[") + 1)
     index = 0
     while pos < len(text) and text[pos] != "]":
+        start = pos
         try:
             value, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
@@ -199,7 +220,9 @@ def _json_array_rows(path: Path) -> Iterator[RawRow]:
             ) from None
         except RecursionError:
             value, pos = DataError("JSON nested too deeply to read"), _end_of_value(text, pos)
-        yield f"{path}: row {index}", value
+        except ValueError as e:  # a number past Python's digit limit
+            value, pos = DataError(f"not readable JSON ({str(e).splitlines()[0]})"), _end_of_value(text, pos)
+        yield f"{path}: row {index}", _no_lone_surrogates(value, text[start:pos])
         index += 1
         pos = _skip_space(text, pos)
         if pos < len(text) and text[pos] == ",":

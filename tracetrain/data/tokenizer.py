@@ -173,6 +173,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise DataError(f"{path}: JSON nested too deeply to read") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise DataError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -259,8 +263,7 @@ class HFTokenizer(Tokenizer):
             texts[key] = _token_text(cfg[key]) if key in cfg else _token_text(stm.get(key))
         self._specials = {k: v for k, v in texts.items() if v is not None}
         where = f"{folder}/tokenizer_config.json"
-        gen_eos = gen.get("eos_token_id")
-        gen_eos_ids = [gen_eos] if isinstance(gen_eos, int) else [i for i in gen_eos or [] if isinstance(i, int)]
+        gen_eos_ids = self._gen_eos_ids(gen.get("eos_token_id"), folder / "generation_config.json")
         if texts["eos_token"] is not None:
             self.eos_id = self._id_of(texts["eos_token"], where)
         elif gen_eos_ids:
@@ -281,7 +284,21 @@ class HFTokenizer(Tokenizer):
         self.stop_ids = tuple(dict.fromkeys([self.eos_id, *gen_eos_ids]))
         self.chat_template = _named_template(cfg.get("chat_template"))
         if self.chat_template is None and (folder / "chat_template.jinja").is_file():
-            self.chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            try:
+                self.chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{folder}/chat_template.jinja is not UTF-8 text (byte {e.start})") from None
+
+    def _gen_eos_ids(self, value: Any, where: Path) -> list[int]:
+        """generation_config.json's `eos_token_id` (one id or a list), each an id of this vocabulary."""
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise DataError(
+                    f"{where}: eos_token_id {json.dumps(i)[:40]} is not allowed; it must be a token id "
+                    f"from 0 to {self.vocab_size - 1} (or a list of them)"
+                )
+        return list(ids)
 
     def _read_bare(self, file: Path) -> None:
         specials = sorted((i, t.content) for i, t in self._tok.get_added_tokens_decoder().items() if t.special)

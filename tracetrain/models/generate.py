@@ -31,6 +31,7 @@ line per prompt; it is what `tracetrain generate --prompts-file` calls.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -103,11 +104,14 @@ class _Row:
         return GenerationResult(self.tokens, self.finish_reason or "length", text, self.num_generated)
 
 
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
 # Allowed values of the sampling options: one table, read by the library checks and the CLI's flag errors.
 GENERATION_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "max_new_tokens": (lambda v: v >= 0, ">= 0"),
+    # A million new tokens is past any model's context; a larger count is a typo that would size buffers.
+    "max_new_tokens": (lambda v: 0 <= v <= MAX_NEW_TOKENS_LIMIT, f"from 0 to {MAX_NEW_TOKENS_LIMIT:,}"),
     "batch_size": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "temperature": (lambda v: 0 <= v < math.inf, ">= 0 and finite (0 = greedy)"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
     "gpu_window": (lambda v: v >= 0, ">= 0"),
@@ -400,12 +404,31 @@ def prompt_record(obj: dict[str, Any], data: Any, raw: bool = False) -> dict[str
         )
     stop = obj.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
-        raise ValueError("'stop' must be a string or a list of strings")
+    if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+        raise ValueError("'stop' must be a non-empty string or a list of them")
     budget = obj.get("max_new_tokens")
-    if budget is not None and (not isinstance(budget, int) or budget < 0):
-        raise ValueError("'max_new_tokens' must be a non-negative integer")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_NEW_TOKENS_LIMIT
+    ):
+        raise ValueError(f"'max_new_tokens' must be an integer from 0 to {MAX_NEW_TOKENS_LIMIT:,}")
     return {"prompt": prompt, "text": text, "stop": stop, "max_new_tokens": budget}
+
+
+def _prompt_line(line: str, path: str | Path, line_no: int, data: Any, raw: bool) -> dict[str, Any]:
+    """One line of a prompts file as a record; DataError `file:line: reason`."""
+    from tracetrain.errors import DataError
+
+    try:
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            raise ValueError(f"not a JSON object (got {type(obj).__name__})")
+        return prompt_record(obj, data, raw)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{path}:{line_no}: JSON nested too deeply to read") from None
+    except ValueError as e:
+        raise DataError(f"{path}:{line_no}: {str(e).splitlines()[0]}") from None
 
 
 def read_prompts_jsonl(path: str | Path, data: Any, raw: bool = False) -> list[dict[str, Any]]:
@@ -414,19 +437,14 @@ def read_prompts_jsonl(path: str | Path, data: Any, raw: bool = False) -> list[d
     from tracetrain.errors import DataError
 
     records = []
+    line_no = 0
     with open_data_file(str(path), "--prompts-file") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError(f"not a JSON object (got {type(obj).__name__})")
-                records.append(prompt_record(obj, data, raw))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
-            except ValueError as e:
-                raise DataError(f"{path}:{line_no}: {e}") from None
+        try:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    records.append(_prompt_line(line, path, line_no, data, raw))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{line_no + 1}: not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
     if not records:
         raise DataError(f"{path}: no prompts")
     return records

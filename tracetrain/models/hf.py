@@ -66,6 +66,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); JSON files must be UTF-8") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise CheckpointError(f"{path}: JSON nested too deeply to read") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise CheckpointError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object {{...}}, got {type(data).__name__}")
     return data

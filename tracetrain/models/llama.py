@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracetrain.config_sections import MODEL_SHAPE_LIMITS
 from tracetrain.models.attention import SDPACore, cached_attention
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ class ModelArgs:
         return self.dim // self.n_heads
 
     def validate(self) -> None:
+        for name, limit in MODEL_SHAPE_LIMITS.items():
+            value = getattr(self, name, None)
+            if isinstance(value, int) and not 0 < value <= limit:
+                raise ValueError(f"{name} = {value} is out of range (allowed: 1 to {limit:,})")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:

@@ -48,6 +48,10 @@ def train(
     """
     from tracetrain.train.loop import train as run_training
 
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise ConfigError(f"callbacks must be a list of callback objects, not {type(callbacks).__name__}")
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Iterable):
+        raise ConfigError(f"overrides must be a list of '--section.key=value' strings, not {type(overrides).__name__}")
     raw, where = _raw(config, list(overrides) + ([f"--train.run_name={run_name}"] if run_name else []))
     defaults = Config()
     kind = raw.get("data", {}).get("kind", defaults.data.kind)
@@ -77,8 +81,16 @@ def _raw(
         raw = _read_toml(Path(config))
     elif isinstance(config, Config):
         raw = {name: {k: v for k, v in values.items() if v is not None} for name, values in to_dict(config).items()}
+    elif isinstance(config, Mapping):
+        raw = {}
+        for k, v in config.items():
+            if not isinstance(v, Mapping):
+                raise ConfigError(f"config section {k!r} must be a dict of keys, got {type(v).__name__} {v!r:.60}")
+            raw[k] = dict(v)
     else:
-        raw = {k: dict(v) for k, v in config.items()}
+        raise ConfigError(
+            f"config must be a Config, a TOML file path, a dict of sections or None, not {type(config).__name__}"
+        )
     for arg in overrides:
         key, value = parse_override(arg)
         section, name = key.split(".", 1)

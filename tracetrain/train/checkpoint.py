@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,26 @@ def trainer_state_dict(state: TrainState) -> dict[str, Any]:
     }
 
 
-def train_state_from_dict(raw: dict[str, Any]) -> TrainState:
-    """The TrainState of a loaded trainer-state dict; checkpoints older than the fingerprint lack it."""
+# No run takes a trillion optimizer steps; a larger step is a forged or corrupted trainer state.
+MAX_CHECKPOINT_STEP = 10**12
+
+
+def train_state_from_dict(raw: Any, where: Path | str = "trainer_state.pt") -> TrainState:
+    """The TrainState of a loaded trainer-state dict; checkpoints older than the fingerprint lack it.
+    A forged one (a step of -5 or 1e15, a missing or mistyped part) is one CheckpointError naming `where`."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: not a trainer state (a {type(raw).__name__}, not a dict)")
+    for key, kind in (("step", int), ("scheduler", dict), ("loader", dict), ("counters", dict)):
+        value = raw.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{where}: '{key}' is {type(value).__name__}, not {kind.__name__}")
+    step = raw["step"]
+    if not 0 <= step <= MAX_CHECKPOINT_STEP:
+        raise CheckpointError(f"{where}: step {step} is not allowed (0 to {MAX_CHECKPOINT_STEP:,})")
+    folder = Path(where).parent if Path(where).suffix == ".pt" else Path(where)
+    named = re.fullmatch(r"step_(\d+)", folder.name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(f"{where}: step {step} does not match its folder {folder.name}")
     return TrainState(
         step=raw["step"],
         scheduler=raw["scheduler"],
@@ -282,5 +301,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     except (ValueError, KeyError) as e:  # torch's "loaded state dict contains a parameter group that ..."
         raise CheckpointError(f"{path / 'optimizer.pt'}: does not fit this model's optimizer ({e})") from None
     raw = load_pt(path / "trainer_state.pt")
+    state = train_state_from_dict(raw, path / "trainer_state.pt")  # checked before the RNG is touched
     set_rng_state(raw["rng"])
-    return train_state_from_dict(raw)
+    return state

@@ -12,6 +12,7 @@ the files of one run, or overlays several (one colour per run).
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import tomllib
@@ -59,29 +60,51 @@ class RunData:
         if not metrics.is_file():
             raise TracetrainError(f"{run_dir}: not a run directory (no metrics.jsonl)")
         run = cls(name=run_dir.name, run_dir=run_dir)
-        for number, line in enumerate(metrics.read_text().splitlines(), 1):
+        lines = _text(metrics).splitlines()
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                run.add(json.loads(line))
-            except json.JSONDecodeError:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, RecursionError, ValueError):
                 # The last line of a stopped process may be torn; any other bad line is an error.
-                if number == len(metrics.read_text().splitlines()):
+                if number == len(lines):
                     continue
                 raise TracetrainError(f"{metrics}:{number}: not a JSON line") from None
+            step = rec.get("step") if isinstance(rec, dict) else None
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+                raise TracetrainError(f"{metrics}:{number}: not a metrics record (an object with a 'step' number)")
+            run.add(rec)
         run.summary = _json_or_none(run_dir / "summary.json")
         run.data_stats = _json_or_none(run_dir / "data_stats.json") or {}
         if (run_dir / "config.toml").is_file():
-            run.config = tomllib.loads((run_dir / "config.toml").read_text())
-        run.world_size = int((run.summary or {}).get("world_size", 1))
+            try:
+                run.config = tomllib.loads(_text(run_dir / "config.toml"))
+            except (tomllib.TOMLDecodeError, RecursionError, ValueError) as e:
+                raise TracetrainError(f"{run_dir / 'config.toml'}: not valid TOML ({e})") from None
+        world_size = (run.summary or {}).get("world_size", 1)
+        run.world_size = world_size if isinstance(world_size, int) and world_size >= 1 else 1
         return run
 
 
-def _json_or_none(path: Path) -> dict[str, Any] | None:
+def _text(path: Path) -> str:
+    """A file the run wrote, as text; bytes that are not UTF-8 (a damaged or foreign file) are one line."""
+    data = path.read_bytes()
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise TracetrainError(f"{path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 text") from None
+
+
+def _json_or_none(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when there is none (missing, malformed or not an object): the page
+    is drawn without it, as for a run that has not finished."""
+    try:
+        value = json.loads(path.read_bytes()) if path.is_file() else None
+    except (ValueError, RecursionError):  # JSONDecodeError and bytes that are not UTF-8
         return None
+    return value if isinstance(value, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------------

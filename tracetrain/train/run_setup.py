@@ -272,8 +272,9 @@ class RunSetup:
             from tracetrain.train.sharded_checkpoint import load_sharded
 
             raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
+            state = train_state_from_dict(raw, resume.checkpoint)  # checked before the RNG is touched
             set_rng_state(raw["rng"])
-            return train_state_from_dict(raw)
+            return state
         return load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ events, `Trace` spans, `gpu_user_annotation`, is counted or ignored; unknown fie
 Older Kineto spellings (`Kernel`, `Memcpy`, `Runtime`, `Operator`) map to the same kinds; in those
 older schemas (2021) record_function ranges (`ProfilerStep#N`, `enumerate(DataLoader)#...`, phases) are
 `Operator`/`cpu_op` events, read as annotations by their name (`categories.is_range_name`). An event
-whose duration is negative, NaN or missing is dropped and counted in a note, never measured. Each event
+whose duration is negative, NaN, missing or longer than a week (or whose timestamp is absurd) is dropped
+and counted in a note, never measured. Each event
 becomes one row of typed numpy columns; names and recorded shapes are interned, so a trace of N
 events costs about 60 bytes per kept event, not the size of its JSON.
 
@@ -35,7 +36,6 @@ import contextlib
 import gc
 import gzip
 import json
-import math
 import re
 import zlib
 from array import array
@@ -77,6 +77,11 @@ _UNIFIED_NAME = re.compile(r"unified memory|page ?fault", re.I)
 PROFILER_RANGE_CAT = "cuda_profiler_range"
 _UNIFIED_CAT = re.compile(r"uvm|unified", re.I)
 # Column specs: name -> array typecode. Rows are added positionally, in this order.
+# A week of microseconds: no profiled window is longer. Timestamps are microseconds since an epoch
+# (Unix time is 1.8e15 now), so 1e17 leaves centuries of room.
+MAX_EVENT_US = 7 * 86400 * 1e6
+MAX_TIMESTAMP_US = 1e17
+
 _HOST_COLUMNS = {"ts": "d", "dur": "d", "kind": "b", "name": "l", "thread": "l", "corr": "q", "shape": "l"}
 _GPU_COLUMNS = {
     "ts": "d",
@@ -194,7 +199,7 @@ class _Builder:
         self.ranges = _Rows({"name": "l", "dur": "d"})  # CUPTI range-profiler ranges
         self.range_counters: list[dict[str, Any]] = []  # their args: counter name -> value
         self.num_python = 0
-        self.num_invalid = 0  # events dropped for a negative, NaN or missing duration
+        self.num_invalid = 0  # events dropped for a negative, NaN, missing or absurd duration
         self.range_names: dict[int, bool] = {}  # name index -> is_range_name(name)
         self.unified_names: dict[str, bool] = {}  # GPU activity name -> unified-memory activity
         self.thread_keys: dict[tuple[int, int], int] = {}  # (pid, tid), both ints -> thread index
@@ -228,7 +233,9 @@ class _Builder:
         found = _CATEGORIES.get(cat) if type(cat) is str else None
         group, kind = found or _CATEGORIES.get(str(cat).lower(), ("", 0))
         dur = _float(event.get("dur"))
-        if group and not 0 <= dur < math.inf:  # NaN, negative or infinite: no interval to measure
+        # NaN, negative, infinite or longer than any profiled window (`dur: 1e308` summed to 1e308 s):
+        # no interval to measure. Timestamps past the bound would stretch the window the same way.
+        if group and not (0 <= dur < MAX_EVENT_US and abs(_float(event.get("ts"))) < MAX_TIMESTAMP_US):
             self.num_invalid += 1
             return
         name = event.get("name", "")
@@ -398,6 +405,8 @@ def _read(path: Path) -> tuple[_Builder, dict[str, Any]]:
     except (ValueError, OSError, EOFError, zlib.error) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise TracetrainError(f"{path}: not a readable JSON trace ({reason})") from None
+    except RecursionError:  # the decoder recurses once per nesting level; no profiler writes that deep
+        raise TracetrainError(f"{path}: not a readable JSON trace (nested too deeply)") from None
     finally:
         if collecting:
             gc.enable()
@@ -411,7 +420,8 @@ def _device_info(others: dict[str, Any], device_name: str | None) -> tuple[str |
     props = others.get("deviceProperties")
     first = props[0] if isinstance(props, list) and props and isinstance(props[0], dict) else {}
     memory = _int(first.get("totalGlobalMem"))
-    return device_name or first.get("name") or None, memory if memory > 0 else None
+    name = first.get("name")  # a forged trace may put anything here; only a string names a device
+    return device_name or (name if isinstance(name, str) else None) or None, memory if memory > 0 else None
 
 
 def _window(host: Columns, gpu: Columns) -> tuple[float, float]:
@@ -492,7 +502,8 @@ def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = No
     )
     if builder.num_invalid:
         trace.notes.append(
-            f"{path.name}: dropped {builder.num_invalid} events with invalid durations (negative, NaN or missing)"
+            f"{path.name}: dropped {builder.num_invalid} events with invalid durations (negative, NaN, "
+            "missing, longer than a week or at an absurd timestamp)"
         )
     if len(ranges):
         trace.notes.append(_counter_note(path.name, ranges, has_kernels=len(gpu) > 0))
