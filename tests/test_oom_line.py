@@ -17,9 +17,10 @@ import pytest
 
 TINY = ["--data.seq_len=32", "--data.synthetic_examples=50", "--train.steps=2", "--optim.warmup_steps=0",
         "--train.device=cpu", "--train.precision=fp32", "--logging.progress=false", "--train.eval_interval=0"]  # fmt: skip
-# fp32 embedding of 2^26 x 8192: 2 TiB, 1 TiB a rank under FSDP 2; refused by the allocator, nothing touched.
-HUGE_VOCAB = ["--model.dim=8192", "--model.n_layers=1", "--model.n_heads=64", "--model.n_kv_heads=8",
-              "--model.ffn_dim=16384", "--model.vocab_size=67108864"]  # fmt: skip
+# fp32 embedding of 2^24 x 2^15 (each within the model's shape limits): 2 TiB, 1 TiB a rank under FSDP 2;
+# refused by the allocator, nothing touched.
+HUGE_VOCAB = ["--model.dim=32768", "--model.n_layers=1", "--model.n_heads=64", "--model.n_kv_heads=8",
+              "--model.ffn_dim=16384", "--model.vocab_size=16777216"]  # fmt: skip
 
 
 def _cli(args: list[str], *, torchrun: bool, limit_bytes: int | None = None) -> subprocess.CompletedProcess:
