@@ -92,7 +92,11 @@ def test_matches_torch_adamw_with_accumulation_and_clipping(max_norm: float):
         clipped |= ref_norm.item() > max_norm
     assert clipped == math.isfinite(max_norm)  # the clipped case really clips
     for master, p_ref, p in zip(_masters(opt), _ordered(ref), _ordered(ours)):
-        assert torch.allclose(master, p_ref, atol=1e-6, rtol=0)
+        # 1e-5: with the layout-independent init (models/init.py) the unclipped case's largest difference is
+        # 4.25e-6 on a rarely-seen embedding row, where Adam's g / (sqrt(v) + eps) amplifies the fused and
+        # foreach kernels' 1-ulp differences (measured at 52bb418; 1.2e-7 on every other tensor); the
+        # weights move by more than 1e-3 (checked below), so the comparison still fails on a wrong update.
+        assert torch.allclose(master, p_ref, atol=1e-5, rtol=0)
         assert torch.equal(p.detach(), master)  # fp32 "device" weights receive the masters exactly
     # And the comparison can fail: weights moved well beyond the tolerance.
     assert (_masters(opt)[0] - _model().embed_tokens.weight).abs().max() > 1e-3
