@@ -99,8 +99,8 @@ def test_distributed_info_gives_rank(tmp_path):
     (b'{"traceEvents": [', "not a readable JSON trace"),
     (b'{"schemaVersion": 1}', "no 'traceEvents'"),
     (b'{"traceEvents": [{"ph": "M", "name": "process_name"}]}', "no profiler events"),
-    (gzip.compress(b'{"traceEvents": []}')[:-6], "not a readable JSON trace"),
-    (gzip.compress(b'{"traceEvents": [' + b'{"ph": "X", "name": "k"},' * 999 + b'{}]}')[:40] + bytes(200),
+    (gzip.compress(b'{"traceEvents": []}', mtime=0)[:-6], "not a readable JSON trace"),
+    (gzip.compress(b'{"traceEvents": [' + b'{"ph": "X", "name": "k"},' * 999 + b'{}]}', mtime=0)[:40] + bytes(200),
      "not a readable JSON trace"),
 ])
 def test_bad_input_raises_one_line_error_naming_the_file(tmp_path, content, message):
