@@ -34,7 +34,6 @@ KNOWN_MISSES = {
     ("activation_offload", "gain"),
     ("ddp_no_sync", "gain"),
     ("ddp_buckets", "gain"),
-    ("control_fsdp", "clean"),
 }
 
 

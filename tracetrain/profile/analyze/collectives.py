@@ -11,12 +11,22 @@ matched. This needs no common clock between the ranks.
 Per rank this gives the transfer fraction of its NCCL time (exposed communication counts only that
 part, advice.exposed_comm) and its wait per step. The late rank of each collective is described by
 what it did before joining: its GPU was computing (it had more work: unbalanced stages or shards), or
-its GPU sat idle waiting for its own host (a slow host: a straggler). Three rules read this
-(advice_ranks.py):
+its GPU sat idle waiting for its own host (a slow host: a straggler).
+
+A wait is not yet a straggler: the profiler slows each rank's host by its own amount (its recording
+cost lands on a busier or slower CPU unevenly), so ranks running the same program wait for each other
+in a profiled window and not without it (the healthy DDP and FSDP controls of the advice-truth corpus
+wait 17% and 58% of a step in NCCL kernels). What a late rank does that its peers do not is extra
+*work*: host time outside every recorded operator (Python, a sleep, I/O, a data loader without
+ranges; a uniformly slower CPU or recording cost mostly lengthens the recorded operators, which every
+rank runs alike), or more GPU compute. Each rank's per-step amount of both is kept
+(`host_unrecorded_us`, `compute_us`) and the straggler's gain is its excess over the least of its
+peers, at most the wait it causes. Three rules read this (advice_ranks.py):
 
 | rule                     | fires when                                            | gain                       |
 |--------------------------|-------------------------------------------------------|----------------------------|
-| straggler                | a rank waits >= 5% of its step for a late peer        | that wait                  |
+| straggler                | a rank waits for a late peer, which does >= 5% of a   | that extra work, at most   |
+|                          | step more host work or compute than the least peer    | the wait                   |
 | load_imbalance           | the same, in point-to-point (pipeline) transfers, the | the mean wait over ranks   |
 |                          | late rank computing                                   | (what balancing gives)     |
 | grad_sync_per_microbatch | the same all-reduce buckets run k >= 2 times a step   | (k-1)/k of their exposed   |
@@ -32,7 +42,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tracetrain.profile.analyze.categories import CATEGORIES, collective_of
-from tracetrain.profile.analyze.select import gpu_categories, main_device, step_rows
+from tracetrain.profile.analyze.intervals import complement, union
+from tracetrain.profile.analyze.select import gpu_categories, gpu_spans, main_device, step_rows
+from tracetrain.profile.analyze.trace import OP, RUNTIME
 
 if TYPE_CHECKING:
     from tracetrain.profile.analyze.report import RankReport
@@ -49,6 +61,8 @@ class RankCollectives:
     groups: dict[str, list[tuple[str, float, bool, int]]] = field(default_factory=dict)
     # (collective, duration, host_late: the GPU idled waiting for this launch, message elements)
     allreduce_rounds: int = 1  # how many times a step the same all-reduce buckets run
+    host_unrecorded_us: float = 0.0  # per step: host time inside the steps outside every recorded event
+    compute_us: float = 0.0  # per step: busy time of the GPU's non-NCCL work
 
 
 def rank_collectives(trace: Trace) -> RankCollectives:
@@ -57,6 +71,7 @@ def rank_collectives(trace: Trace) -> RankCollectives:
     rows = np.flatnonzero((gpu_categories(trace) == _COMM) & (trace.gpu.device == device))
     if not len(rows):
         return RankCollectives()
+    unrecorded, compute = _work_per_step(trace, device)
     rows = rows[np.argsort(trace.gpu.ts[rows], kind="stable")]
     meta = {int(r): (trace.names[g], trace.names[c], int(n)) for r, g, c, n in zip(*trace.comm.data.values())}
     other = np.flatnonzero((gpu_categories(trace) != _COMM) & (trace.gpu.device == device))
@@ -69,7 +84,24 @@ def rank_collectives(trace: Trace) -> RankCollectives:
         last_compute = ends[before] if before >= 0 else -np.inf
         host_late = bool(np.isfinite(launch) and launch > last_compute)
         groups.setdefault(group, []).append((coll.lower(), float(trace.gpu.dur[row]), host_late, nelems))
-    return RankCollectives(groups, _allreduce_rounds(trace, groups))
+    return RankCollectives(groups, _allreduce_rounds(trace, groups), unrecorded, compute)
+
+
+def _work_per_step(trace: Trace, device: int) -> tuple[float, float]:
+    """(host time outside every recorded operator or runtime call, on any thread, inside the steps;
+    busy time of the GPU's non-NCCL work), per step: what a straggler does more than its peers."""
+    steps = step_rows(trace)
+    num_steps = max(len(steps), 1)
+    if len(steps):
+        lo, hi = float(trace.host.ts[steps].min()), float((trace.host.ts[steps] + trace.host.dur[steps]).max())
+    else:
+        lo, hi = trace.window
+    recorded = (trace.host.kind == OP) | (trace.host.kind == RUNTIME)
+    host = union(trace.host.ts[recorded], trace.host.ts[recorded] + trace.host.dur[recorded])
+    # GPU work launched inside the steps (a host running ahead has the next step's on the GPU too).
+    when = np.where(np.isfinite(trace.gpu.launch_ts), trace.gpu.launch_ts, trace.gpu.ts)
+    compute = (gpu_categories(trace) != _COMM) & (trace.gpu.device == device) & (when >= lo) & (when <= hi)
+    return complement(host, lo, hi).total() / num_steps, gpu_spans(trace, compute).total() / num_steps
 
 
 def _allreduce_rounds(trace: Trace, groups: dict[str, list[tuple[str, float, bool, int]]]) -> int:
