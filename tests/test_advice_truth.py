@@ -31,7 +31,6 @@ KNOWN_MISSES = {
     ("item_per_param", "rule"),
     ("ddp_no_sync", "rule"),
     ("fsdp_prefetch", "rule"),
-    ("activation_offload", "gain"),
     ("ddp_no_sync", "gain"),
     ("ddp_buckets", "gain"),
 }
