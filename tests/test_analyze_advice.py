@@ -9,7 +9,7 @@ import pytest
 import traces_gen as gen
 
 from tracetrain.profile.analyze import analyze
-from tracetrain.profile.analyze.advice import RULES, Advice
+from tracetrain.profile.analyze.advice import OVERLAP_RETURNED, RULES, Advice
 
 
 def _advice(tmp_path: Path, *docs: dict[str, Any]) -> dict[str, Advice]:
@@ -84,7 +84,8 @@ def test_rule_stays_quiet(tmp_path, rule):
 
 def test_exposed_comm_fires_on_exposed_nccl_only(tmp_path):
     exposed = _advice(tmp_path, gen.two_rank_nccl(0, exposed=True), gen.two_rank_nccl(1, exposed=True))
-    assert exposed["exposed_comm"].gain == pytest.approx(0.15)
+    # 15% of the step exposed while the optimizer's kernel waits for it; overlapping gives back half.
+    assert exposed["exposed_comm"].gain == pytest.approx(OVERLAP_RETURNED * 0.15)
     hidden = _advice(tmp_path, gen.two_rank_nccl(0, exposed=False), gen.two_rank_nccl(1, exposed=False))
     assert "exposed_comm" not in hidden
 
