@@ -99,7 +99,11 @@ def _delaying(trace: Trace, rows: np.ndarray, other: np.ndarray) -> np.ndarray:
     """Per NCCL kernel, the time it ran with no compute alongside after the host had launched the
     compute that runs next (which so waited for it). Before that launch the GPU would have idled for
     the host anyway: a host-paced step (or a profiled host) does not lose its communication time."""
-    compute = gpu_spans(trace, np.isin(np.arange(len(trace.gpu)), other))
+    if not len(other):
+        return np.zeros(len(rows))  # no compute to hold up
+    mask = np.zeros(len(trace.gpu), dtype=bool)
+    mask[other] = True
+    compute = gpu_spans(trace, mask)
     order = np.argsort(trace.gpu.ts[other], kind="stable")
     starts, launches = trace.gpu.ts[other][order], trace.gpu.launch_ts[other][order]
     start, end = trace.gpu.ts[rows], trace.gpu.ts[rows] + trace.gpu.dur[rows]

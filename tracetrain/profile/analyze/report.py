@@ -223,7 +223,8 @@ def _across_ranks(ranks: list[RankReport]) -> tuple[list[RankReport], list[Advic
 
     waits = peer_waits(ranks)
     fractions = {w.rank: transfer_fraction(w) for w in waits}
-    delaying = {w.rank: w.delaying_transfer_us for w in waits}
+    # A rank with no matched collective keeps its own count (advice.delaying_comm_us).
+    delaying = {w.rank: w.delaying_transfer_us for w in waits if fractions[w.rank] is not None}
     ranks = [
         replace(r, transfer_fraction=fractions.get(r.rank), delaying_transfer_us=delaying.get(r.rank)) for r in ranks
     ]
