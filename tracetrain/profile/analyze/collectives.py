@@ -29,8 +29,12 @@ peers, at most the wait it causes. Three rules read this (advice_ranks.py):
 |                          | step more host work or compute than the least peer    | the wait                   |
 | load_imbalance           | the same, in point-to-point (pipeline) transfers, the | the mean wait over ranks   |
 |                          | late rank computing                                   | (what balancing gives)     |
-| grad_sync_per_microbatch | the same all-reduce buckets run k >= 2 times a step   | (k-1)/k of their exposed   |
-|                          | (gradient accumulation without `no_sync`)             | transfer                   |
+| grad_sync_per_microbatch | the same all-reduce buckets run k >= 2 times a step   | (k-1)/k of their transfer  |
+|                          | (gradient accumulation without `no_sync`)             | that held up compute       |
+
+Communication costs a step only where it held up compute: per kernel, `delaying` is its time with no
+compute alongside after the host had launched the compute that runs next (before that launch the GPU
+would have idled for the host anyway), and matched across ranks only its transfer part counts.
 """
 
 from __future__ import annotations
