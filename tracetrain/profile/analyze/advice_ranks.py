@@ -109,7 +109,10 @@ def _straggler(ranks: list[RankReport], worst: PeerWait, report: RankReport) -> 
             "more work (uneven batches, sequence lengths or shards: balance them)."
             if on_gpu
             else "host work before its collectives (a slow data loader or disk, logging or checkpointing "
-            "only on that rank, a busy or throttled CPU); profile it with `with_stack=True`."
+            "only on that rank, a busy or throttled CPU); see its Python with "
+            + _action(
+                late_report, "`profile.with_stack = true`.", "`torch.profiler.profile(with_stack=True)` or py-spy."
+            )
         ),
         f"rank {worst.rank} waits {worst.wait_us / steps / 1e3:.2f} ms per step inside NCCL kernels for {late}, "
         f"which {doing}.",
