@@ -57,10 +57,12 @@ def _accumulate(ddp: DDP, opt, micro: list, s: Settings, no_sync: bool) -> None:
 
 
 def build_no_sync(variant: str, s: Settings) -> Step:
-    # Many gradient bytes against little compute per micro-batch (~200M parameters, 1k tokens), so the
-    # three extra all-reduces cost time on NVLink too (at 50M and 2k tokens they hid: -7%).
+    # ~200M parameters. At 1k tokens per micro-batch the eager loop was host-paced, fixed or not (its
+    # twin drew host_bound 45-69%), and the extra all-reduces hid in the host's time (-7% at 50M and
+    # 200M parameters on NVLink). 8k tokens keep the GPU ahead of the host, so what the three extra
+    # all-reduces cost is what the rule has to predict (likely little over NVLink: the rule says so).
     ddp, opt = _ddp(s, 2048, 4)
-    micro = [_tokens(s, 2, 512) for _ in range(4)]
+    micro = [_tokens(s, 8, 1024) for _ in range(4)]
     return lambda: _accumulate(ddp, opt, micro, s, no_sync=variant == "fixed")  # the cause: no no_sync
 
 
@@ -109,7 +111,9 @@ def build_fsdp_prefetch(variant: str, s: Settings) -> Step:
         use_orig_params=True,
     )
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-4, fused=True)
-    x, y = _tokens(s, 4, 1024)
+    # 16k tokens: at 4k the FSDP loop was host-paced with or without prefetch (host_bound 45-55% on
+    # both), so the exposed all-gathers were not what held the step back.
+    x, y = _tokens(s, 8, 2048)
 
     def step() -> None:
         lm_loss(fsdp(x), y).backward()

@@ -26,15 +26,16 @@ TRUTH = CORPUS / "truth.json"
 pytestmark = pytest.mark.skipif(
     not TRUTH.is_file(), reason="no advice-truth corpus: run benchmarks/advice_truth.py on a 2-GPU machine"
 )
-# (case, check) the analyzer does not yet meet; see docs/profiling.md, "Advice against measured truth".
+# (case, check) the analyzer does not meet, and why (docs/profiling.md, "Advice against measured
+# truth"). These three loops are eager and host-paced even without their problem: their fixed twins get
+# host_bound 45-69% or launch_bound 37%, their GPUs idle half the unprofiled step or more. The analyzer
+# rightly ranks that first, above the smaller cause the case was built around; testing the rule order
+# needs heavier models (docs/profiling.md says how to re-record them).
+HOST_PACED_TWIN = "the loop is host-paced without its problem too: host/launch-bound advice rightly comes first"
 KNOWN_MISSES = {
-    ("item_per_param", "rule"),
-    ("ddp_no_sync", "rule"),
-    ("fsdp_prefetch", "rule"),
-    ("activation_offload", "gain"),
-    ("ddp_no_sync", "gain"),
-    ("ddp_buckets", "gain"),
-    ("control_fsdp", "clean"),
+    ("item_per_param", "rule"): HOST_PACED_TWIN,
+    ("ddp_no_sync", "rule"): HOST_PACED_TWIN + " (and no_sync gives nothing back over NVLink)",
+    ("fsdp_prefetch", "rule"): HOST_PACED_TWIN,
 }
 
 
@@ -45,7 +46,7 @@ def _cases() -> dict:
 def _params(kind: str) -> list:
     names = [n for n in _cases() if n.startswith("control_") == (kind == "clean")]
     return [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="issue #28: not yet right"))
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[(n, kind)]))
         if (n, kind) in KNOWN_MISSES
         else n
         for n in names

@@ -217,7 +217,8 @@ def host_copies(steps: int = 4, *, pageable: bool = True) -> dict[str, Any]:
 def two_rank_nccl(rank: int, *, exposed: bool) -> dict[str, Any]:
     """Steps of 10 ms on each of 2 ranks: 8 compute GEMMs [100, 8 100) on stream 7 and a 1 500 µs NCCL
     all-reduce on stream 20, either inside the compute [4 000, 5 500) (fully overlapped) or after
-    it [8 100, 9 600) (fully exposed: 15% of the step)."""
+    it [8 100, 9 600) (fully exposed: 15% of the step), with the optimizer's 50 µs kernel, launched with
+    the GEMMs, waiting for it [9 600, 9 650)."""
     b = KinetoTraceBuilder(rank=rank, world_size=2, pid=5000 + rank)
     for i in range(3):
         s = i * 10_000.0
@@ -227,6 +228,9 @@ def two_rank_nccl(rank: int, *, exposed: bool) -> dict[str, Any]:
         b.op("c10d::allreduce_", s + 90, 5)
         b.op("record_param_comms", s + 91, 3)
         b.gpu(NCCL_ALLREDUCE, s + 92, start, 1_500, stream=20, launch="cudaLaunchKernelExC", launch_dur=1)
+        if exposed:
+            b.op("aten::_foreach_add_", s + 180, 5)
+            b.gpu("void at::native::multi_tensor_apply_kernel<Adam>", s + 182, s + 9_600, 50)
     return b.document()
 
 

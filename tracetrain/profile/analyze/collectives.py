@@ -11,16 +11,30 @@ matched. This needs no common clock between the ranks.
 Per rank this gives the transfer fraction of its NCCL time (exposed communication counts only that
 part, advice.exposed_comm) and its wait per step. The late rank of each collective is described by
 what it did before joining: its GPU was computing (it had more work: unbalanced stages or shards), or
-its GPU sat idle waiting for its own host (a slow host: a straggler). Three rules read this
-(advice_ranks.py):
+its GPU sat idle waiting for its own host (a slow host: a straggler).
+
+A wait is not yet a straggler: the profiler slows each rank's host by its own amount (its recording
+cost lands on a busier or slower CPU unevenly), so ranks running the same program wait for each other
+in a profiled window and not without it (the healthy DDP and FSDP controls of the advice-truth corpus
+wait 17% and 58% of a step in NCCL kernels). What a late rank does that its peers do not is extra
+*work*: host time outside every recorded operator (Python, a sleep, I/O, a data loader without
+ranges; a uniformly slower CPU or recording cost mostly lengthens the recorded operators, which every
+rank runs alike), or more GPU compute. Each rank's per-step amount of both is kept
+(`host_unrecorded_us`, `compute_us`) and the straggler's gain is its excess over the least of its
+peers, at most the wait it causes. Three rules read this (advice_ranks.py):
 
 | rule                     | fires when                                            | gain                       |
 |--------------------------|-------------------------------------------------------|----------------------------|
-| straggler                | a rank waits >= 5% of its step for a late peer        | that wait                  |
+| straggler                | a rank waits for a late peer, which does >= 5% of a   | that extra work, at most   |
+|                          | step more host work or compute than the least peer    | the wait                   |
 | load_imbalance           | the same, in point-to-point (pipeline) transfers, the | the mean wait over ranks   |
 |                          | late rank computing                                   | (what balancing gives)     |
-| grad_sync_per_microbatch | the same all-reduce buckets run k >= 2 times a step   | (k-1)/k of their exposed   |
-|                          | (gradient accumulation without `no_sync`)             | transfer                   |
+| grad_sync_per_microbatch | the same all-reduce buckets run k >= 2 times a step   | (k-1)/k of their transfer  |
+|                          | (gradient accumulation without `no_sync`)             | that held up compute       |
+
+Communication costs a step only where it held up compute: per kernel, `delaying` is its time with no
+compute alongside after the host had launched the compute that runs next (before that launch the GPU
+would have idled for the host anyway), and matched across ranks only its transfer part counts.
 """
 
 from __future__ import annotations
@@ -32,7 +46,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tracetrain.profile.analyze.categories import CATEGORIES, collective_of
-from tracetrain.profile.analyze.select import gpu_categories, main_device, step_rows
+from tracetrain.profile.analyze.intervals import complement, measure_between, union
+from tracetrain.profile.analyze.select import gpu_categories, gpu_spans, main_device, step_rows
+from tracetrain.profile.analyze.trace import OP, RUNTIME
 
 if TYPE_CHECKING:
     from tracetrain.profile.analyze.report import RankReport
@@ -42,13 +58,21 @@ _COMM = CATEGORIES.index("communication")
 _P2P = ("send", "recv", "sendrecv")
 
 
+# One NCCL kernel: (collective, duration, host_late: the GPU idled waiting for this launch, message
+# elements, delaying: its time with no compute alongside while compute the host had already launched
+# waited for it, all µs).
+Call = tuple[str, float, bool, int, float]
+
+
 @dataclass(frozen=True)
 class RankCollectives:
     """One rank's NCCL kernels in sequence per process group (µs), for matching with its peers."""
 
-    groups: dict[str, list[tuple[str, float, bool, int]]] = field(default_factory=dict)
-    # (collective, duration, host_late: the GPU idled waiting for this launch, message elements)
+    groups: dict[str, list[Call]] = field(default_factory=dict)
     allreduce_rounds: int = 1  # how many times a step the same all-reduce buckets run
+    host_unrecorded_us: float = 0.0  # per step: host time inside the steps outside every recorded event
+    compute_us: float = 0.0  # per step: busy time of the GPU's non-NCCL work
+    delaying_us: float = 0.0  # summed `delaying` of the kernels (transfer and waiting for peers alike)
 
 
 def rank_collectives(trace: Trace) -> RankCollectives:
@@ -57,24 +81,63 @@ def rank_collectives(trace: Trace) -> RankCollectives:
     rows = np.flatnonzero((gpu_categories(trace) == _COMM) & (trace.gpu.device == device))
     if not len(rows):
         return RankCollectives()
+    unrecorded, compute = _work_per_step(trace, device)
     rows = rows[np.argsort(trace.gpu.ts[rows], kind="stable")]
     meta = {int(r): (trace.names[g], trace.names[c], int(n)) for r, g, c, n in zip(*trace.comm.data.values())}
     other = np.flatnonzero((gpu_categories(trace) != _COMM) & (trace.gpu.device == device))
     ends = np.sort(trace.gpu.ts[other] + trace.gpu.dur[other])
-    groups: dict[str, list[tuple[str, float, bool, int]]] = {}
-    for row in rows.tolist():
+    delaying = _delaying(trace, rows, other)
+    groups: dict[str, list[Call]] = {}
+    for row, delay in zip(rows.tolist(), delaying.tolist()):
         group, coll, nelems = meta.get(row, ("", collective_of(trace.names[trace.gpu.name[row]]), -1))
         start, launch = trace.gpu.ts[row], trace.gpu.launch_ts[row]
         before = np.searchsorted(ends, start, side="right") - 1
         last_compute = ends[before] if before >= 0 else -np.inf
         host_late = bool(np.isfinite(launch) and launch > last_compute)
-        groups.setdefault(group, []).append((coll.lower(), float(trace.gpu.dur[row]), host_late, nelems))
-    return RankCollectives(groups, _allreduce_rounds(trace, groups))
+        groups.setdefault(group, []).append((coll.lower(), float(trace.gpu.dur[row]), host_late, nelems, delay))
+    rounds = _allreduce_rounds(trace, groups)
+    return RankCollectives(groups, rounds, unrecorded, compute, float(delaying.sum()))
 
 
-def _allreduce_rounds(trace: Trace, groups: dict[str, list[tuple[str, float, bool, int]]]) -> int:
+def _delaying(trace: Trace, rows: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Per NCCL kernel, the time it ran with no compute alongside after the host had launched the
+    compute that runs next (which so waited for it). Before that launch the GPU would have idled for
+    the host anyway: a host-paced step (or a profiled host) does not lose its communication time."""
+    if not len(other):
+        return np.zeros(len(rows))  # no compute to hold up
+    mask = np.zeros(len(trace.gpu), dtype=bool)
+    mask[other] = True
+    compute = gpu_spans(trace, mask)
+    order = np.argsort(trace.gpu.ts[other], kind="stable")
+    starts, launches = trace.gpu.ts[other][order], trace.gpu.launch_ts[other][order]
+    start, end = trace.gpu.ts[rows], trace.gpu.ts[rows] + trace.gpu.dur[rows]
+    nxt = np.searchsorted(starts, end - 1.0)  # the first compute to start once the kernel is done
+    launch = np.where(nxt < len(starts), launches[np.minimum(nxt, len(starts) - 1)], np.inf)
+    since = np.maximum(start, np.where(np.isnan(launch), start, launch))
+    waited = np.maximum(end - since, 0.0)
+    return np.maximum(waited - measure_between(compute, np.minimum(since, end), end), 0.0)
+
+
+def _work_per_step(trace: Trace, device: int) -> tuple[float, float]:
+    """(host time outside every recorded operator or runtime call, on any thread, inside the steps;
+    busy time of the GPU's non-NCCL work), per step: what a straggler does more than its peers."""
+    steps = step_rows(trace)
+    num_steps = max(len(steps), 1)
+    if len(steps):
+        lo, hi = float(trace.host.ts[steps].min()), float((trace.host.ts[steps] + trace.host.dur[steps]).max())
+    else:
+        lo, hi = trace.window
+    recorded = (trace.host.kind == OP) | (trace.host.kind == RUNTIME)
+    host = union(trace.host.ts[recorded], trace.host.ts[recorded] + trace.host.dur[recorded])
+    # GPU work launched inside the steps (a host running ahead has the next step's on the GPU too).
+    when = np.where(np.isfinite(trace.gpu.launch_ts), trace.gpu.launch_ts, trace.gpu.ts)
+    compute = (gpu_categories(trace) != _COMM) & (trace.gpu.device == device) & (when >= lo) & (when <= hi)
+    return complement(host, lo, hi).total() / num_steps, gpu_spans(trace, compute).total() / num_steps
+
+
+def _allreduce_rounds(trace: Trace, groups: dict[str, list[Call]]) -> int:
     """How many times per step the same all-reduce message sizes repeat (DDP's buckets per backward)."""
-    sizes = Counter(n for calls in groups.values() for coll, _, _, n in calls if coll == "allreduce" and n > 0)
+    sizes = Counter(n for calls in groups.values() for coll, _, _, n, _ in calls if coll == "allreduce" and n > 0)
     num_steps = max(len(step_rows(trace)), 1)
     if not sizes:
         return 1
@@ -92,6 +155,7 @@ class PeerWait:
     wait_p2p_us: float  # of which in point-to-point transfers (pipeline stages)
     late_rank: int | None  # the peer it waited for most
     late_computing: bool  # whether that peer's GPU was computing (not idle for its host) before joining
+    delaying_transfer_us: float = 0.0  # transfer time that delayed compute already launched (`_delaying`)
 
 
 @dataclass
@@ -99,6 +163,7 @@ class _Tally:
     transfer_us: float = 0.0
     wait_us: float = 0.0
     wait_p2p_us: float = 0.0
+    delaying_transfer_us: float = 0.0
     late: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # peer rank -> µs waited for it
     late_how: dict[tuple[int, bool], float] = field(default_factory=lambda: defaultdict(float))  # (peer, computing)
 
@@ -106,7 +171,9 @@ class _Tally:
         late = max(self.late, key=lambda peer: self.late[peer]) if self.late else None
         how = self.late_how
         computing = late is not None and how.get((late, True), 0.0) >= how.get((late, False), 0.0)
-        return PeerWait(rank, self.transfer_us, self.wait_us, self.wait_p2p_us, late, computing)
+        return PeerWait(
+            rank, self.transfer_us, self.wait_us, self.wait_p2p_us, late, computing, self.delaying_transfer_us
+        )
 
 
 def peer_waits(ranks: list[RankReport]) -> list[PeerWait]:
@@ -124,13 +191,15 @@ def peer_waits(ranks: list[RankReport]) -> list[PeerWait]:
     return [tally.row(rank) for rank, tally in sorted(tallies.items())]
 
 
-def _match(calls: dict[int, tuple[str, float, bool, int]], tallies: dict[int, _Tally]) -> None:
+def _match(calls: dict[int, Call], tallies: dict[int, _Tally]) -> None:
     """One collective on every rank: the shortest is the transfer; the rest of each is waiting."""
     late = min(calls, key=lambda r: calls[r][1])
     transfer = calls[late][1]
-    for rank, (coll, dur, _, _) in calls.items():
+    for rank, (coll, dur, _, _, delaying) in calls.items():
         tally, wait = tallies[rank], dur - transfer
         tally.transfer_us += transfer
+        # What delayed this rank's compute was the transfer, not the wait for the late peer.
+        tally.delaying_transfer_us += min(delaying, transfer)
         tally.wait_us += wait
         tally.wait_p2p_us += wait if coll in _P2P else 0.0
         if rank != late and wait > 0:

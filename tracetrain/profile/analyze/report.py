@@ -73,6 +73,9 @@ class RankReport:
     # Of this rank's NCCL kernel time, the part that was transfer, not waiting for a late peer (set
     # from all ranks' traces by collectives.py; None with one rank or without matched collectives).
     transfer_fraction: float | None = None
+    # Of that NCCL time, the transfer that ran exposed while compute the host had already launched
+    # waited for it: what communication costs the step (collectives.py; None with one rank).
+    delaying_transfer_us: float | None = None
     # From the first step's start until the GPU finished the steps' work (overhead.steps_span_us).
     steps_span_us: float = 0.0
     # This rank's NCCL kernels in sequence, for matching with the other ranks (collectives.py).
@@ -220,7 +223,11 @@ def _across_ranks(ranks: list[RankReport]) -> tuple[list[RankReport], list[Advic
 
     waits = peer_waits(ranks)
     fractions = {w.rank: transfer_fraction(w) for w in waits}
-    ranks = [replace(r, transfer_fraction=fractions.get(r.rank)) for r in ranks]
+    # A rank with no matched collective keeps its own count (advice.delaying_comm_us).
+    delaying = {w.rank: w.delaying_transfer_us for w in waits if fractions[w.rank] is not None}
+    ranks = [
+        replace(r, transfer_fraction=fractions.get(r.rank), delaying_transfer_us=delaying.get(r.rank)) for r in ranks
+    ]
     redone = []
     for r in ranks:
         if not r.has_gpu:  # no GPU timeline (e.g. a counters-only trace): nothing to advise, as in analyze_trace
