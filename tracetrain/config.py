@@ -32,6 +32,7 @@ from tracetrain.config_sections import (
     ModelSection,
     OptimSection,
     ParallelSection,
+    PreferenceSection,
     ProfileSection,
     TrainSection,
 )
@@ -45,6 +46,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     optim: OptimSection = field(default_factory=OptimSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     memory: MemorySection = field(default_factory=MemorySection)
@@ -348,9 +350,10 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             f"{where}config key 'data.format': {cfg.data.format!r} is for instruction data; it is ignored with "
             f"data.kind = {cfg.data.kind!r} (chat rows are recognised by their messages or conversations field)"
         )
-    if cfg.data.kind in ("instruction", "chat", "text") and not cfg.data.path and not cfg.data.sources:
+    if cfg.data.kind in ("instruction", "chat", "text", "preference") and not cfg.data.path and not cfg.data.sources:
         raise ConfigError(f"{where}config key 'data.path' is required when data.kind = '{cfg.data.kind}'")
-    if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind == "text"):
+    _check_objective(cfg, where)
+    if cfg.data.tokenize == "on_the_fly" and (cfg.data.pack or cfg.data.kind in ("text", "preference")):
         raise ConfigError(
             f"{where}config key 'data.tokenize': 'on_the_fly' needs data.pack = false and "
             "instruction or synthetic data (packing must know every length ahead of time)"
@@ -375,6 +378,21 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
         )
     check_device_spec(cfg.train.device, f"{where}config key 'train.device'")
     _check_profile(cfg, where)
+
+
+def _check_objective(cfg: Config, where: str) -> None:
+    """Preference objectives need preference pairs, and preference pairs need one of them."""
+    objective, kind = cfg.train.objective, cfg.data.kind
+    if objective != "sft" and kind != "preference":
+        raise ConfigError(
+            f"{where}config key 'train.objective': {objective!r} trains on preference pairs, but data.kind = "
+            f"{kind!r}; set data.kind = 'preference' (rows with prompt / chosen / rejected)"
+        )
+    if kind == "preference" and objective == "sft":
+        raise ConfigError(
+            f"{where}config key 'data.kind': 'preference' pairs need train.objective = 'dpo' or 'simpo' "
+            "(with 'sft' the rejected answers would be trained on)"
+        )
 
 
 def _check_profile(cfg: Config, where: str) -> None:

@@ -91,10 +91,11 @@ class DataSource:
 
 @dataclass(frozen=True)
 class DataSection:
-    kind: Literal["synthetic", "instruction", "chat", "text"] = fld(
+    kind: Literal["synthetic", "instruction", "chat", "text", "preference"] = fld(
         "synthetic",
         "Dataset kind: generated task, instruction/response pairs, multi-turn chat "
-        "(messages or ShareGPT conversations), or plain text.",
+        "(messages or ShareGPT conversations), plain text, or preference pairs (prompt / chosen / "
+        "rejected, strings or chat messages; for train.objective = dpo / simpo).",
     )
     path: str = fld(
         "",
@@ -193,6 +194,11 @@ class TrainSection:
         "FP8 GEMMs in the blocks (GPU with compute capability >= 8.9): 'tensorwise' or 'rowwise' "
         "scaling; LoRA bases are quantised once, full fine-tuning uses torchao.",
     )
+    objective: Literal["sft", "dpo", "simpo"] = fld(
+        "sft",
+        "What the step minimises: 'sft' (cross-entropy on target tokens), 'dpo' (sigmoid DPO against a "
+        "frozen reference) or 'simpo' (reference-free SimPO); dpo and simpo need data.kind = 'preference'.",
+    )
     seed: int = fld(0, "Seed for weight init and dropout.")
     grad_clip: float = fld(1.0, "Clip the global gradient norm to this value (0 = off).", ge=0)
     eval_interval: int = fld(200, "Evaluate on the held-out split every N steps (0 = only at the end).", ge=0)
@@ -239,6 +245,17 @@ class LoraSection:
     adapter_dtype: Literal["fp32", "bf16"] = fld(
         "fp32", "dtype of the trained adapter weights (and their optimizer states)."
     )
+
+
+@dataclass(frozen=True)
+class PreferenceSection:
+    """Preference tuning (train.objective = 'dpo' or 'simpo'): the loss's constants."""
+
+    beta: float = fld(0.1, "Scale of the implicit reward (DPO: 0.1 is usual; SimPO: 2.0-2.5 is usual).", gt=0, le=100)
+    label_smoothing: float = fld(
+        0.0, "Share of pairs assumed mislabelled (conservative DPO / SimPO; 0 = plain sigmoid loss).", ge=0, le=0.5
+    )
+    simpo_gamma: float = fld(0.5, "SimPO: the target reward margin gamma (TRL's simpo_gamma).", ge=0)
 
 
 @dataclass(frozen=True)

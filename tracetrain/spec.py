@@ -48,10 +48,19 @@ class RunSpec:
     optimizer_fused: bool  # fused AdamW kernel (honours found_inf on the device)
     adapters_only: bool  # LoRA checkpoints hold only adapters (the base reloads from init_from)
     decisions: tuple[tuple[str, str], ...] = ()
+    objective: Literal["sft", "dpo", "simpo"] = "sft"  # what the step minimises (train/preference.py)
+    # DPO's reference: the model with its LoRA adapters off, or a frozen copy of the initial weights
+    # (full fine-tuning); 'none' for objectives without one.
+    reference: Literal["none", "adapters_off", "copy"] = "none"
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def document_mask(self) -> bool:
+        """Attention is masked per document: packed rows, and preference rows (a pair shares a row)."""
+        return self.cfg.data.pack or self.objective != "sft"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -99,9 +108,18 @@ def fused_ce_applies(tp: int, pp: int) -> bool:
 
 
 def fused_ce_chunk(cfg: Config) -> int:
-    """Tokens per chunk of the fused lm_head + cross-entropy, 0 = off (`fused_ce_applies`)."""
-    on = cfg.train.fused_ce and fused_ce_applies(cfg.parallel.tp, cfg.parallel.pp)
+    """Tokens per chunk of the fused lm_head + cross-entropy, 0 = off (`fused_ce_applies`; a preference
+    objective needs each token's log-probability, not their sum: it reads the logits)."""
+    on = cfg.train.fused_ce and fused_ce_applies(cfg.parallel.tp, cfg.parallel.pp) and cfg.train.objective == "sft"
     return cfg.train.fused_ce_chunk if on else 0
+
+
+def preference_reference(cfg: Config) -> Literal["none", "adapters_off", "copy"]:
+    """DPO's reference model: LoRA -> the same model with its adapters off (no second copy of the
+    weights); full fine-tuning -> a frozen copy of the initial weights. SimPO and SFT have none."""
+    if cfg.train.objective != "dpo":
+        return "none"
+    return "adapters_off" if cfg.train.mode == "lora" else "copy"
 
 
 def fsdp_param_dtype_for(precision: str) -> torch.dtype | None:
@@ -144,7 +162,8 @@ def resolve(
         weights_dtype = torch.bfloat16  # the fp32 master copy lives on the host: bf16 weights on the GPU
     else:
         weights_dtype = torch.float32
-    attention = resolve_attention(t.attention, device, packed=cfg.data.pack, seq_len=cfg.data.seq_len)
+    packed = cfg.data.pack or t.objective != "sft"  # a preference pair shares a row: two documents
+    attention = resolve_attention(t.attention, device, packed=packed, seq_len=cfg.data.seq_len)
     if t.attention == "auto":
         decisions.append(
             (
@@ -172,6 +191,19 @@ def resolve(
             )
         )
     optimizer_fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and device.type == "cuda")
+    reference = preference_reference(cfg)
+    if reference != "none":
+        decisions.append(
+            (
+                "train.objective",
+                f"dpo reference: {reference}: "
+                + (
+                    "the LoRA base (adapters off), no second copy"
+                    if reference == "adapters_off"
+                    else "a frozen copy of the initial weights (full fine-tuning)"
+                ),
+            )
+        )
     return RunSpec(
         cfg=cfg,
         device=device,
@@ -190,4 +222,6 @@ def resolve(
         optimizer_fused=optimizer_fused,
         adapters_only=t.mode == "lora" and bool(cfg.model.init_from),
         decisions=tuple(decisions),
+        objective=t.objective,
+        reference=reference,
     )

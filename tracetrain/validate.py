@@ -118,6 +118,17 @@ def refuse_with_parallel(cfg: Config) -> None:
             "FP8 composes with data parallelism (FSDP, DDP) only; its matmuls do not take tensor-, context-, "
             "pipeline- or expert-parallel shards",
         ),
+        "train.objective": (
+            cfg.train.objective != "sft"
+            and (
+                max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp) > 1
+                or (cfg.train.objective == "dpo" and cfg.train.mode == "full")
+            ),
+            "preference objectives run with data parallelism (FSDP, DDP), and DPO there with train.mode = 'lora' "
+            "(its reference is the base with adapters off); each pair's log-probabilities need whole rows and "
+            "logits (no tensor-, context- or pipeline-parallel shards), and full fine-tuning's frozen reference "
+            "copy is built on one process",
+        ),
     }
     for key, (bad, why) in checks.items():
         if bad:

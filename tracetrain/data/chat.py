@@ -141,6 +141,21 @@ def parse_conversation(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
     return out
 
 
+def checked_messages(value: Any, field: str) -> list[dict[str, Any]]:
+    """A field holding a list of {role, content} messages, each checked; DataError with the reason."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"field {field!r} must be a non-empty list of messages or a string")
+    return [_message(m, i) for i, m in enumerate(value)]
+
+
+def render_messages(
+    data: DataSection, tok: Tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False
+) -> str:
+    """`messages` rendered as text with the run's chat template (`data.chat_template`)."""
+    template = _require_template(data, tok)
+    return _render(template, tok, messages, add_generation_prompt=add_generation_prompt)[0]
+
+
 def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
         raise DataError(f"message {i} is not an object with a string 'role' (system, user, assistant, tool, ...)")

@@ -31,6 +31,7 @@ from tracetrain.data.instruction import (
 )
 from tracetrain.data.mixture import mixture_documents, source_section
 from tracetrain.data.packing import DataStats, PackedDataset, TokenizedExample
+from tracetrain.data.preference import iter_pairs, preference_documents
 from tracetrain.data.record_rows import DocumentsBuilder, build_record_datasets
 from tracetrain.data.synthetic import generate_examples, synthetic_documents, synthetic_splits
 from tracetrain.data.text import build_text_datasets, iter_documents
@@ -44,6 +45,7 @@ _DOCUMENTS: dict[str, DocumentsBuilder] = {
     "synthetic": synthetic_documents,
     "instruction": instruction_documents,
     "chat": chat_documents,
+    "preference": preference_documents,
 }
 
 
@@ -58,7 +60,7 @@ def check_data_files(data: DataSection) -> None:
                 require_data_path(getattr(data, key), f"data.{key}")
         for i, source in enumerate(data.sources):
             require_data_path(source.path, f"data.sources[{i}].path")
-        if data.kind == "chat" or any(s.kind == "chat" for s in data.sources):
+        if data.kind in ("chat", "preference") or any(s.kind == "chat" for s in data.sources):
             chat_template_file(data)
     check_tokenizer_file(data.tokenizer)
 
@@ -92,7 +94,7 @@ def tokenize_rows(data: DataSection, tok: Tokenizer, path: str = "") -> Iterator
     splitting, shuffling and packing: its location, text, ids and per-token trained mask.
 
     For inspection (statistics, showing trained tokens). Chat conversations are cut to `data.seq_len`
-    as in training; other kinds are whole. Bad rows raise or are skipped as in `build_datasets`.
+    as in training, preference sides to data.seq_len // 2; other kinds are whole. Bad rows raise or are skipped as in `build_datasets`.
     """
     if data.sources and not path:  # the sources in turn, one example of each at a time
         sources = [tokenize_rows(source_section(data, i), tok) for i in range(len(data.sources))]
@@ -101,6 +103,10 @@ def tokenize_rows(data: DataSection, tok: Tokenizer, path: str = "") -> Iterator
     path = path or data.path
     if data.kind == "chat":
         yield from iter_chat_examples(data, tok, path, "data.path", DataStats(), data.split)
+    elif data.kind == "preference":  # each pair's chosen side, then its rejected side
+        yield from (
+            side for _, pair in iter_pairs(data, tok, path, "data.path", DataStats(), data.split) for side in pair
+        )
     elif data.kind == "instruction":
         for where, ex in read_located_examples(path, "data.path", data, data.split)[0]:
             yield TokenizedExample(where, ex[0] + ex[1], *tokenize_example(ex, tok, data.train_on_prompt))

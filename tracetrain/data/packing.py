@@ -210,6 +210,18 @@ def _row_slots(lengths: list[int], seq_len: int, pack: bool) -> list[tuple[int, 
     return slots
 
 
+def _group_slots(lengths: list[int], seq_len: int, pack: bool, group: int) -> list[tuple[int, int]]:
+    """(row, offset) for each document when every `group` consecutive ones form one unit."""
+    assert len(lengths) % group == 0, f"{len(lengths)} documents are not whole groups of {group}"
+    units = [sum(lengths[i : i + group]) for i in range(0, len(lengths), group)]
+    slots = []
+    for u, (row, offset) in enumerate(_row_slots(units, seq_len, pack)):
+        for n in lengths[u * group : (u + 1) * group]:
+            slots.append((row, offset))
+            offset += n
+    return slots
+
+
 def pack_documents(docs: list[Document], seq_len: int, pad_id: int, pack: bool) -> dict[str, torch.Tensor]:
     """Whole documents into rows of exactly `seq_len`; the rest of each row is padding.
 
@@ -221,12 +233,15 @@ def pack_documents(docs: list[Document], seq_len: int, pad_id: int, pack: bool) 
 
 
 def iter_packed_rows(
-    docs: list[Document], seq_len: int, pad_id: int, pack: bool, chunk_rows: int = 0
+    docs: list[Document], seq_len: int, pad_id: int, pack: bool, chunk_rows: int = 0, group: int = 1
 ) -> Iterator[dict[str, torch.Tensor]]:
     """`pack_documents`'s rows, `chunk_rows` at a time (default: PACK_CHUNK_TOKENS worth; the four tensors
-    of consecutive rows each), so that writing them out never holds more than a chunk of rows."""
+    of consecutive rows each), so that writing them out never holds more than a chunk of rows.
+
+    `group` > 1: every `group` consecutive documents are placed as one unit, side by side in one row (a
+    preference pair: chosen, then rejected), still documents of their own; a row starts at a unit."""
     chunk_rows = chunk_rows or max(1, PACK_CHUNK_TOKENS // seq_len)
-    slots = _row_slots([len(ids) for ids, _ in docs], seq_len, pack)
+    slots = _group_slots([len(ids) for ids, _ in docs], seq_len, pack, group)
     num_rows = slots[-1][0] + 1 if slots else 0
     d = 0
     for first in range(0, num_rows, chunk_rows):

@@ -46,7 +46,7 @@ def _entry_key(data: DataSection, tok: Tokenizer, progress: Progress | None) -> 
         for i, s in enumerate(data.sources)
     ]
     parts["tokenizer"] = tok.fingerprint()
-    chat = data.kind == "chat" or any(s.kind == "chat" for s in data.sources)
+    chat = data.kind in ("chat", "preference") or any(s.kind == "chat" for s in data.sources)
     parts["chat_template_text"] = resolve_chat_template(data, tok) if chat else ""
     return entry_key(parts)
 
@@ -85,7 +85,9 @@ def _write_entry(
     for split, split_docs in (("train", docs.train), ("eval", docs.eval)):
         written = 0
         with row_writers(folder, split) as out:
-            for chunk in iter_packed_rows(split_docs, data.seq_len, pad_id, data.pack):
+            # Preference documents come in pairs (chosen, rejected) that must share a row.
+            group = 2 if data.kind == "preference" else 1
+            for chunk in iter_packed_rows(split_docs, data.seq_len, pad_id, data.pack, group=group):
                 write_rows(out, chunk)
                 written += len(chunk["input_ids"])
                 if split == "train":

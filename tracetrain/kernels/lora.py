@@ -23,6 +23,8 @@ class FusedLoRALinear(LoRALinear):
     """`LoRALinear` with the scale-and-add fused into `addmm`. Swapped in by class (same parameters)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_enabled:
+            return self.base(x)
         out = self.base(x)  # (..., out_features)
         if not torch.is_autocast_enabled(x.device.type) and out.dtype != self.lora_A.weight.dtype:
             return super().forward(x)

@@ -14,7 +14,9 @@ the optimizer updates only the adapters, and small updates to a bf16 weight woul
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -30,6 +32,9 @@ class LoRALinear(nn.Module):
     The adapter matmuls run in the adapters' dtype (the input is cast to it) and the sum is returned
     in the base output's dtype, so a bf16 base stays a bf16 activation stream.
     """
+
+    # False: the layer computes its frozen base alone (`adapters_disabled`: DPO's reference model).
+    adapters_enabled: bool = True
 
     def __init__(
         self, base: nn.Linear, rank: int, alpha: float, dropout: float, adapter_dtype: torch.dtype = torch.float32
@@ -57,6 +62,8 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_enabled:
+            return self.base(x)
         out = self.base(x)  # (..., out_features)
         # Under autocast the adapter matmuls run in the autocast dtype anyway: casting x to the adapter
         # dtype first would only copy the activation twice (measured: ~3% of a 7B LoRA step on an H200).
@@ -145,6 +152,20 @@ def merge_lora(model: nn.Module) -> None:
         module.base.weight.copy_(module.merged_weight())
         parent, leaf = _parent(model, name)
         setattr(parent, leaf, module.base)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, every `LoRALinear` of `model` computes its frozen base alone: the model is its
+    own base, with no second copy (DPO's reference model for LoRA, as PEFT's `disable_adapter`)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.adapters_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.adapters_enabled = True
 
 
 def is_lora_key(key: str) -> bool:

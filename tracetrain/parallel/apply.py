@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -83,18 +83,24 @@ class ParallelModel:
         cp = self._size("cp")
         return shard_sequence(mine, self.mesh.local_rank("cp"), cp) if cp > 1 else mine
 
-    def global_num_targets(self, batches: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    def global_num_targets(
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        device: torch.device,
+        count: Callable[[dict[str, torch.Tensor]], int] | None = None,
+    ) -> torch.Tensor:
         """Target tokens of the whole step over all ranks (device tensor, >= 1): the loss divisor.
 
         Counted on the host from this rank's (sharded) labels, then summed over the ranks whose tokens
-        differ (dp and cp) on the device: no host sync.
+        differ (dp and cp) on the device: no host sync. `count` counts something else per batch (a
+        preference objective's pairs).
         """
-        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-        count = torch.tensor(float(local))
+        local = sum(count(b) if count else int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        total = torch.tensor(float(local))
         if device.type == "cuda":  # a pageable copy would wait for the GPU's queue: pin, copy async
-            count = count.pin_memory().to(device, non_blocking=True)
+            total = total.pin_memory().to(device, non_blocking=True)
         group = self.mesh.group("dp_cp") if self.mesh is not None and self._size("dp_cp") > 1 else None
-        return all_reduce_sum(count, group).clamp(min=1.0)
+        return all_reduce_sum(total, group).clamp(min=1.0)
 
     @contextlib.contextmanager
     def micro_batch(self, is_last: bool) -> Iterator[None]:

@@ -43,6 +43,7 @@ class Assembly:
     optimizer: torch.optim.Optimizer | None = None
     activation_offload: Any = None  # tracetrain.memory.ActivationOffload
     par: Any = None  # tracetrain.parallel.apply.ParallelModel (several ranks)
+    reference: nn.Module | None = None  # DPO with full fine-tuning: the frozen initial model
     applied: list[str] = field(default_factory=list)  # names of the rows that ran, in order
 
     def plain(self) -> Transformer:
@@ -216,6 +217,14 @@ def _data_parallel(a: Assembly) -> None:
         )
 
 
+def _reference(a: Assembly) -> None:
+    # The same model rows again (one process: validate.py), so the copy holds the initial weights the
+    # policy starts from (the seeded init, or model.init_from) with the same kernels; frozen, eval mode.
+    ref = assemble(a.spec.replace(reference="none"), a.mesh, until="materialise").module
+    ref.requires_grad_(False)
+    a.reference = ref.eval()
+
+
 def _pipeline_schedule(a: Assembly) -> None:
     from tracetrain.parallel.pipeline import build_pipeline, stage_ids_of_rank
     from tracetrain.parallel.tensor_parallel import cross_entropy_sum
@@ -386,6 +395,13 @@ TRANSFORMS: tuple[Transform, ...] = (
         "checkpoint's slices, so no rank ever holds the whole model",
     ),
     Transform(
+        "reference",
+        lambda s: s.reference == "copy",
+        _reference,
+        "DPO with full fine-tuning: a frozen copy of the materialised initial model, built by the model "
+        "rows again; before the optimizer, which must not see it (LoRA's reference is the base itself)",
+    ),
+    Transform(
         "pipeline_schedule", _parallel("pp"), _pipeline_schedule, "wraps the finished stage modules in the schedule"
     ),
     Transform(
@@ -469,21 +485,41 @@ def step_context(
     activation_offload: Any = None,
     scaler: torch.amp.GradScaler | None = None,
     phase: Callable[[str], Any] | None = None,
+    reference: nn.Module | None = None,
 ) -> StepContext:
     """The training step's fixed inputs, from the spec and what `assemble` built (for evaluation
-    alone: no optimizer). The one place a StepContext is made."""
+    alone: no optimizer; `reference`: DPO's frozen copy under full fine-tuning). The one place a
+    StepContext is made."""
     extra = {"phase": phase} if phase is not None else {}
     return StepContext(
         device=spec.device,
         autocast_dtype=spec.autocast_dtype,
         grad_clip=spec.cfg.train.grad_clip,
-        use_document_mask=spec.cfg.data.pack,
+        use_document_mask=spec.document_mask,
         fused_skip=bool(optimizer is not None and optimizer.defaults.get("fused")),
         scaler=scaler,
         activation_offload=activation_offload,
         fused_ce_chunk=spec.fused_ce_chunk,
         par=par,
+        objective=preference_objective(spec, reference),
         **extra,
+    )
+
+
+def preference_objective(spec: RunSpec, reference: nn.Module | None = None) -> Any:
+    """The step's PreferenceObjective for a dpo / simpo spec (None: token cross-entropy)."""
+    if spec.objective == "sft":
+        return None
+    from tracetrain.train.preference import PreferenceObjective
+
+    pc = spec.cfg.preference
+    return PreferenceObjective(
+        spec.objective,
+        beta=pc.beta,
+        label_smoothing=pc.label_smoothing,
+        simpo_gamma=pc.simpo_gamma,
+        reference=spec.reference,
+        reference_model=reference,
     )
 
 
@@ -492,7 +528,13 @@ def run_step_context(
 ) -> StepContext:
     """`step_context` of an assembled run: its optimizer, layout and activation offload."""
     return step_context(
-        a.spec, optimizer=a.optimizer, par=a.par, activation_offload=a.activation_offload, scaler=scaler, phase=phase
+        a.spec,
+        optimizer=a.optimizer,
+        par=a.par,
+        activation_offload=a.activation_offload,
+        scaler=scaler,
+        phase=phase,
+        reference=a.reference,
     )
 
 

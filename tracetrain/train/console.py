@@ -120,7 +120,7 @@ class Reporter:
     def eval_line(self, step: int, values: dict[str, Any] | None) -> None:
         if values:
             self.console.print(
-                f"eval @ step {step}: loss {values['eval_loss']:.4f} | ppl {values['eval_ppl']:.2f}", highlight=False
+                f"eval @ step {step}: loss {values['eval_loss']:.4f} | {_eval_extra(values)}", highlight=False
             )
 
     def summary(self, summary: dict[str, Any], run_dir: Path) -> None:
@@ -128,10 +128,20 @@ class Reporter:
             return
         parts = []
         if "eval_loss" in summary:
-            parts.append(f"held-out loss {summary['eval_loss']:.4f} (ppl {summary['eval_ppl']:.2f})")
+            parts.append(f"held-out loss {summary['eval_loss']:.4f} ({_eval_extra(summary)})")
         if "exact_match" in summary:
             parts.append(f"exact match {100 * summary['exact_match']:.1f}% of {summary['exact_match_n']}")
         if summary.get("tokens_per_s"):
             parts.append(f"{summary['tokens_per_s']:,.0f} tok/s")
         self.console.print("[bold green]done:[/] " + " | ".join(parts), highlight=False)
         self.console.print(f"run directory: {run_dir}", highlight=False)
+
+
+def _eval_extra(values: dict[str, Any]) -> str:
+    """Perplexity (cross-entropy), or reward accuracy and margin (a preference objective's evaluation)."""
+    if "eval_ppl" in values:
+        return f"ppl {values['eval_ppl']:.2f}"
+    return (
+        f"reward accuracy {100 * values.get('eval_reward_accuracy', 0):.1f}% | "
+        f"margin {values.get('eval_reward_margin', 0):.3f}"
+    )

@@ -268,7 +268,9 @@ class _Run(RunSetup):
         # Tokens per GPU (the global batch over the job's ranks): tokens/s and MFU are per GPU.
         tokens = cfg.train.micro_batch_size * self.dp * cfg.train.grad_accum_steps * cfg.data.seq_len
         tokens //= self.dist.world_size
-        self.metrics.record(step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens, data_wait_s)
+        self.metrics.record(
+            step, out.loss, out.grad_norm, out.finite, out.diverged, lr, tokens, data_wait_s, stats=out.stats
+        )
         self.done = step + 1
         if self.watchdog is not None:
             self.watchdog.beat(f"step {self.done}")

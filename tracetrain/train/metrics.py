@@ -39,6 +39,7 @@ class _Pending:
     start: Any  # step markers: torch.cuda.Event on the GPU, perf_counter seconds on the CPU
     end: Any
     time: float  # unix seconds when the step was recorded
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # the objective's (preference: rewards)
 
 
 @dataclass
@@ -76,11 +77,26 @@ class MetricsLogger:
         lr: float,
         tokens: int,
         data_wait_s: float,
+        stats: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Remember one step's values without reading them from the device."""
+        """Remember one step's values without reading them from the device (`stats`: the objective's
+        own, e.g. a preference objective's reward margin and accuracy, written under their names)."""
         end = self._marker()
         self.pending.append(
-            _Pending(step, loss, grad_norm, finite, diverged, lr, tokens, data_wait_s, self.mark, end, time.time())
+            _Pending(
+                step,
+                loss,
+                grad_norm,
+                finite,
+                diverged,
+                lr,
+                tokens,
+                data_wait_s,
+                self.mark,
+                end,
+                time.time(),
+                stats or {},
+            )
         )
         self.mark = end
 
@@ -116,18 +132,22 @@ class MetricsLogger:
         if not self.pending:
             return None
         # The one host sync of the interval: the stacked values can only be read once the GPU is done.
-        values = torch.stack(
-            [
-                torch.stack([p.loss.float(), p.grad_norm.float(), p.finite.float(), p.diverged.float()])
-                for p in self.pending
-            ]
-        ).tolist()
+        rows = [
+            [p.loss.float(), p.grad_norm.float(), p.finite.float(), p.diverged.float()]
+            + [v.float() for v in p.stats.values()]
+            for p in self.pending
+        ]
+        flat = torch.stack([v for row in rows for v in row]).tolist()
+        values, at = [], 0
+        for row in rows:
+            values.append(flat[at : at + len(row)])
+            at += len(row)
         elapsed = time.perf_counter() - self.window_start
         tokens = sum(p.tokens for p in self.pending)
         data_wait = sum(p.data_wait_s for p in self.pending)
         tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
         memory = self.memory()
-        for p, (loss, gnorm, finite, diverged) in zip(self.pending, values):
+        for p, (loss, gnorm, finite, diverged, *stat_values) in zip(self.pending, values):
             self._count_bad(finite > 0, diverged > 0, p.step)
             step_s = self._seconds(p.start, p.end)
             self.timed.append((p.tokens, step_s))
@@ -146,6 +166,7 @@ class MetricsLogger:
                 "step_s": step_s,
                 "data_wait_s": p.data_wait_s,
                 "compute_s": max(0.0, step_s - p.data_wait_s),
+                **dict(zip(p.stats, stat_values)),
                 **memory,
             }
             self.write(rec)

@@ -32,6 +32,9 @@ class StepContext:
     activation_offload: Any = None  # tracetrain.memory.ActivationOffload: saved activations -> host
     fused_ce_chunk: int = 0  # > 0: the model's fused lm_head + cross-entropy (apply_fused_ce)
     par: Any = None  # tracetrain.parallel.ParallelModel when the job has several ranks
+    # tracetrain.train.preference.PreferenceObjective for train.objective = dpo / simpo; None = token
+    # cross-entropy (`loss_sum`). The spec decides it; `micro_batch_loss` is the one loss the step calls.
+    objective: Any = None
     # Named ranges for the profiler / NVTX (tracetrain/forward, ...); a no-op unless profiling.
     phase: Callable[[str], contextlib.AbstractContextManager] = field(default=lambda name: contextlib.nullcontext())
 
@@ -42,6 +45,8 @@ class StepOutput:
     grad_norm: torch.Tensor  # () float32 on device, before clipping (unscaled under fp16)
     finite: torch.Tensor  # () bool on device: the update was applied
     diverged: torch.Tensor  # () bool on device: counts toward the "NaN/inf N steps in a row" stop
+    # The objective's per-step means besides the loss (preference: rewards, margin, accuracy), on device.
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -76,6 +81,21 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext)
     )
 
 
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Target tokens of a (host) micro-batch: the cross-entropy's divisor."""
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def micro_batch_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], ctx: StepContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The objective's summed loss over one (device) micro-batch and its summed statistics: token
+    cross-entropy (no statistics), or the preference objective over the micro-batch's pairs."""
+    if ctx.objective is None:
+        return loss_sum(model, batch, ctx), {}
+    return ctx.objective.loss_sum(model, batch, ctx)
+
+
 @runtime_checkable
 class OffloadedOptimizer(Protocol):
     """An optimizer that owns its gradients (tracetrain.memory.optimizer_offload.CPUOffloadAdamW): they
@@ -97,25 +117,36 @@ def train_step(
     then `optimizer_update`.
     """
     par = ctx.par
+    stats: dict[str, torch.Tensor] = {}
     if par is not None and par.pipeline is not None:  # the pipeline schedule runs forward and backward
         total = pipeline_forward_backward(par, micro_batches, ctx)
     else:
-        total = forward_backward(model, micro_batches, ctx)
-    return optimizer_update(optimizer, total, ctx)
+        total = forward_backward(model, micro_batches, ctx, stats)
+    out = optimizer_update(optimizer, total, ctx)
+    out.stats.update(stats)
+    return out
 
 
-def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], ctx: StepContext) -> torch.Tensor:
-    """Accumulate the step's gradients; returns the step's loss (mean per target token, device tensor)."""
+def forward_backward(
+    model: nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    ctx: StepContext,
+    stats: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Accumulate the step's gradients; returns the step's loss (mean per target token, or per pair for a
+    preference objective; device tensor). `stats`, when given, receives the objective's step means."""
     par = ctx.par
-    # Normalise by the target tokens of the whole step, so that accumulating k micro-batches gives the
-    # same gradient as one batch k times larger. Labels are still on the host: counting costs no sync.
-    # With several ranks each takes its rows (and sequence chunks) of the global micro-batch, and the
-    # count is summed over the ranks on the device (no host sync).
+    # Normalise by the target tokens (preference: pairs) of the whole step, so that accumulating k
+    # micro-batches gives the same gradient as one batch k times larger. Labels are still on the host:
+    # counting costs no sync. With several ranks each takes its rows (and sequence chunks) of the global
+    # micro-batch, and the count is summed over the ranks on the device (no host sync).
+    count = ctx.objective.count if ctx.objective is not None else count_targets
     if par is not None:
         micro_batches = [par.shard_batch(mb) for mb in micro_batches]
-        num_targets = par.global_num_targets(micro_batches, ctx.device)
+        num_targets = par.global_num_targets(micro_batches, ctx.device, count)
     else:
-        num_targets = max(1, sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches))
+        num_targets = max(1, sum(count(mb) for mb in micro_batches))
+    sums: dict[str, torch.Tensor] = {}
     total = torch.zeros((), device=ctx.device)
     scaler = ctx.scaler
     for i, mb in enumerate(micro_batches):
@@ -123,13 +154,19 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
         sync = par.micro_batch(is_last=i == len(micro_batches) - 1) if par is not None else contextlib.nullcontext()
         with sync:
             with ctx.phase("forward"):
-                loss = loss_sum(model, to_device(mb, ctx.device), ctx) / num_targets
+                loss, mb_stats = micro_batch_loss(model, to_device(mb, ctx.device), ctx)
+                loss = loss / num_targets
             with ctx.phase("backward"):
                 # fp16: scale the loss so small gradients do not underflow; unscaled again below.
                 (scaler.scale(loss) if scaler else loss).backward()  # .grad accumulates across micro-batches
         total += loss.detach()
+        for name, value in mb_stats.items():
+            sums[name] = sums.get(name, 0) + value / num_targets
     if par is not None:
         total = par.reduce_loss(total)  # every rank's share: the step's loss, on every rank
+        sums = {name: par.reduce_loss(value) for name, value in sums.items()}
+    if stats is not None:
+        stats.update(sums)
     return total
 
 
@@ -230,22 +267,30 @@ def clip_divisor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], ctx: StepContext) -> dict[str, float]:
-    """Mean loss per target token and perplexity over held-out batches."""
+def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], ctx: StepContext) -> dict[str, Any]:
+    """Held-out loss of the step's objective: mean per target token and perplexity (cross-entropy), or
+    mean per pair with the objective's statistics (preference)."""
     was_training = model.training
     model.eval()
+    count = ctx.objective.count if ctx.objective is not None else count_targets
     total = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    sums: dict[str, torch.Tensor] = {}
     num_targets = 0
     for batch in batches:
-        num_targets += int((batch["labels"] != IGNORE_INDEX).sum())
+        num_targets += count(batch)
         # Several ranks: the same loss-parallel context as training (vocabulary-sharded logits under TP);
         # under context parallelism each rank scores its sequence chunks and the sums are added up.
         with ctx.par.micro_batch(is_last=True) if ctx.par is not None else contextlib.nullcontext():
+            part = ctx.par.shard_eval_batch(batch) if ctx.par is not None else batch
+            loss, stats = micro_batch_loss(model, to_device(part, ctx.device), ctx)
             if ctx.par is not None:
-                local = loss_sum(model, to_device(ctx.par.shard_eval_batch(batch), ctx.device), ctx)
-                total += ctx.par.reduce_eval_loss(local).double()
-            else:
-                total += loss_sum(model, to_device(batch, ctx.device), ctx).double()
+                loss, stats = ctx.par.reduce_eval_loss(loss), {k: ctx.par.reduce_eval_loss(v) for k, v in stats.items()}
+        total += loss.double()
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0) + value.double()
     model.train(was_training)
-    loss = total.item() / max(1, num_targets)
-    return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp()), "eval_tokens": num_targets}
+    mean = total.item() / max(1, num_targets)
+    if ctx.objective is not None:
+        means = {f"eval_{k}": float(v) / max(1, num_targets) for k, v in sums.items()}
+        return {"eval_loss": mean, **means, "eval_pairs": num_targets}
+    return {"eval_loss": mean, "eval_ppl": float(torch.tensor(mean).exp()), "eval_tokens": num_targets}
