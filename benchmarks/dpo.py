@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment  # noqa: E402
+from common import environment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,10 +60,20 @@ def ours(pairs: int, prompt: int, completion: int, warmup: int, steps: int, pres
 
     seq = 2 * (prompt + completion)
     cuda = torch.cuda.is_available()
-    cfg = load_config(None, [f"--model.preset={preset}", "--train.mode=lora", "--train.objective=dpo",
-                             "--data.kind=preference", "--data.path=unused-synthetic-pairs.jsonl",
-                             f"--data.seq_len={seq}", f"--train.micro_batch_size={pairs}", "--optim.lr=1e-4",
-                             "--preference.beta=0.1"])
+    cfg = load_config(
+        None,
+        [
+            f"--model.preset={preset}",
+            "--train.mode=lora",
+            "--train.objective=dpo",
+            "--data.kind=preference",
+            "--data.path=unused-synthetic-pairs.jsonl",
+            f"--data.seq_len={seq}",
+            f"--train.micro_batch_size={pairs}",
+            "--optim.lr=1e-4",
+            "--preference.beta=0.1",
+        ],
+    )
     spec = resolve(cfg, torch.device("cuda" if cuda else "cpu"))
     built = assemble(spec)
     ctx = run_step_context(built)
@@ -83,11 +93,23 @@ def ours(pairs: int, prompt: int, completion: int, warmup: int, steps: int, pres
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     tokens = 2 * pairs * (prompt + completion)
-    row = {"system": "tracetrain", "case": "llama2-7b-lora-dpo", "pairs": pairs, "prompt": prompt,
-           "completion": completion, "tokens_per_step": tokens, "step_s_median": step_s, "step_s_all": times,
-           "tokens_per_s": tokens / step_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-           "losses": losses, "reward_accuracy": accuracy, "attention": spec.attention, "compile": spec.compile,
-           "reference": spec.reference}
+    row = {
+        "system": "tracetrain",
+        "case": "llama2-7b-lora-dpo",
+        "pairs": pairs,
+        "prompt": prompt,
+        "completion": completion,
+        "tokens_per_step": tokens,
+        "step_s_median": step_s,
+        "step_s_all": times,
+        "tokens_per_s": tokens / step_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "losses": losses,
+        "reward_accuracy": accuracy,
+        "attention": spec.attention,
+        "compile": spec.compile,
+        "reference": spec.reference,
+    }
     del built, ctx, batch
     import gc
 
@@ -98,9 +120,20 @@ def ours(pairs: int, prompt: int, completion: int, warmup: int, steps: int, pres
 
 
 def trl_peer(a: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(REPO / "benchmarks" / "peers" / "trl_dpo.py"), "--pairs", str(a.pairs),
-           "--prompt", str(a.prompt), "--completion", str(a.completion), "--warmup", str(a.warmup),
-           "--steps", str(a.steps)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "peers" / "trl_dpo.py"),
+        "--pairs",
+        str(a.pairs),
+        "--prompt",
+        str(a.prompt),
+        "--completion",
+        str(a.completion),
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+    ]
     env = {**os.environ, "PYTHONPATH": a.peersite, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.peer_timeout_s, cwd=REPO)
@@ -129,8 +162,13 @@ def main() -> None:
         a.no_peer = True
     env = environment()
     call = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    stamp = {"date": env["date"], "commit": env["commit"], "torch": torch.__version__, "call": call,
-             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    stamp = {
+        "date": env["date"],
+        "commit": env["commit"],
+        "torch": torch.__version__,
+        "call": call,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
     rows = []
     try:
         preset = "tiny" if a.cpu_test else "llama2-7b"
@@ -144,7 +182,9 @@ def main() -> None:
     print(f"\n{'system':40} {'tokens/s':>10} {'step s':>8} {'peak GiB':>9}")
     for r in rows:
         if r.get("tokens_per_s"):
-            print(f"{r['system'][:40]:40} {r['tokens_per_s']:10,.0f} {r['step_s_median']:8.3f} {r['peak_gib'] or 0:9.1f}")
+            print(
+                f"{r['system'][:40]:40} {r['tokens_per_s']:10,.0f} {r['step_s_median']:8.3f} {r['peak_gib'] or 0:9.1f}"
+            )
         else:
             print(f"{r['system'][:40]:40} error: {r.get('error', '')[:200]}")
     if len(rows) == 2 and rows[0].get("tokens_per_s") and rows[1].get("tokens_per_s"):

@@ -113,7 +113,7 @@ HARDWARE_SKIP = re.compile(
     r"golden losses recorded with torch"
 )
 EXTRA_SKIP = re.compile(
-    r"\b(transformers|peft|mlflow|orjson|pyarrow|datasets|tensorboard|wandb|torchao|gguf|HolisticTraceAnalysis)\b"
+    r"\b(transformers|peft|mlflow|orjson|pyarrow|datasets|tensorboard|wandb|torchao|gguf|HolisticTraceAnalysis|trl)\b"
 )
 
 

@@ -42,8 +42,10 @@ def synthetic_pairs(n: int, prompt: int, completion: int, vocab: int, seed: int 
     """Pairs whose chosen / rejected end in EOS after `completion - 1` words (TRL appends EOS)."""
     g = torch.Generator().manual_seed(seed)
     words = lambda k: " ".join(f"t{i}" for i in torch.randint(2, vocab, (k,), generator=g).tolist())  # noqa: E731
-    return [{"prompt": words(prompt), "chosen": " " + words(completion - 1), "rejected": " " + words(completion - 1)}
-            for _ in range(n)]
+    return [
+        {"prompt": words(prompt), "chosen": " " + words(completion - 1), "rejected": " " + words(completion - 1)}
+        for _ in range(n)
+    ]
 
 
 def main() -> None:
@@ -63,11 +65,28 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
     vocab = 32000
-    shape = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=32) if cuda else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                           num_attention_heads=4, num_key_value_heads=4)
-    cfg = LlamaConfig(**shape, vocab_size=vocab, max_position_embeddings=4096, attn_implementation="sdpa",
-                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    shape = (
+        dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+        )
+        if cuda
+        else dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4
+        )
+    )
+    cfg = LlamaConfig(
+        **shape,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16 if cuda else torch.float32)
     with torch.device("cuda" if cuda else "cpu"):
@@ -90,25 +109,58 @@ def main() -> None:
             times.append(time.perf_counter() - self.start)
 
     with tempfile.TemporaryDirectory() as out:
-        args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=a.pairs, max_steps=a.warmup + a.steps,
-                             learning_rate=1e-4, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, logging_steps=10_000,
-                             save_strategy="no", report_to="none", max_length=a.prompt + a.completion + 8,
-                             beta=0.1, loss_type=["sigmoid"], dataloader_num_workers=0, seed=0)
-        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                               task_type="CAUSAL_LM")
-        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=lora,
-                                  callbacks=[Timer()])
+        args = trl.DPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=a.pairs,
+            max_steps=a.warmup + a.steps,
+            learning_rate=1e-4,
+            bf16=cuda,
+            use_cpu=not cuda,
+            gradient_checkpointing=False,
+            logging_steps=10_000,
+            save_strategy="no",
+            report_to="none",
+            max_length=a.prompt + a.completion + 8,
+            beta=0.1,
+            loss_type=["sigmoid"],
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        lora = peft.LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            task_type="CAUSAL_LM",
+        )
+        trainer = trl.DPOTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tok, peft_config=lora, callbacks=[Timer()]
+        )
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
-    step_s = statistics.median(times[a.warmup:])
+    step_s = statistics.median(times[a.warmup :])
     tokens = 2 * a.pairs * (a.prompt + a.completion)
-    print(json.dumps({
-        "peer": f"trl {trl.__version__} DPOTrainer + peft {peft.__version__}", "transformers": transformers.__version__,
-        "case": "llama2-7b-lora-dpo", "pairs": a.pairs, "prompt": a.prompt, "completion": a.completion,
-        "tokens_per_step": tokens, "step_s_median": round(step_s, 4), "step_s_all": [round(t, 4) for t in times],
-        "tokens_per_s": round(tokens / step_s), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}), flush=True)
+    print(
+        json.dumps(
+            {
+                "peer": f"trl {trl.__version__} DPOTrainer + peft {peft.__version__}",
+                "transformers": transformers.__version__,
+                "case": "llama2-7b-lora-dpo",
+                "pairs": a.pairs,
+                "prompt": a.prompt,
+                "completion": a.completion,
+                "tokens_per_step": tokens,
+                "step_s_median": round(step_s, 4),
+                "step_s_all": [round(t, 4) for t in times],
+                "tokens_per_s": round(tokens / step_s),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                "torch": torch.__version__,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
