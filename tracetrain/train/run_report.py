@@ -2,7 +2,8 @@
 
 Charts (drawn by train/report_charts.py: round axis ticks, a log-scale switch on the loss): train and
 held-out loss against steps and against tokens, learning rate, tokens/s, MFU, peak
-memory, the share of each step spent waiting for data, and the gradient norm with skipped steps marked.
+memory, the share of each step spent waiting for data, the gradient norm with skipped steps marked, and
+for a preference objective the reward margin and accuracy.
 Then the run's figures, its data statistics, its resolved config and a link to the profile report when one
 was captured. The trainer refreshes the page every `logging.log_interval` steps and at the end
 (`RunReport`, fed the metrics.jsonl records); `tracetrain report RUN [RUN ...]` draws the same page from
@@ -172,12 +173,32 @@ def _charts(runs: list[RunData]) -> str:
     ]
     if any(s.points for s in mfu):
         out.append(chart("Model FLOPs utilisation", mfu, "step"))
+    out += _preference_charts(runs, color, label)
     out += [
         chart("Peak memory", mem, "step"),
         chart("Waiting for data", wait, "step"),
         chart("Gradient norm (dashed: skipped steps)", gnorm, "step"),
     ]
     return "".join(out)
+
+
+def _preference_charts(runs: list[RunData], color: dict[str, str], label: Callable[[RunData, str], str]) -> list[str]:
+    """Preference objectives (dpo, simpo): the reward margin and the share of pairs whose chosen answer
+    out-scores the rejected one, per step and held out; nothing for other runs."""
+    if not any("reward_margin" in r for run in runs for r in run.train):
+        return []
+    margin, accuracy = [], []
+    for run in runs:
+        c = color[run.name]
+        margin.append(Series(label(run, "train"), c, _pts(run.train, "reward_margin")))
+        margin.append(Series(label(run, "held-out"), c, _pts(run.evals, "eval_reward_margin"), dots=True))
+        pct = lambda rows, key: [(x, 100 * y) for x, y in _pts(rows, key)]  # noqa: E731
+        accuracy.append(Series(label(run, "train"), c, pct(run.train, "reward_accuracy")))
+        accuracy.append(Series(label(run, "held-out"), c, pct(run.evals, "eval_reward_accuracy"), dots=True))
+    return [
+        chart("Reward margin (chosen - rejected)", margin, "step"),
+        chart("Reward accuracy % (chosen > rejected)", accuracy, "step"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,6 +221,9 @@ def _cards(run: RunData) -> str:
     ]
     if "exact_match" in final:
         items.append(("exact match", _fmt(100 * final["exact_match"], "{:.1f}%")))
+    if "eval_reward_accuracy" in final:  # a preference objective
+        items.append(("held-out reward accuracy", _fmt(100 * final["eval_reward_accuracy"], "{:.1f}%")))
+        items.append(("held-out reward margin", _fmt(final.get("eval_reward_margin"))))
     state = "finished" if run.summary and not run.summary.get("interrupted") else "running or stopped"
     if run.summary and run.summary.get("interrupted"):
         state = f"interrupted ({run.summary.get('signal')}) at step {run.summary.get('step')}"
