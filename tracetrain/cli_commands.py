@@ -44,7 +44,7 @@ def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.data import build_datasets
     from tracetrain.inference import load_trained
-    from tracetrain.train.assemble import step_context
+    from tracetrain.train.assemble import build_reference, step_context
     from tracetrain.train.evaluation import exact_match_eval, run_eval
 
     if a.output:
@@ -52,7 +52,9 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     loaded = load_trained(a.path, a.device, overrides)
     cfg = loaded.cfg
     _, eval_ds, _ = build_datasets(cfg.data, loaded.tokenizer)
-    ctx = step_context(loaded.spec)  # scored exactly as the training run's evaluations were
+    # Scored exactly as the training run's evaluations were (full-fine-tuning DPO: against its initial model).
+    reference = build_reference(loaded.spec) if loaded.spec.reference == "copy" else None
+    ctx = step_context(loaded.spec, reference=reference)
     result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
     if a.output and not (cfg.train.eval_generate and getattr(eval_ds, "examples", [])):
         raise TracetrainError(

@@ -217,12 +217,17 @@ def _data_parallel(a: Assembly) -> None:
         )
 
 
-def _reference(a: Assembly) -> None:
-    # The same model rows again (one process: validate.py), so the copy holds the initial weights the
-    # policy starts from (the seeded init, or model.init_from) with the same kernels; frozen, eval mode.
-    ref = assemble(a.spec.replace(reference="none"), a.mesh, until="materialise").module
+def build_reference(spec: RunSpec, mesh: Any = None) -> nn.Module:
+    """DPO's frozen reference for full fine-tuning: the model rows again (one process: validate.py), so it
+    holds the initial weights the policy starts from (the seeded init, or model.init_from) with the same
+    kernels; frozen, in eval mode. Also what `tracetrain eval` scores a trained DPO run against."""
+    ref = assemble(spec.replace(reference="none"), mesh, until="materialise").module
     ref.requires_grad_(False)
-    a.reference = ref.eval()
+    return ref.eval()
+
+
+def _reference(a: Assembly) -> None:
+    a.reference = build_reference(a.spec, a.mesh)
 
 
 def _pipeline_schedule(a: Assembly) -> None:
