@@ -199,8 +199,50 @@ def test_cli_dpo_run_logs_rewards_and_report(tmp_path: Path) -> None:
     assert len(train) == 4 and all({"reward_margin", "reward_accuracy", "reward_chosen"} <= set(r) for r in train)
     assert all(0 <= r["reward_accuracy"] <= 1 for r in train)
     assert abs(train[0]["loss"] - 0.6931) < 1e-3  # step 1: adapters start at zero, policy = reference
-    final = [r for r in lines if r.get("final")][0]
+    final = next(r for r in lines if r.get("final"))
     assert {"eval_loss", "eval_reward_margin", "eval_reward_accuracy", "eval_pairs"} <= set(final)
     assert "reward accuracy" in proc.stdout
     report = (tmp_path / "dpo" / "report.html").read_text()
     assert "Reward margin (chosen - rejected)" in report and "held-out reward accuracy" in report
+
+
+def test_fsdp_two_ranks_lora_dpo_equals_one_process(tmp_path: Path) -> None:
+    """torchrun, 2 CPU ranks (gloo), FSDP: each rank scores its rows' whole pairs; the loss divisor (pairs)
+    and the reward statistics are summed over the ranks, so losses and rewards equal one process's."""
+    path = write_rows(tmp_path / "p.jsonl", string_rows(40))
+    args = [
+        "train",
+        "--data.kind=preference",
+        f"--data.path={path}",
+        "--train.objective=dpo",
+        "--train.mode=lora",
+        "--data.seq_len=64",
+        "--train.steps=3",
+        "--logging.log_interval=1",
+        "--train.eval_interval=0",
+        "--train.eval_batches=1",
+        "--optim.warmup_steps=1",
+        "--optim.lr=1e-2",
+        "--model.n_layers=2",
+        "--logging.progress=false",
+        f"--train.output_dir={tmp_path}",
+        "--train.device=cpu",
+    ]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
+    for cmd, extra in (
+        (launch, ["--parallel.dp_shard=2", "--train.micro_batch_size=2", "--train.run_name=fsdp"]),
+        ([sys.executable, "-m"], ["--train.micro_batch_size=4", "--train.run_name=one"]),
+    ):
+        proc = subprocess.run([*cmd, "tracetrain.cli", *args, *extra], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    keys = ("loss", "reward_margin", "reward_accuracy", "reward_chosen")
+    runs = [
+        [
+            [r[k] for k in keys]
+            for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"
+        ]
+        for name in ("fsdp", "one")
+    ]
+    assert len(runs[0]) == 3 and runs[1][1][1] != 0
+    torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), atol=1e-5, rtol=1e-4)
