@@ -38,7 +38,7 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def nf4_round_trip(w: torch.Tensor) -> torch.Tensor:
-    return dequantise_nf4(*quantise_nf4(w), tuple(w.shape), torch.float32)
+    return dequantise_nf4(*quantise_nf4(w), torch.tensor(NF4_LEVELS), tuple(w.shape), torch.float32)
 
 
 def test_dequantised_within_nf4_error() -> None:
@@ -190,3 +190,25 @@ def test_apply_lora_nf4_on_a_real_model_quantises_before_wrapping() -> None:
     base = model.layers[0].self_attn.q_proj.base
     assert isinstance(base, NF4Linear)
     torch.testing.assert_close(base.weight, nf4_round_trip(dense), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_backward_saves_the_codes_not_a_16_bit_weight(compiled: bool) -> None:
+    torch.manual_seed(0)
+    q = NF4Linear(torch.nn.Linear(256, 128, bias=False), torch.float32)
+    fn = torch.compile(q, backend="aot_eager", fullgraph=True) if compiled else q
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    x = torch.randn(4, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        y = fn(x)
+    y.square().sum().backward()
+    assert not any(t.shape == (128, 256) for t in saved)  # (out, in): a dequantised weight kept for backward
+    assert any(t.dtype == torch.uint8 for t in saved)
+    x_ref = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(x_ref, q.weight).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)

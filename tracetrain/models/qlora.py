@@ -12,9 +12,9 @@ Memory: 4 bits + 8 / 64 + 32 / (64 * 256) = 4.127 bits per weight (`NF4_BITS_PER
 reads), against 16 in bf16. Without double quantisation the scalers alone would cost 32 / 64 = 0.5 bits.
 
 Compute: `NF4Linear` dequantises its weight to the compute dtype (the LoRA base dtype: bf16 on GPUs) inside
-the matmul, in a custom autograd function that saves the 4-bit codes, not the dequantised weight, for the
-backward, which dequantises again: the 16-bit weight only ever exists for one projection at a time. Under
-`torch.compile` the dequantisation is one fused kernel before each GEMM. The frozen base has no gradient.
+the matmul, an op of its own (`tracetrain::nf4_linear`) whose backward dequantises again from the 4-bit
+codes it saved: the 16-bit weight only ever exists for one projection at a time. On a GPU the
+dequantisation is one compiled kernel before each GEMM. The frozen base has no gradient.
 
 The base is pure PyTorch: no bitsandbytes or torchao is needed to train, merge or export. Every frozen
 `nn.Linear` of the blocks is quantised (LoRA bases and projections without adapters, as PEFT and unsloth
@@ -22,6 +22,9 @@ do); the embedding, `lm_head`, norms and MoE experts stay in the base dtype.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -78,31 +81,90 @@ def dequantise_nf4(
     scaler_codes: torch.Tensor,
     scaler_factors: torch.Tensor,
     scaler_mean: torch.Tensor,
+    levels: torch.Tensor,
     shape: tuple[int, ...],
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The weight of `shape` in `dtype` (values computed in float32, rounded once)."""
-    n_blocks, _ = nf4_shapes(codes.numel() * 2)
+    """The weight of `shape` in `dtype` (values computed in float32, rounded once); `levels` = NF4_LEVELS
+    as a float32 tensor on the codes' device (a buffer: building it here would copy from the host per call)."""
+    n_blocks = codes.numel() * 2 // BLOCK_SIZE
     scalers = (scaler_codes.view(-1, SCALER_BLOCK_SIZE).float() / scaler_factors[:, None]).reshape(-1)
     scalers = scalers[:n_blocks] + scaler_mean  # (n_blocks,)
-    levels = _levels(codes.device, torch.float32)
     pairs = torch.stack((levels[(codes >> 4).long()], levels[(codes & 15).long()]), dim=-1)  # (numel/2, 2)
     return (pairs.view(n_blocks, BLOCK_SIZE) * scalers[:, None]).view(shape).to(dtype)
 
 
-class _NF4Matmul(torch.autograd.Function):
-    """x @ dequant(W)^T, saving the 4-bit codes (not the 16-bit weight) for the backward."""
+@functools.cache
+def _compiled_dequantise() -> Callable[..., torch.Tensor]:
+    # One fused kernel (codes -> 16-bit weight) for every shape; built at first use on a GPU.
+    return torch.compile(dequantise_nf4, dynamic=True)
 
-    @staticmethod
-    def forward(ctx, x, codes, scaler_codes, scaler_factors, scaler_mean, shape):
-        ctx.save_for_backward(codes, scaler_codes, scaler_factors, scaler_mean)
-        ctx.shape = shape
-        return F.linear(x, dequantise_nf4(codes, scaler_codes, scaler_factors, scaler_mean, shape, x.dtype))
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        weight = dequantise_nf4(*ctx.saved_tensors, ctx.shape, grad_out.dtype)  # again: never saved
-        return grad_out @ weight, None, None, None, None, None
+def _dequantise_fast(
+    codes: torch.Tensor,
+    sc: torch.Tensor,
+    sf: torch.Tensor,
+    sm: torch.Tensor,
+    lv: torch.Tensor,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    fn = _compiled_dequantise() if codes.is_cuda else dequantise_nf4
+    return fn(codes, sc, sf, sm, lv, shape, dtype)
+
+
+# The 4-bit matmul is one opaque op for torch.compile: inside a compiled block, the partitioner would
+# otherwise keep the dequantised weight from forward to backward (it is materialised in the backward),
+# 2 bytes per weight, the whole model's worth. As an op with its own backward it saves only the codes.
+@torch.library.custom_op("tracetrain::nf4_linear", mutates_args=())
+def nf4_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    sc: torch.Tensor,
+    sf: torch.Tensor,
+    sm: torch.Tensor,
+    lv: torch.Tensor,
+    out_features: int,
+) -> torch.Tensor:
+    """x @ dequant(W)^T, W of shape (out_features, x.shape[-1]), in x's dtype."""
+    return F.linear(x, _dequantise_fast(codes, sc, sf, sm, lv, (out_features, x.shape[-1]), x.dtype))
+
+
+@nf4_linear.register_fake
+def _(x, codes, sc, sf, sm, lv, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("tracetrain::nf4_linear_grad_input", mutates_args=())
+def nf4_linear_grad_input(
+    grad: torch.Tensor,
+    codes: torch.Tensor,
+    sc: torch.Tensor,
+    sf: torch.Tensor,
+    sm: torch.Tensor,
+    lv: torch.Tensor,
+    in_features: int,
+) -> torch.Tensor:
+    """grad @ dequant(W): the weight dequantised again, never saved from the forward."""
+    return grad @ _dequantise_fast(codes, sc, sf, sm, lv, (grad.shape[-1], in_features), grad.dtype)
+
+
+@nf4_linear_grad_input.register_fake
+def _(grad, codes, sc, sf, sm, lv, in_features):
+    return grad.new_empty((*grad.shape[:-1], in_features))
+
+
+def _setup_context(ctx, inputs, output):
+    x, *quantised, _ = inputs
+    ctx.save_for_backward(*quantised)
+    ctx.in_features = x.shape[-1]
+
+
+def _backward(ctx, grad):
+    return nf4_linear_grad_input(grad, *ctx.saved_tensors, ctx.in_features), None, None, None, None, None, None
+
+
+nf4_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 class NF4Linear(nn.Module):
@@ -115,6 +177,7 @@ class NF4Linear(nn.Module):
     """
 
     codes: torch.Tensor
+    levels: torch.Tensor
     scaler_codes: torch.Tensor
     scaler_factors: torch.Tensor
     scaler_mean: torch.Tensor
@@ -129,6 +192,7 @@ class NF4Linear(nn.Module):
         self.register_buffer("scaler_codes", torch.empty(n_scaler_blocks * SCALER_BLOCK_SIZE, dtype=torch.int8, device=device))  # fmt: skip
         self.register_buffer("scaler_factors", torch.empty(n_scaler_blocks, device=device))
         self.register_buffer("scaler_mean", torch.empty((), device=device))
+        self.register_buffer("levels", _levels(device, torch.float32), persistent=False)  # filled again by quantise_
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -148,20 +212,23 @@ class NF4Linear(nn.Module):
             quantise_nf4(weight.to(self.codes.device)),
         ):
             buf.copy_(value)
+        self.levels.copy_(_levels(self.levels.device, torch.float32))
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight (out, in) in the compute dtype: a new tensor (merges and exports read it)."""
-        return dequantise_nf4(
-            self.codes, self.scaler_codes, self.scaler_factors, self.scaler_mean, self.shape, self.dtype
-        )
+        return dequantise_nf4(*self.quantised(), self.shape, self.dtype)
+
+    def quantised(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scaler codes, scaler factors, scaler mean, levels): what dequantisation reads."""
+        return (self.codes, self.scaler_codes, self.scaler_factors, self.scaler_mean, self.levels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         else:
             x = x.to(self.dtype)
-        out = _NF4Matmul.apply(x, self.codes, self.scaler_codes, self.scaler_factors, self.scaler_mean, self.shape)
+        out = nf4_linear(x, *self.quantised(), self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
