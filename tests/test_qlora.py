@@ -212,3 +212,22 @@ def test_backward_saves_the_codes_not_a_16_bit_weight(compiled: bool) -> None:
     x_ref = x.detach().clone().requires_grad_(True)
     torch.nn.functional.linear(x_ref, q.weight).square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_planner_counts_the_nf4_base_as_the_model_holds_it() -> None:
+    from tracetrain.models.build import materialize
+    from tracetrain.models.llama import ModelArgs
+    from tracetrain.plan import PlanInput
+    from tracetrain.plan.memory import stage_model
+
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=96)
+    model = materialize(args, CPU, 0)
+    apply_lora(model, 8, 16.0, 0.0, ATTN, base_dtype=torch.bfloat16, base_quant="nf4")
+    real = sum(p.numel() * p.element_size() for p in model.parameters())
+    real += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if not n.endswith(("levels", "freq")))
+    inp = PlanInput(model=args, mode="lora", lora_rank=8, lora_targets=tuple(ATTN), lora_base_quant="nf4")
+    planned = stage_model(inp, 0).items["weights"].const
+    assert planned == pytest.approx(real, rel=0.01)  # the scale runs' padding to 256 blocks is not modelled
+    bf16 = stage_model(inp.replace(lora_base_quant="none"), 0).items["weights"].const
+    projections = 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)
+    assert bf16 - planned == pytest.approx(projections * (2 - NF4_BITS_PER_PARAM / 8))

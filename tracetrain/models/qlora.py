@@ -33,6 +33,9 @@ from torch.nn import functional as F
 BLOCK_SIZE = 64  # weights per absmax block
 SCALER_BLOCK_SIZE = 256  # absmax values per double-quantisation block
 NF4_BITS_PER_PARAM = 4 + 8 / BLOCK_SIZE + 32 / (BLOCK_SIZE * SCALER_BLOCK_SIZE)
+# Bytes per weight `quantise_nf4` holds at once, beyond the codes: the weight in its dtype (2), its float32
+# copy (4), the scaled copy (4), the int32 level indices (4) and their uint8 copy (1). The planner's build phase.
+NF4_QUANTISE_BYTES_PER_PARAM = 15
 
 # The 16 NF4 levels (quantiles of a unit normal, rescaled to [-1, 1]) as QLoRA and torchao round them.
 NF4_LEVELS: tuple[float, ...] = (
@@ -71,7 +74,7 @@ def quantise_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
     levels = _levels(weight.device, torch.float32)
     midpoints = (levels[1:] + levels[:-1]) / 2
-    index = torch.bucketize(scaled.reshape(-1), midpoints).to(torch.uint8)  # nearest level, ties to the lower
+    index = torch.bucketize(scaled.reshape(-1), midpoints, out_int32=True).to(torch.uint8)  # nearest, ties lower
     codes = (index[0::2] << 4) | index[1::2]
     return codes, scaler_codes, factors, mean
 
