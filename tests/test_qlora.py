@@ -231,3 +231,25 @@ def test_planner_counts_the_nf4_base_as_the_model_holds_it() -> None:
     bf16 = stage_model(inp.replace(lora_base_quant="none"), 0).items["weights"].const
     projections = 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)
     assert bf16 - planned == pytest.approx(projections * (2 - NF4_BITS_PER_PARAM / 8))
+
+
+def test_cli_train_then_export_dequantises(tmp_path: Path) -> None:
+    """`tracetrain train` with QLoRA + DoRA, then `export --hf`: the checkpoint holds the 4-bit base as it
+    was trained (random init: the whole model is saved), and the export is the merged, dequantised model."""
+    from conftest import cli_here
+
+    from tracetrain.inference import load_trained
+
+    transformers = pytest.importorskip("transformers", reason="the export check loads the folder with transformers")
+    cli_here("train", "--model.n_layers=2", "--train.mode=lora", "--lora.base_quant=nf4", "--lora.dora=true",
+             "--train.steps=3", "--optim.warmup_steps=1", "--data.synthetic_examples=64", "--data.seq_len=32",
+             "--train.micro_batch_size=4", "--logging.progress=false", "--train.eval_generate=0",
+             f"--train.output_dir={tmp_path}", "--train.run_name=q")  # fmt: skip
+    run = tmp_path / "q"
+    cli_here("export", str(run), "--hf", str(tmp_path / "hf"), "--dtype", "fp32")
+    ours = load_trained(run, "cpu").model
+    assert any(isinstance(m, NF4Linear) for m in ours.modules())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = batch(16)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-4, rtol=0)
