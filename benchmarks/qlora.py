@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="tracetrain rows only")
     ap.add_argument("--unsloth-gc-70b", default=CASES["70b"]["unsloth_gc"], help="false | true | unsloth")
     ap.add_argument("--peersite", default="/tmp/peersite")
-    ap.add_argument("--timeout-s", type=float, default=420)
+    ap.add_argument("--timeout-s", type=float, default=330, help="per row (a hung peer must not eat the call)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:  # one of our rows, in its own process

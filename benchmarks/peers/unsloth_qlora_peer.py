@@ -121,6 +121,7 @@ def main() -> None:
     folder = checkpoint_folder(numel // 2 + 4 * c["vocab_size"] * c["hidden_size"])
     try:
         write_s = write_bnb4_checkpoint(folder, c, "cuda", seq)
+        torch.cuda.empty_cache()  # the drawing's cached blocks go back before unsloth loads
         t0 = time.time()
         model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=seq, dtype=torch.bfloat16,
                                                      load_in_4bit=True)
