@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tracetrain.errors import ConfigError
+
 BLOCK_SIZE = 64  # weights per absmax block
 SCALER_BLOCK_SIZE = 256  # absmax values per double-quantisation block
 NF4_BITS_PER_PARAM = 4 + 8 / BLOCK_SIZE + 32 / (BLOCK_SIZE * SCALER_BLOCK_SIZE)
@@ -247,6 +249,11 @@ def quantise_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
     for block in model.layers:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module
         frozen = [(n, m) for n, m in block.named_modules() if type(m) is nn.Linear and not m.weight.requires_grad]
         for name, linear in frozen:
+            if linear.weight.numel() % BLOCK_SIZE:
+                raise ConfigError(
+                    f"config key 'lora.base_quant': 'nf4' stores weights in blocks of {BLOCK_SIZE}; {name} has "
+                    f"{linear.out_features} x {linear.in_features}; use lora.base_quant = 'none' for this model"
+                )
             parent_name, _, leaf = name.rpartition(".")
             parent = block.get_submodule(parent_name) if parent_name else block
             setattr(parent, leaf, NF4Linear(linear, dtype))
