@@ -88,7 +88,7 @@ def _time_table(p: Plan) -> Table:
 def _summary(p: Plan) -> Text:
     i = p.input
     verdict = Text("fits" if p.fits else "does NOT fit", style="green" if p.fits else "bold red")
-    mode = i.mode
+    mode: str = i.mode
     if i.mode == "lora":  # QLoRA and DoRA are LoRA variants the plan counts differently
         mode = "qlora (nf4 base)" if i.lora_base_quant == "nf4" else "lora"
         mode += " + dora" if i.lora_dora else ""
