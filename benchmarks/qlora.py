@@ -17,6 +17,7 @@ which also offloads the checkpoints to the host, is the `--unsloth-gc-70b unslot
   tar xzf .peers/peersite.tgz -C /tmp          # or let the script do it (it looks for .peers/peersite.tgz)
   PYTHONPATH=. python3 benchmarks/qlora.py                     # 8b and 70b, ours and unsloth: ~6-7 minutes
   PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b --no-peer
+  PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b,8b-bf16 --no-peer     # what the 4-bit base costs us
 
 Writes qlora_<gpu>.json under $OUT (when set) or benchmarks/results/, rows of earlier calls kept with their
 own `call` stamp, so ratios are read within one call.
@@ -42,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 CASES = {
     "8b": dict(preset="llama3-8b", batch=4, seq=2048, recompute="none", unsloth_gc="false", warmup=3),
     "70b": dict(preset="llama3-70b", batch=2, seq=2048, recompute="full", unsloth_gc="true", warmup=2),
+    # Our own bf16-base LoRA of the 8b case (no peer): what the 4-bit base costs in speed and saves in memory.
+    "8b-bf16": dict(preset="llama3-8b", batch=4, seq=2048, recompute="none", unsloth_gc="", warmup=3, quant="none"),
 }
 
 
@@ -57,7 +60,8 @@ def ours(case: str, steps: int, targets: str) -> dict:
     from tracetrain.train.step import train_step
 
     c = CASES[case]
-    cfg = load_config(None, [f"--model.preset={c['preset']}", "--train.mode=lora", "--lora.base_quant=nf4",
+    quant = c.get("quant", "nf4")
+    cfg = load_config(None, [f"--model.preset={c['preset']}", "--train.mode=lora", f"--lora.base_quant={quant}",
                              f"--lora.targets={targets}", "--lora.rank=16", "--lora.alpha=32",
                              f"--data.seq_len={c['seq']}", f"--train.micro_batch_size={c['batch']}",
                              "--train.precision=bf16", "--train.compile=on", "--train.attention=sdpa",
@@ -86,7 +90,7 @@ def ours(case: str, steps: int, targets: str) -> dict:
         times.append(a.elapsed_time(b) / 1e3)
     step_s = median(times)
     base_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".codes" in n or ".scaler" in n)
-    return {"system": "tracetrain", "model": c["preset"], "mode": "qlora", "targets": targets,
+    return {"system": "tracetrain", "model": c["preset"], "mode": "qlora" if quant == "nf4" else "lora", "targets": targets,
             "batch": c["batch"], "seq": c["seq"], "recompute": c["recompute"], "step_s_median": step_s,
             "step_s_all": times, "tokens_per_s": c["batch"] * c["seq"] / step_s, "loss": float(loss),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "nf4_base_gib": base_bytes / 2**30,
@@ -148,9 +152,10 @@ def main() -> None:
         c = CASES[case]
         out = child([sys.executable, __file__, "--child", case, "--steps", str(a.steps), "--targets", a.targets],
                     own_env, a.timeout_s)
-        rows.append({"system": "tracetrain", "case": f"{c['preset']}-qlora", **out, **stamp})
+        kind = "qlora" if c.get("quant", "nf4") == "nf4" else "lora-bf16"
+        rows.append({"system": "tracetrain", "case": f"{c['preset']}-{kind}", **out, **stamp})
         print(f"tracetrain {case}: {out.get('tokens_per_s', out.get('error'))}", flush=True)
-        if site is None:
+        if site is None or not c["unsloth_gc"]:
             continue
         gc_mode = a.unsloth_gc_70b if case == "70b" else c["unsloth_gc"]
         tgt = "all-linear" if a.targets == "all-linear" else "qkvo"
