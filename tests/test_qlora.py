@@ -253,3 +253,15 @@ def test_cli_train_then_export_dequantises(tmp_path: Path) -> None:
     x = batch(16)["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("key", ["lora.base_quant=nf4", "lora.dora=true"])
+def test_several_ranks_are_refused_in_one_line(key: str) -> None:
+    from tracetrain.models.build import model_args_from_config
+    from tracetrain.validate import validate
+
+    cfg = load_config(None, ["--train.mode=lora", f"--{key}", "--parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match=key.split("=")[0]) as e:
+        validate(cfg, model_args_from_config(cfg), 2)
+    assert "several ranks" in str(e.value) and "\n" not in str(e.value)
+    validate(cfg.replace({"parallel.dp_shard": 1}), model_args_from_config(cfg), 1)  # one process: fine
