@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -265,3 +266,18 @@ def test_several_ranks_are_refused_in_one_line(key: str) -> None:
         validate(cfg, model_args_from_config(cfg), 2)
     assert "several ranks" in str(e.value) and "\n" not in str(e.value)
     validate(cfg.replace({"parallel.dp_shard": 1}), model_args_from_config(cfg), 1)  # one process: fine
+
+
+def test_gguf_tensors_are_the_merged_dequantised_weights(qlora_model: torch.nn.Module) -> None:
+    import copy
+
+    gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'tracetrain[gguf]') names the tensors")
+    from tracetrain.models.gguf_export import _tensors
+
+    merged = copy.deepcopy(qlora_model)
+    merge_lora(merged)
+    ours = _tensors(qlora_model, qlora_model.args, gguf, torch.float32)
+    reference = _tensors(merged, merged.args, gguf, torch.float32)
+    assert [name for name, _, _ in ours] == [name for name, _, _ in reference]
+    for (name, data, _), (_, ref, _) in zip(ours, reference):
+        np.testing.assert_allclose(data, ref, atol=1e-6, rtol=0, err_msg=name)
