@@ -163,6 +163,6 @@ def test_trains_through_the_real_assembly_with_a_qlora_base() -> None:
     "overrides", [["--lora.dora=true"], ["--train.mode=lora", "--lora.dora=true", "--train.fp8=rowwise"]]
 )
 def test_bad_combinations_are_one_line(overrides: list[str]) -> None:
-    with pytest.raises(ConfigError, match="lora.dora") as e:
+    with pytest.raises(ConfigError, match=r"lora\.dora") as e:
         load_config(None, overrides)
     assert "\n" not in str(e.value)

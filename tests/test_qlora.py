@@ -66,7 +66,7 @@ def test_dequantised_within_nf4_error() -> None:
 def test_same_values_as_torchao() -> None:
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)) * 0.05  # 512 blocks: 2 scaler runs
     ref = to_nf4(w, BLOCK_SIZE, SCALER_BLOCK_SIZE)
-    codes, scaler_codes, factors, mean = quantise_nf4(w)
+    codes, scaler_codes, factors, _ = quantise_nf4(w)
     assert torch.equal(codes, ref.quantized_data)
     assert torch.equal(scaler_codes, ref.quantized_scalers)
     torch.testing.assert_close(factors, ref.quantization_factor, rtol=0, atol=0)
@@ -78,7 +78,7 @@ def test_memory_is_4_13_bits_per_weight() -> None:
     q = NF4Linear(linear, torch.bfloat16)
     nbytes = sum(b.numel() * b.element_size() for b in q.buffers())
     assert nbytes * 8 / linear.weight.numel() == pytest.approx(NF4_BITS_PER_PARAM, abs=1e-3)
-    assert NF4_BITS_PER_PARAM == pytest.approx(4.127, abs=1e-3)
+    assert pytest.approx(4.127, abs=1e-3) == NF4_BITS_PER_PARAM
 
 
 def test_nf4_linear_forward_and_backward_use_the_dequantised_weight() -> None:
@@ -178,7 +178,7 @@ def test_export_hf_dequantises_and_loads_in_transformers(qlora_model: torch.nn.M
     ],
 )
 def test_bad_combinations_are_one_line(overrides: list[str], words: str) -> None:
-    with pytest.raises(ConfigError, match="lora.base_quant") as e:
+    with pytest.raises(ConfigError, match=r"lora\.base_quant") as e:
         load_config(None, overrides)
     assert words in str(e.value) and "\n" not in str(e.value)
 
