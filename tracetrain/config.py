@@ -358,6 +358,7 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             f"{where}config key 'data.tokenize': 'on_the_fly' needs data.pack = false and "
             "instruction or synthetic data (packing must know every length ahead of time)"
         )
+    _check_lora_variants(cfg, where)
     mem = cfg.memory
     if mem.optimizer_offload and (cfg.train.mode == "lora" or cfg.train.precision == "fp16"):
         raise ConfigError(
@@ -393,6 +394,24 @@ def _check_objective(cfg: Config, where: str) -> None:
             f"{where}config key 'data.kind': 'preference' pairs need train.objective = 'dpo' or 'simpo' "
             "(with 'sft' the rejected answers would be trained on)"
         )
+
+
+def _check_lora_variants(cfg: Config, where: str) -> None:
+    """QLoRA (lora.base_quant) and DoRA (lora.dora) change the LoRA layers: with full fine-tuning or an FP8
+    base there is no such layer, so each combination is refused in one line."""
+    lc = cfg.lora
+    for key, on in (("lora.base_quant", lc.base_quant != "none"), ("lora.dora", lc.dora)):
+        value = repr(lc.base_quant) if key == "lora.base_quant" else "true"
+        if on and cfg.train.mode != "lora":
+            raise ConfigError(
+                f"{where}config key '{key}' = {value} changes the LoRA adapters; train.mode = "
+                f"'{cfg.train.mode}' has none: set train.mode = 'lora' or leave {key} at its default"
+            )
+        if on and cfg.train.fp8 != "none":
+            raise ConfigError(
+                f"{where}config key '{key}' = {value} does not combine with train.fp8 = '{cfg.train.fp8}' "
+                "(FP8 replaces the frozen base's matmul that QLoRA and DoRA read); choose one"
+            )
 
 
 def _check_profile(cfg: Config, where: str) -> None:

@@ -245,6 +245,12 @@ class LoraSection:
     adapter_dtype: Literal["fp32", "bf16"] = fld(
         "fp32", "dtype of the trained adapter weights (and their optimizer states)."
     )
+    base_quant: Literal["none", "nf4"] = fld(
+        "none",
+        "QLoRA: store the frozen block projections in 4-bit NF4 with double-quantised scales (4.13 bits "
+        "per weight), dequantised to lora.base_dtype for compute ('none' = keep lora.base_dtype).",
+    )
+    dora: bool = fld(False, "DoRA: learn a magnitude per output row of each adapted projection (PEFT's use_dora).")
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,15 @@ def refuse_with_parallel(cfg: Config) -> None:
             "'optimizer', with FSDP or DDP): FSDP owns and re-creates the parameter storage, and the tensor-, "
             "context-, pipeline- and expert-parallel layouts were not checked with it",
         ),
+        "lora.base_quant": (
+            cfg.lora.base_quant != "none",
+            "the NF4 base is held whole by each rank (its 4-bit buffers are not sharded by FSDP or split by "
+            "the tensor-parallel plan)",
+        ),
+        "lora.dora": (
+            cfg.lora.dora,
+            "DoRA's row norms need each projection's whole rows, which the layouts were not checked to give",
+        ),
         "train.fp8": (
             cfg.train.fp8 != "none" and max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.ep) > 1,
             "FP8 composes with data parallelism (FSDP, DDP) only; its matmuls do not take tensor-, context-, "

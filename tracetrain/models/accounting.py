@@ -54,8 +54,9 @@ def num_matmul_params(args: ModelArgs, num_experts: int = 0, top_k: int = 0) -> 
     return args.n_layers * per_layer + args.vocab_size * args.dim
 
 
-def lora_params(args: ModelArgs, rank: int, targets: list[str]) -> int:
-    """Adapter parameters for LoRA of `rank` on the named projections of every block."""
+def lora_params(args: ModelArgs, rank: int, targets: list[str], dora: bool = False) -> int:
+    """Adapter parameters for LoRA of `rank` on the named projections of every block (with `dora`, plus
+    DoRA's magnitude vector: one value per output feature of each adapted projection)."""
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
     shapes = {
         "q_proj": (d, d),
@@ -67,7 +68,8 @@ def lora_params(args: ModelArgs, rank: int, targets: list[str]) -> int:
         "down_proj": (f, d),
     }
     names = list(shapes) if "all-linear" in targets else targets
-    return args.n_layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names if n in shapes)
+    per = {n: rank * (i + o) + (o if dora else 0) for n, (i, o) in shapes.items()}
+    return args.n_layers * sum(per[n] for n in names if n in shapes)
 
 
 @dataclass(frozen=True)

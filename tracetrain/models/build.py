@@ -21,9 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from tracetrain.config import Config
 from tracetrain.errors import ConfigError
+from tracetrain.models.dora import DoRALinear
 from tracetrain.models.init import canonical_name, fill_local, init_rule
 from tracetrain.models.llama import ModelArgs, Transformer, rope_inv_freq
 from tracetrain.models.presets import PRESETS, get_preset
+from tracetrain.models.qlora import NF4Linear
 
 _OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 
@@ -121,6 +123,8 @@ def materialize_parts(
             for module, name in holders[1:]:
                 module._parameters[name] = first
         for module in part.modules():
+            if isinstance(module, NF4Linear):
+                continue  # its buffers are the quantised weight: filled below
             for name, buf in module._buffers.items():
                 assert buf is not None and name == "rope_inv_freq", f"no initial value for buffer {name!r}"
                 module._buffers[name] = rope_inv_freq(args).to(device)
@@ -129,6 +133,26 @@ def materialize_parts(
             canon = canonical_name(name, tied=args.tie_embeddings)
             if source is None or not source.fill(local, canon, shape, offsets):
                 fill_local(local, canon, shape, offsets, init_rule(canon, shape, args), seed)
+        _fill_quantised(part, args, device, seed, source)
+        for module in part.modules():
+            if isinstance(module, DoRALinear):
+                module.reset_magnitude()  # ||W|| per row of the base just filled (a checkpoint may replace it)
+
+
+def _fill_quantised(
+    part: nn.Module, args: ModelArgs, device: torch.device, seed: int, source: WeightSource | None
+) -> None:
+    """Each NF4 weight (QLoRA) filled in full precision, one at a time, and quantised: the 16-bit weights
+    never exist all at once (a 70B base fits one GPU in 4 bits, not in 16)."""
+    for name, module in part.named_modules():
+        if not isinstance(module, NF4Linear):
+            continue
+        canon = canonical_name(f"{name}.weight", tied=args.tie_embeddings)
+        full = torch.empty(module.shape, dtype=module.dtype, device=module.codes.device)
+        if source is None or not source.fill(full, canon, module.shape, (0, 0)):
+            fill_local(full, canon, module.shape, (0, 0), init_rule(canon, module.shape, args), seed)
+        module.quantise_(full)
+        del full
 
 
 def materialize(args: ModelArgs, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:

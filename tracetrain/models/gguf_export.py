@@ -27,6 +27,7 @@ from tracetrain.errors import CheckpointError, TracetrainError
 from tracetrain.models.hf import _export_tensor, _hf_name
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import is_lora_key
+from tracetrain.models.qlora import dense_state_dict
 
 GGUF_EXTRA = "pip install 'tracetrain[gguf]'"
 
@@ -116,7 +117,7 @@ def _tensors(model: torch.nn.Module, args: ModelArgs, gguf: Any, dtype: torch.dt
     """(GGUF name, numpy data, raw GGML type or None) for every weight, in state-dict order."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, args.n_layers)
     out = []
-    for key, value in model.state_dict().items():
+    for key, value in dense_state_dict(model).items():  # NF4 (QLoRA) weights dequantised by _export_tensor
         if is_lora_key(key) or (args.tie_embeddings and key == "lm_head.weight"):
             continue
         hf = _hf_name(key)

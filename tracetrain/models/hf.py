@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tracetrain.errors import CheckpointError
+from tracetrain.models.dora import DoRALinear
 from tracetrain.models.hf_load import HFCheckpoint, local_name
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import (
@@ -37,6 +38,7 @@ from tracetrain.models.lora import (
     lora_state_dict,
     resolve_targets,
 )
+from tracetrain.models.qlora import NF4Linear, dense_state_dict
 from tracetrain.safe_load import open_safetensors
 
 if TYPE_CHECKING:
@@ -210,7 +212,7 @@ def _checkpoint_files(path: Path) -> dict[str, str]:
 
 def _model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Local (HF-style, no 'model.') name -> full shape of what the checkpoint must hold; LoRA adapters are not in HF files."""
-    state = model.state_dict(keep_vars=True)
+    state = dense_state_dict(model, keep_vars=True)
     return {local_name(_hf_name(k)): tuple(v.shape) for k, v in state.items() if not is_lora_key(k)}
 
 
@@ -301,10 +303,11 @@ def hf_config_dict(
 def _export_tensor(model: nn.Module, key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One tensor as written: LoRA-wrapped weights merged (into a new tensor), cast, on the CPU."""
     module_name, _, leaf = key.rpartition(".")
-    if module_name.endswith(".base") and leaf == "weight":
-        owner = model.get_submodule(module_name.removesuffix(".base"))
-        if isinstance(owner, LoRALinear):
-            value = owner.merged_weight(dtype)
+    owner = model.get_submodule(module_name.removesuffix(".base")) if leaf == "weight" else None
+    if module_name.endswith(".base") and isinstance(owner, LoRALinear):
+        value = owner.merged_weight(dtype)
+    elif isinstance(owner, NF4Linear):  # a QLoRA projection without adapter: dequantised
+        value = owner.weight
     return value.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
@@ -336,7 +339,7 @@ def write_hf_weights(
     at a time, so peak host memory is about one shard, not the whole model. `progress` hears the bytes
     converted and written so far, per tensor (tracetrain/progress.py).
     """
-    state = {k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
+    state = {k: v for k, v in dense_state_dict(model).items() if not is_lora_key(k)}
     if args.tie_embeddings:
         state.pop("lm_head.weight", None)  # HF ties it on load; safetensors refuses shared storage anyway
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -415,6 +418,7 @@ def write_peft_adapter(
     if not adapters:
         raise ValueError("model has no LoRA adapters to export; apply_lora first")
     _check_adapter_args(model, rank, targets)
+    dora = any(isinstance(m, DoRALinear) for m in model.modules())
     cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -433,7 +437,7 @@ def write_peft_adapter(
         "rank_pattern": {},
         "alpha_pattern": {},
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": dora,
         "lora_bias": False,
     }
     tensors = {_PEFT_PREFIX + _hf_name(k): v.detach().cpu().contiguous() for k, v in adapters.items()}
@@ -465,7 +469,6 @@ def export_peft_adapter(
 
 # Adapter features with no equivalent here; a set value would silently change what the adapter computes.
 _PEFT_UNSUPPORTED = (
-    "use_dora",
     "use_rslora",
     "fan_in_fan_out",
     "lora_bias",
@@ -524,6 +527,7 @@ def load_peft_adapter(
         cfg["target_modules"],
         base_dtype,
         adapter_dtype,
+        dora=bool(cfg.get("use_dora")),
     )
     try:
         load_lora_state_dict(model, tensors)

@@ -53,6 +53,8 @@ def init_rule(name: str, shape: tuple[int, ...], args: ModelArgs) -> InitRule:
     leaf = name.rpartition(".")[2]
     if name.endswith("lora_A.weight"):  # kaiming_uniform_(a=sqrt(5)): bound 1 / sqrt(fan_in), as nn.Linear and PEFT
         return InitRule("uniform", 1.0 / math.sqrt(shape[1]))
+    if name.endswith("lora_magnitude_vector"):  # DoRA: set to the base's row norms once the base is filled
+        return InitRule("ones")
     if name.endswith("lora_B.weight") or leaf == "bias":
         return InitRule("zeros")
     if name.endswith(("norm.weight", "layernorm.weight")):

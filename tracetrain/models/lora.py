@@ -10,6 +10,9 @@ and `...q_proj.lora_B.weight`; `merge_lora` restores the original `...q_proj.wei
 
 Adapters are kept in `adapter_dtype` (float32 by default) even when the frozen base is cast to bf16:
 the optimizer updates only the adapters, and small updates to a bf16 weight would be rounded away.
+
+Two variants are options of `apply_lora`: a 4-bit NF4 frozen base (QLoRA, `base_quant="nf4"`,
+models/qlora.py) and DoRA's learned magnitudes (`dora=True`, models/dora.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from tracetrain.errors import CheckpointError
+from tracetrain.models.qlora import NF4Linear, dequantise_all, quantise_frozen_linears
 
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -35,17 +39,27 @@ class LoRALinear(nn.Module):
 
     # False: the layer computes its frozen base alone (`adapters_disabled`: DPO's reference model).
     adapters_enabled: bool = True
+    base: nn.Linear | NF4Linear
+    in_features: int
+    out_features: int
 
     def __init__(
-        self, base: nn.Linear, rank: int, alpha: float, dropout: float, adapter_dtype: torch.dtype = torch.float32
+        self,
+        base: nn.Linear | NF4Linear,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        adapter_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {rank}")
-        self.base = base
+        self.base = base  # nn.Linear, or NF4Linear (QLoRA): `base.weight` is then dequantised on each read
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
-        kwargs = {"device": base.weight.device, "dtype": adapter_dtype}
+        self.in_features, self.out_features = base.in_features, base.out_features
+        device = base.codes.device if isinstance(base, NF4Linear) else base.weight.device
+        kwargs = {"device": device, "dtype": adapter_dtype}
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **kwargs)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **kwargs)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -115,14 +129,23 @@ def apply_lora(
     targets: list[str],
     base_dtype: torch.dtype | None = None,
     adapter_dtype: torch.dtype = torch.float32,
+    *,
+    base_quant: str = "none",
+    dora: bool = False,
 ) -> int:
     """Wrap the `targets` projections of every block in `model.layers` with `LoRALinear`, in place.
 
     Every other parameter is frozen (and cast to `base_dtype` when given, to halve the memory of the
-    frozen weights in bf16). `lm_head` and the embedding are never adapted. Returns the number of
-    trainable parameters, which equals `accounting.lora_params(args, rank, targets)`.
+    frozen weights in bf16). `lm_head` and the embedding are never adapted. `base_quant="nf4"` first
+    stores every frozen projection of the blocks in NF4, dequantised to `base_dtype` (default bf16) for
+    compute (QLoRA); `dora=True` adapts with `DoRALinear`. Returns the number of trainable parameters,
+    which equals `accounting.lora_params(args, rank, targets, dora)`.
     """
+    from tracetrain.models.dora import DoRALinear  # dora.py subclasses LoRALinear from this module
+
     names = resolve_targets(targets)
+    if base_quant not in ("none", "nf4"):
+        raise ValueError(f"unknown base quantisation {base_quant!r}; allowed: none, nf4")
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model already has LoRA adapters; merge_lora it first")
     model.requires_grad_(False)
@@ -130,13 +153,18 @@ def apply_lora(
         # Assigning `.data` keeps each Parameter object, so tied weights (lm_head = embedding) stay tied.
         for p in model.parameters():
             p.data = p.data.to(base_dtype)
+    if base_quant == "nf4":  # before wrapping: DoRA's magnitudes are the norms of the quantised base
+        quantise_frozen_linears(model, base_dtype or torch.bfloat16)
+    layer = DoRALinear if dora else LoRALinear
     for block in model.layers:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         matches = [
-            (n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear) and n.rpartition(".")[2] in names
+            (n, m)
+            for n, m in block.named_modules()
+            if isinstance(m, (nn.Linear, NF4Linear)) and n.rpartition(".")[2] in names
         ]
         for name, linear in matches:
             parent, leaf = _parent(block, name)
-            setattr(parent, leaf, LoRALinear(linear, rank, alpha, dropout, adapter_dtype))
+            setattr(parent, leaf, layer(linear, rank, alpha, dropout, adapter_dtype))
     return sum(p.numel() for p in trainable_parameters(model).values())
 
 
@@ -145,13 +173,18 @@ def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight and put the plain `nn.Linear` back, in place.
 
     Afterwards the state dict has the original names (`...q_proj.weight`) again. The restored
-    layers stay frozen; call `model.requires_grad_(True)` for full fine-tuning from here.
+    layers stay frozen; call `model.requires_grad_(True)` for full fine-tuning from here. An NF4 base
+    (QLoRA) becomes a plain `nn.Linear` holding the dequantised weight, merged where it was adapted.
     """
     lora_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, module in lora_modules:
-        module.base.weight.copy_(module.merged_weight())
+        merged = module.merged_weight()
+        if isinstance(module.base, NF4Linear):
+            dequantise_all(module)  # module.base is a plain nn.Linear now
+        module.base.weight.copy_(merged)
         parent, leaf = _parent(model, name)
         setattr(parent, leaf, module.base)
+    dequantise_all(model)  # the projections that had no adapter
 
 
 @contextlib.contextmanager
@@ -169,8 +202,9 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 
 def is_lora_key(key: str) -> bool:
-    """True for adapter entries of a state dict (`...lora_A.weight`, `...lora_B.weight`)."""
-    return ".lora_A." in key or ".lora_B." in key
+    """True for adapter entries of a state dict (`...lora_A.weight`, `...lora_B.weight`, DoRA's
+    `...lora_magnitude_vector`)."""
+    return ".lora_A." in key or ".lora_B." in key or key.endswith(".lora_magnitude_vector")
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

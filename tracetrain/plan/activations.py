@@ -92,6 +92,7 @@ class Numerics:
     a: int
     targets: frozenset[str]
     rank: int
+    dora: bool = False  # DoRA adapters (lora.dora): two more outputs per adapted projection
 
 
 def numerics(inp: PlanInput) -> Numerics:
@@ -107,7 +108,18 @@ def numerics(inp: PlanInput) -> Numerics:
     c = 2 if autocast else w
     x = max(w, c) if autocast else w
     a = c if autocast else 4
-    return Numerics(full, autocast, c, w, x, a, frozenset(() if full else inp.lora_targets), inp.lora_rank)
+    targets = frozenset(() if full else inp.lora_targets)
+    return Numerics(full, autocast, c, w, x, a, targets, inp.lora_rank, inp.lora_dora and not full)
+
+
+def dora_items(args: ModelArgs, nm: Numerics) -> list[Item]:
+    """DoRA (models/dora.py) keeps, per adapted projection, its base output and its adapter output (the
+    magnitude's gradient reads both), out_features wide each, in the adapters' compute width."""
+    if not nm.dora:
+        return []
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    width = {"q_proj": d, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
+    return [Item("DoRA: base + adapter outputs", 2 * nm.a * sum(width[t] for t in nm.targets))]
 
 
 @dataclass(frozen=True)
@@ -222,6 +234,7 @@ def block_items(
         items.append(Item("down input", (nm.c if nm.full else nm.a) * f * moe_factor, "tp"))
     if nm.targets:
         items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
+    items += dora_items(args, nm)
     return [i for i in items if i.per_token or i.per_token_seq]
 
 
@@ -249,7 +262,7 @@ def compiled_block_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0)
         items.append(Item("down input", width * f * moe_factor, "tp"))
     if nm.targets:
         items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
-    return items
+    return items + dora_items(args, nm)
 
 
 def selective_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:

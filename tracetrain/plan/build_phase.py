@@ -15,9 +15,10 @@ load and the step, so a run whose step fits but whose weights cannot be material
 
 from __future__ import annotations
 
+from tracetrain.models.qlora import NF4_QUANTISE_BYTES_PER_PARAM
 from tracetrain.plan.activations import Affine
 from tracetrain.plan.inputs import PlanInput
-from tracetrain.plan.params import StageParams
+from tracetrain.plan.params import StageParams, frozen_bytes, largest_projection, nf4_params
 
 # The trainer's own bounds (models/init.py CHUNK_ELEMENTS, models/hf_load.py _READ_BYTES), restated
 # here until the planner can import them from the models it plans (they land in the same change).
@@ -51,18 +52,20 @@ def shard_bytes(inp: PlanInput, sp: StageParams, base_bytes: float) -> float:
     fp32 master on the host. Sharded over dp_shard * cp (and tp/pp/ep, already in `sp`)."""
     full = inp.mode == "full"
     trainable = sp.total if full else sp.adapters
-    frozen = sp.total - trainable
     train_bytes = 2 if (full and (inp.optimizer_offload or inp.param_dtype == "bf16")) else 4
     # FP8 quantises real values: its row runs before the layout's, so the whole model is materialised
     # first on every rank (FP8 composes with data parallelism only: no tp/pp to divide by).
     fsdp = 1 if inp.precision == "fp8" else inp.dp_shard * inp.cp
-    return (frozen * base_bytes + trainable * train_bytes) / fsdp
+    return (frozen_bytes(inp, sp, base_bytes) + trainable * train_bytes) / fsdp
 
 
 def build_items(inp: PlanInput, sp: StageParams, base_bytes: float) -> tuple[dict[str, Affine], dict[str, Affine]]:
     """GPU items of the build and load phases, and the host staging of a checkpoint load."""
     largest = largest_param(inp, sp)
-    chunk = min(largest, INIT_CHUNK_ELEMENTS) * INIT_BYTES_PER_ELEMENT
+    chunk = float(min(largest, INIT_CHUNK_ELEMENTS) * INIT_BYTES_PER_ELEMENT)
+    if nf4_params(inp, sp):  # QLoRA: one whole projection filled (2 bytes each), then quantised (models/build.py)
+        proj = largest_projection(inp)
+        chunk = max(chunk + 2 * proj, proj * NF4_QUANTISE_BYTES_PER_PARAM)
     read = min(largest * CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_READ_BYTES) if inp.load_checkpoint else 0.0
     items = {
         SHARD_ITEM: Affine(shard_bytes(inp, sp, base_bytes)),

@@ -127,6 +127,8 @@ FIELDS: tuple[Field, ...] = (
     Field("fused_ce_chunk", "train.fused_ce_chunk", None, when=lambda i: i.fused_ce_chunk > 0),
     # As the config says.
     Field("lora_rank", "lora.rank", _cfg("lora.rank"), when=_lora),
+    Field("lora_base_quant", "lora.base_quant", _cfg("lora.base_quant"), when=_lora),
+    Field("lora_dora", "lora.dora", _cfg("lora.dora"), when=_lora),
     Field(
         "lora_targets",
         "lora.targets",

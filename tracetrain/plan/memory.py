@@ -69,7 +69,15 @@ from tracetrain.plan import activations as act
 from tracetrain.plan.activations import Affine
 from tracetrain.plan.build_phase import BUILD_PHASES, SHARD_ITEM, build_items, build_phases
 from tracetrain.plan.inputs import PlanInput
-from tracetrain.plan.params import StageParams, cast_params, expert_shards, stage_params
+from tracetrain.plan.params import (
+    StageParams,
+    cast_params,
+    expert_shards,
+    frozen_bytes,
+    largest_projection,
+    nf4_params,
+    stage_params,
+)
 
 GIB = 2**30
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers live outside torch's allocator: ~0.5 GiB of
@@ -134,15 +142,15 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
         # Experts are already split over ep, which borrowed its ranks from dp_shard: data parallelism
         # shards them over fsdp / ep ranks only. Counted as if sharded like the rest (same bytes).
         train += sp.num_blocks * sp.experts * (fsdp / expert_shards(inp) - 1)
-    frozen = sp.total - (sp.total if inp.mode == "full" else sp.adapters)
-    frozen_bytes = frozen * nm.w / sh_p
+    frozen_w = frozen_bytes(inp, sp, nm.w)  # NF4 projections at 4.127 bits (QLoRA)
+    frozen_b = frozen_w / sh_p
     cpu: dict[str, Affine] = {}
     if inp.optimizer_offload:
         # tracetrain.memory.optimizer_offload: bf16 weights on the GPU, each gradient copied out and
         # freed as soon as it is accumulated (one weight's worth alive), 18 bytes/param on the host.
         largest = max(inp.model.vocab_size * inp.model.dim / inp.tp, inp.model.dim * inp.model.ffn_dim / inp.tp)
         items = {
-            "weights": Affine(frozen_bytes + train * nm.c / sh_p),
+            "weights": Affine(frozen_b + train * nm.c / sh_p),
             "gradients": Affine(min(train, largest) * nm.c),
             "AdamW states": Affine(),
             "AdamW temporaries": Affine(),
@@ -152,7 +160,7 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
     if inp.fsdp_cpu_offload:
         # FSDP2 CPUOffloadPolicy: sharded fp32 weights, grads and AdamW states stay in host memory; the
         # GPU only ever holds gathered blocks (the "FSDP buffers" items).
-        cpu["FSDP shards (weights, grads, AdamW)"] = Affine((frozen * nm.w + train * 16) / fsdp)
+        cpu["FSDP shards (weights, grads, AdamW)"] = Affine((frozen_w + train * 16) / fsdp)
         return {
             "weights": Affine(),
             "gradients": Affine(),
@@ -162,7 +170,7 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
     train_w = 2 if inp.param_dtype == "bf16" else 4
     master = 4 if inp.param_dtype == "bf16" else 0
     items = {
-        "weights": Affine(frozen_bytes + train * train_w / sh_p),
+        "weights": Affine(frozen_b + train * train_w / sh_p),
         "gradients": Affine(train * train_w / sh_g),
         "AdamW states": Affine(train * (8 + master) / sh_o),
         "AdamW temporaries": Affine(0.0 if inp.fused_adamw else train * 4 / sh_o),
@@ -288,6 +296,10 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     emb_grad = args.vocab_size * args.dim / inp.tp * 4 if tied else 0.0
     items["embedding grad (dense)"] = Affine(emb_grad)
     items["NCCL buffers"] = Affine(NCCL_BUFFERS_BYTES if inp.num_gpus > 1 else 0.0)
+    # QLoRA: the one projection dequantised at a time (forward, and again for its input gradient).
+    items["NF4 weight, dequantised (1 projection)"] = Affine(
+        largest_projection(inp) * nm.c if nf4_params(inp, sp) else 0.0
+    )
     if inp.data_parallel and inp.pp > 1:
         # torch.distributed.pipelining runs every micro-batch's backward of an FSDP stage with
         # reshard_after_backward and gradient sync off (stage.backward_maybe_with_nosync), whatever the
@@ -310,7 +322,7 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
 
 def _phases(inp: PlanInput, last: bool) -> dict[str, list[str]]:
     """Which items each phase of the step holds (module docstring)."""
-    static = ["weights", "AdamW states", "NCCL buffers"]
+    static = ["weights", "AdamW states", "NCCL buffers", "NF4 weight, dequantised (1 projection)"]
     pipelined_fsdp = inp.data_parallel and inp.pp > 1
     early = static + (["gradients"] if inp.num_microbatches > 1 else [])
     if pipelined_fsdp:  # sharded gradients appear only at the step's single reduce-scatter

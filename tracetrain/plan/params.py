@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tracetrain.models.accounting import block_params, lora_params, num_params
+from tracetrain.models.qlora import NF4_BITS_PER_PARAM
 from tracetrain.parallel.pipeline import split_layers
 from tracetrain.plan.inputs import PlanInput
 
@@ -60,7 +61,30 @@ def total_params(inp: PlanInput) -> int:
 def trainable_params(inp: PlanInput) -> int:
     if inp.mode == "full":
         return total_params(inp)
-    return lora_params(inp.model, inp.lora_rank, list(inp.lora_targets))
+    return lora_params(inp.model, inp.lora_rank, list(inp.lora_targets), inp.lora_dora)
+
+
+def nf4_params(inp: PlanInput, sp: StageParams) -> float:
+    """Weights this stage holds in NF4 (QLoRA: every block projection; MoE experts and the router's
+    matrix are not `nn.Linear` projections and stay at the base dtype); 0 without lora.base_quant."""
+    if inp.mode != "lora" or inp.lora_base_quant != "nf4":
+        return 0.0
+    router = inp.model.dim * inp.num_experts  # not split by tp (stage_params)
+    return sp.num_blocks * (sp.block_linear - sp.experts - (router if inp.num_experts else 0.0))
+
+
+def frozen_bytes(inp: PlanInput, sp: StageParams, base_bytes: float) -> float:
+    """Bytes of this stage's frozen weights before data-parallel sharding: `base_bytes` each, the NF4 ones
+    at NF4_BITS_PER_PARAM (4.127 bits: codes, int8 block scales, float32 scale of scales)."""
+    trainable = sp.total if inp.mode == "full" else sp.adapters
+    quantised = nf4_params(inp, sp)
+    return (sp.total - trainable - quantised) * base_bytes + quantised * NF4_BITS_PER_PARAM / 8
+
+
+def largest_projection(inp: PlanInput) -> float:
+    """Elements of the largest block projection (after tp): the one NF4 weight dequantised at a time."""
+    a = inp.model
+    return max(a.dim * a.ffn_dim, a.dim * a.n_heads * a.head_dim) / inp.tp
 
 
 def stage_params(inp: PlanInput, stage: int) -> StageParams:
@@ -87,7 +111,7 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
     num_blocks = blocks_on_rank(inp, stage)
     adapters = 0.0
     if inp.mode == "lora":
-        adapters = lora_params(a, inp.lora_rank, list(inp.lora_targets)) * num_blocks / a.n_layers
+        adapters = lora_params(a, inp.lora_rank, list(inp.lora_targets), inp.lora_dora) * num_blocks / a.n_layers
     return StageParams(
         stage,
         num_blocks,

@@ -88,9 +88,13 @@ def _time_table(p: Plan) -> Table:
 def _summary(p: Plan) -> Text:
     i = p.input
     verdict = Text("fits" if p.fits else "does NOT fit", style="green" if p.fits else "bold red")
+    mode: str = i.mode
+    if i.mode == "lora":  # QLoRA and DoRA are LoRA variants the plan counts differently
+        mode = "qlora (nf4 base)" if i.lora_base_quant == "nf4" else "lora"
+        mode += " + dora" if i.lora_dora else ""
     return (
         Text(
-            f"{i.num_gpus} x {i.hardware().name}, {p.layout()}, {i.mode} {i.precision}, micro-batch "
+            f"{i.num_gpus} x {i.hardware().name}, {p.layout()}, {mode} {i.precision}, micro-batch "
             f"{i.micro_batch} x {i.seq_len} tokens x {i.num_microbatches} accum, recompute {i.recompute}: "
         )
         + verdict

@@ -63,11 +63,12 @@ import math
 from dataclasses import dataclass, field
 
 from tracetrain.models.accounting import attention_forward_flops, training_flops_per_token
+from tracetrain.models.qlora import NF4_BITS_PER_PARAM
 from tracetrain.plan import activations as act
 from tracetrain.plan import traffic as tr
 from tracetrain.plan.activations import Numerics
 from tracetrain.plan.inputs import Hardware, PlanInput
-from tracetrain.plan.params import cast_params, stage_params, trainable_params
+from tracetrain.plan.params import cast_params, nf4_params, stage_params, trainable_params
 
 # Constants of the hardware-efficiency model. Set from kernel-time profiles of the real trainer on one
 # H200 (benchmarks/plan_accuracy.py --profile: GEMM, attention and memory-bound kernel time measured
@@ -277,6 +278,11 @@ def microbatch_time(inp: PlanInput, hw: Hardware, nm: Numerics, stage: int) -> M
     _add(t.forward, "weight casts", 6 * casts / bw)
     wgrad_cast = casts if inp.mode == "full" else 0.0
     _add(t.backward, "weight casts", (6 * wgrad_cast + 6 * cast_block * n_ckpt) / bw)
+    # QLoRA: each NF4 weight is dequantised (codes read, 16-bit weight written) per forward, per recomputed
+    # forward and once more for its input gradient, per micro-batch.
+    nf4 = nf4_params(inp, sp) * (NF4_BITS_PER_PARAM / 8 + nm.c) / bw
+    _add(t.forward, "weight casts", nf4)
+    _add(t.backward, "weight casts", nf4 * (1 + n_ckpt / max(1, n)))
     return t
 
 

@@ -129,6 +129,8 @@ def _lora(a: Assembly) -> None:
             targets=lc.targets,
             base_dtype=a.spec.lora_base_dtype,
             adapter_dtype=torch.bfloat16 if lc.adapter_dtype == "bf16" else torch.float32,
+            base_quant=lc.base_quant,
+            dora=lc.dora,
         )
     except ValueError as e:
         raise ConfigError(f"config key 'lora.targets': {e}") from None
@@ -312,7 +314,8 @@ TRANSFORMS: tuple[Transform, ...] = (
         "lora",
         lambda s: s.cfg.train.mode == "lora",
         _lora,
-        "before any wrapping row (recompute, compile, sharding must see the final modules); freezes the base",
+        "before any wrapping row (recompute, compile, sharding must see the final modules); freezes the base "
+        "(QLoRA: NF4 modules on meta, quantised one weight at a time by `materialise`)",
     ),
     Transform(
         "attention",
