@@ -74,7 +74,7 @@ def run_case(overrides: list[str], fsdp: bool, a: argparse.Namespace, mesh1: obj
         units = apply_data_parallel(model, pm, cfg.parallel, param_dtype=spec.fsdp_param_dtype or torch.bfloat16,
                                     experts_sharded=False, shard_mesh=mesh1)  # type: ignore[arg-type]
         par = ParallelModel(parts=[model], mesh=pm, grad_sync=grad_sync_for(units, pm, cfg.parallel))
-    optimizer = build_optimizer(model, cfg.optim, device, cfg.memory)
+    optimizer = build_optimizer(model, cfg.optim, spec.optimizer_fused, cfg.memory)
     managed = 0
     if cfg.memory.unified_memory != "none":
         from tracetrain.memory.unified import apply_unified_memory, managed_bytes

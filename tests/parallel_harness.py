@@ -119,7 +119,7 @@ def train_and_record(
     par: ParallelModel, cfg: Config, batches_per_step: list[list[dict[str, torch.Tensor]]]
 ) -> dict[str, object]:
     """Run one step per entry of `batches_per_step`; losses, norms, full grads and final full params."""
-    optimizer = GradCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
+    optimizer = GradCapture(build_optimizer(par.module, cfg.optim, fused=False), par.module)
     ctx = step_context(cfg)
     losses, norms = [], []
     for micro_batches in batches_per_step:
@@ -341,7 +341,7 @@ def dcp_drill(run_dir: str) -> None:
     def setup(overrides: list[str], seed: int) -> tuple[ParallelModel, torch.optim.Optimizer]:
         cfg = tiny_config(overrides + [f"--train.seed={seed}"])
         par = apply_layout(cfg, build_tiny(cfg), info.world_size)
-        return par, build_optimizer(par.module, cfg.optim, torch.device("cpu"))
+        return par, build_optimizer(par.module, cfg.optim, fused=False)
 
     par, opt = setup(["--parallel.dp_shard=4"], seed=0)
     for batches in steps[:2]:
@@ -425,7 +425,7 @@ def _found_inf_step(layout: str, inject: bool, rank: int, world_size: int) -> di
 
     cfg = tiny_config([layout, "--train.precision=fp16"])
     par = apply_layout(cfg, build_tiny(cfg), world_size)
-    optimizer = build_optimizer(par.module, cfg.optim, torch.device("cpu"))
+    optimizer = build_optimizer(par.module, cfg.optim, fused=False)
     scaler = torch.amp.GradScaler("cpu")
     ctx = dataclasses.replace(step_context(cfg), autocast_dtype=torch.float16, scaler=scaler, par=par)
     before = {n: full(p) for n, p in par.module.named_parameters()}
@@ -477,7 +477,7 @@ def _offload_compared(overrides: list[str], world_size: int) -> dict[str, object
 
     def run(par: ParallelModel, steps: list[list[dict[str, torch.Tensor]]]) -> tuple[dict[str, object], object]:
         offload = apply_activation_offload(par.module, "streamed", min_offload_bytes=1, fraction=0.5)
-        optimizer = GradCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
+        optimizer = GradCapture(build_optimizer(par.module, cfg.optim, fused=False), par.module)
         ctx = dataclasses.replace(step_context(cfg), activation_offload=offload)
         losses = [float(run_step(par, optimizer, mbs, ctx).loss) for mbs in steps]  # type: ignore[arg-type]
         params = {n: full(p) for n, p in par.module.named_parameters()}
@@ -593,7 +593,7 @@ def _record_model_states(overrides: list[str], world_size: int) -> dict[str, dic
     """`model_states_drill` for one layout on this rank (collective: every rank calls it)."""
     cfg = tiny_config(overrides)
     par = apply_layout(cfg, build_tiny(cfg), world_size)
-    optimizer = StateCapture(build_optimizer(par.module, cfg.optim, torch.device("cpu")), par.module)
+    optimizer = StateCapture(build_optimizer(par.module, cfg.optim, fused=False), par.module)
     record: dict[str, dict[str, dict[str, int]]] = {}
     calls = [0]
 

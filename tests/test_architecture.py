@@ -105,3 +105,41 @@ def test_no_test_helpers_in_the_library():
     assert not (PKG / "parallel" / "testing.py").exists()
     for path in PKG.rglob("*.py"):
         assert "import pytest" not in path.read_text(), path
+
+
+# Config keys whose value `resolve` decides (tracetrain/spec.py): a consumer reads the spec's field, never
+# the key. Validation of what the user wrote (config.py, validate.py, parallel/mesh.py's layout checks)
+# reads the raw key on purpose: it judges the config, not the run.
+DECIDED_KEYS = {
+    ("train", "precision"),
+    ("train", "attention"),
+    ("train", "compile"),
+    ("train", "fused_kernels"),
+    ("train", "fused_ce"),
+    ("train", "fused_ce_chunk"),
+    ("optim", "fused"),
+    ("lora", "base_dtype"),
+}
+VALIDATORS = {"spec.py", "config.py", "config_sections.py", "validate.py", "parallel/mesh.py"}
+
+
+def _decided_key_reads(path: Path) -> list[str]:
+    """`X.train.precision`-shaped reads (any object, any depth) of a decided key, as 'line: section.key'."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            if (node.value.attr, node.attr) in DECIDED_KEYS:
+                found.append(f"{node.lineno}: {node.value.attr}.{node.attr}")
+    return found
+
+
+def test_decided_config_keys_are_read_only_through_the_spec():
+    roots = [PKG, PKG.parent / "benchmarks"]
+    bad = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if root == PKG and rel in VALIDATORS:
+                continue
+            bad += [f"{root.name}/{rel}:{hit}" for hit in _decided_key_reads(path)]
+    assert not bad, "read the spec's decided value instead (tracetrain/spec.py):\n" + "\n".join(bad)

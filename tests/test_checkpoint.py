@@ -131,7 +131,7 @@ _SAVER = textwrap.dedent("""
     cfg = load_config(None, ["--model.dim=256", "--model.ffn_dim=1024", "--model.n_layers=6",
                              "--model.vocab_size=32000"])
     model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, fused=False)
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     opt.step()
     for step in range(1, 10_000):
@@ -167,7 +167,7 @@ def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path):
         assert ckpts, "the first complete checkpoint must survive"
         for ckpt in ckpts:  # every visible checkpoint is complete and internally consistent
             model = build_model(cfg, torch.device("cpu"))
-            opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+            opt = build_optimizer(model, cfg.optim, fused=False)
             state = load_checkpoint(ckpt, model, opt, lora=False)
             assert state.step == int(ckpt.name.split("_")[1])
             assert all(torch.all(p == state.step) for p in model.parameters())
@@ -176,13 +176,13 @@ def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path):
 def test_load_rejects_incomplete_or_mismatched(tmp_path):
     cfg = load_config(None, ["--model.n_layers=1"])
     model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, fused=False)
     path = save_checkpoint(tmp_path, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=1)
     other = build_model(
         load_config(None, ["--model.n_layers=1", "--model.dim=64", "--model.ffn_dim=192"]), torch.device("cpu")
     )
     with pytest.raises(CheckpointError, match=r"tensor embed_tokens.weight has shape \(320, 128\)"):
-        load_checkpoint(path, other, build_optimizer(other, cfg.optim, torch.device("cpu")), lora=False)
+        load_checkpoint(path, other, build_optimizer(other, cfg.optim, fused=False), lora=False)
     (path / "optimizer.pt").unlink()
     with pytest.raises(CheckpointError, match=r"optimizer\.pt is missing"):
         load_checkpoint(path, model, opt, lora=False)
@@ -191,7 +191,7 @@ def test_load_rejects_incomplete_or_mismatched(tmp_path):
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     cfg = load_config(None, ["--model.n_layers=1"])
     model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, fused=False)
     for step in range(1, 5):
         save_checkpoint(tmp_path, model, opt, TrainState(step, {}, {}, {}), "", lora=False, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]

@@ -274,7 +274,7 @@ class _Evil:
 def _sharded(run: Path, step: int = 2) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
     cfg = tiny_config([])
     model = build_tiny(cfg)
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, fused=False)
     path = save_sharded(run, step, model, opt, {"step": step}, "# config\n", keep_last=3)
     return path, model, opt
 
@@ -335,7 +335,7 @@ def test_crafted_dcp_metadata_fails_eval_and_resume_with_one_line(tmp_path):
     cfg = load_config(None, RUN + [f"--train.output_dir={tmp_path}", "--train.run_name=r"])
     (run / "config.toml").write_text(to_toml(cfg))
     model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, fused=False)
     path = save_sharded(run, 2, model, opt, {"step": 2}, to_toml(cfg), keep_last=3)
     marker = tmp_path / "marker"
     _plant_evil_metadata(path, marker)
@@ -472,7 +472,7 @@ def small_disk(tmp_path):
 def test_full_disk_on_a_real_tmpfs(small_disk, monkeypatch, vocab):
     cfg = tiny_config([f"--model.vocab_size={vocab}"])
     model = build_tiny(cfg)
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, fused=False)
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     opt.step()  # AdamW's states exist from the first step on
     root = small_disk / "checkpoints"

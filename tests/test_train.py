@@ -25,7 +25,7 @@ def _model_and_opt(seed: int = 0, sgd: bool = False):
     model = build_model(cfg, torch.device("cpu"))
     if sgd:  # update = gradient: parameters after one step compare the gradients themselves
         return model, torch.optim.SGD(model.parameters(), lr=1.0)
-    return model, build_optimizer(model, cfg.optim, torch.device("cpu"))
+    return model, build_optimizer(model, cfg.optim, fused=False)
 
 
 def _rows(n: int, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -75,7 +75,7 @@ def test_non_finite_step_is_skipped_and_counted():
 def _fused_opt_model(seed: int = 0):
     cfg = load_config(None, ["--model.n_layers=2", f"--train.seed={seed}", "--optim.fused=on"])
     model = build_model(cfg, torch.device("cpu"))
-    return model, build_optimizer(model, cfg.optim, torch.device("cpu"))
+    return model, build_optimizer(model, cfg.optim, fused=False)
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9])

@@ -214,6 +214,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     pl.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
     pl.add_argument("--host-memory-gib", type=float, help="CPU memory per node (for offload)")
     pl.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    pl.add_argument(
+        "--explain", action="store_true", help="also print what the planner assumes for the run (its inputs)"
+    )
     pl.add_argument("--html", metavar="FILE", help="write the interactive HTML planner page")
     pl.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     handlers["plan"] = cmd_plan

@@ -8,6 +8,7 @@ TracetrainError into one `error: ...` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -50,6 +51,7 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     if a.output:
         check_output_path(a.output, "--output")  # before the model loads and the answers are generated
     loaded = load_trained(a.path, a.device, overrides)
+    _print_decisions(loaded.spec.decision_lines(), str(loaded.device), file=sys.stderr)  # stdout: the JSON result
     cfg = loaded.cfg
     _, eval_ds, _ = build_datasets(cfg.data, loaded.tokenizer)
     # Scored exactly as the training run's evaluations were (full-fine-tuning DPO: against its initial model).
@@ -110,6 +112,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     if output is not None and not output.parent.is_dir():
         raise TracetrainError(f"--output {output}: folder {output.parent} does not exist")
     loaded = load_trained(a.path, a.device, overrides)
+    _print_decisions(loaded.spec.decision_lines(), str(loaded.device), file=sys.stderr)  # stdout: the completions
     data = loaded.cfg.data
     sampling: dict[str, Any] = {  # the same for chat and for plain prompts
         "max_new_tokens": a.max_new_tokens,
@@ -326,6 +329,11 @@ def _show(result: object, a: argparse.Namespace, terminal: Callable, html: Calla
         print(f"JSON report: {a.json}")
 
 
+def _print_decisions(lines: list[str], where: str, file: Any = None) -> None:
+    """The spec's choices (tracetrain/spec.py), as train prints them (`Reporter.decisions`)."""
+    print(f"decided ({where}):" + "".join(f"\n  {line}" for line in lines or ["nothing"]), file=file)
+
+
 def check_output_path(path: str, flag: str) -> None:
     """Refuse an output file that cannot be created, before the work whose result it would hold."""
     p = Path(path)
@@ -351,7 +359,8 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.models.build import model_args_from_config
     from tracetrain.plan import (
         plan,
-        plan_input_from_config,
+        plan_input_from_spec,
+        plan_spec,
         plan_to_config_overrides,
         render_html,
         render_json,
@@ -371,7 +380,9 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
             raise TracetrainError(f"{flag} {value}: must be {f'at least {least}' if least else 'above 0 and finite'}")
     cfg = load_config(a.config, overrides)
     validate_run(cfg, model_args_from_config(cfg))  # plan only runs that train would accept
-    inp = plan_input_from_config(cfg, num_gpus=a.gpus, gpu=a.gpu)  # PlanInputError: one line, as the others
+    spec = plan_spec(cfg, a.gpus)
+    inp = plan_input_from_spec(spec, a.gpu, a.gpus)  # PlanInputError: one line, as the others
+    _print_decisions(spec.decision_lines(), "on a CUDA GPU")
     changes = {
         k: v
         for k, v in (
@@ -382,6 +393,9 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
         if v is not None
     }
     inp = inp.replace(**changes) if changes else inp
+    if a.explain:
+        fields = [f.name for f in dataclasses.fields(inp) if f.name != "model"]  # the model: its preset/shape
+        print("planned as: " + ", ".join(f"{name}={getattr(inp, name)}" for name in fields))
     result = search(inp, a.gpus, a.top) if a.search else plan(inp)
     if a.search and not result:
         raise TracetrainError(f"no layout of {a.gpus} GPU(s) fits; try more GPUs, recomputation or offload")

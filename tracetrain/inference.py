@@ -80,8 +80,7 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
 
         load_sharded(ckpt, model, None)
     else:
-        # As the trainer saved it: adapters only when the frozen base comes from model.init_from.
-        adapters_only = cfg.train.mode == "lora" and bool(cfg.model.init_from)
-        load_weights(ckpt / "model.safetensors", model, lora=adapters_only, config=ckpt / "config.toml")
+        # As the trainer saved it: the spec decides whether a checkpoint holds only the adapters.
+        load_weights(ckpt / "model.safetensors", model, lora=spec.adapters_only, config=ckpt / "config.toml")
     model.eval()
     return Loaded(model, load_tokenizer(cfg.data.tokenizer, cfg.model.init_from), cfg, ckpt, dev, precision, spec)

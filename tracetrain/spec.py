@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -23,13 +23,30 @@ from tracetrain.config import Config
 from tracetrain.models.llama import ModelArgs
 
 Precision = Literal["fp32", "bf16", "fp16"]
+
+
+ASKED = "asked: "  # the reason of a decision the user made in the config
+
+
+class Decision(NamedTuple):
+    """One choice `resolve` made: the config key, what will run, and why ("asked" when the user set it)."""
+
+    key: str
+    value: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.key} = {self.value} ({self.reason})"
+
+
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What a run executes, every choice made (see module docstring). `decisions` records each `auto`
-    resolved, as (config key, "value: reason"), for the console and the run directory."""
+    """What a run executes, every choice made (see module docstring). `decisions` records every choice
+    that is not a plain copy of a config value, with its reason: printed at the start of train, eval,
+    generate and `plan --explain`, saved as the run directory's spec.json, shown on the report page."""
 
     cfg: Config
     device: torch.device
@@ -47,7 +64,7 @@ class RunSpec:
     fsdp_param_dtype: torch.dtype | None  # FSDP compute dtype (None: the parameters' own, fp32)
     optimizer_fused: bool  # fused AdamW kernel (honours found_inf on the device)
     adapters_only: bool  # LoRA checkpoints hold only adapters (the base reloads from init_from)
-    decisions: tuple[tuple[str, str], ...] = ()
+    decisions: tuple[Decision, ...] = ()
     objective: Literal["sft", "dpo", "simpo"] = "sft"  # what the step minimises (train/preference.py)
     # DPO's reference: the model with its LoRA adapters off, or a frozen copy of the initial weights
     # (full fine-tuning); 'none' for objectives without one.
@@ -65,6 +82,21 @@ class RunSpec:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         return AUTOCAST_DTYPES[self.precision]
+
+    def asked(self, key: str) -> bool:
+        """Whether the user set decided key `key` (not 'auto'): e.g. an export keeps an asked dtype."""
+        return any(d.key == key and d.reason.startswith(ASKED) for d in self.decisions)
+
+    def decision_lines(self) -> list[str]:
+        return [d.line() for d in self.decisions]
+
+    def to_json(self) -> dict[str, object]:
+        """The decisions and the resolved values (spec.json of a run directory)."""
+        return {
+            "device": str(self.device),
+            "world_size": self.world_size,
+            "decisions": [d._asdict() for d in self.decisions],
+        }
 
     def replace(self, **changes: object) -> RunSpec:
         """A copy with `changes` (benchmarks and tests: a variant of the same run)."""
@@ -128,6 +160,16 @@ def fsdp_param_dtype_for(precision: str) -> torch.dtype | None:
     return torch.bfloat16 if precision == "bf16" else None
 
 
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "the parameters' own" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+class _Decisions(list[Decision]):
+    def add(self, key: str, asked: object, value: object, reason: str) -> None:
+        """`reason` explains an 'auto' (or a derived choice); a value the user set says so."""
+        self.append(Decision(key, str(value), reason if asked == "auto" or asked is None else f"{ASKED}{asked}"))
+
+
 def resolve(
     cfg: Config, device: torch.device, world_size: int = 1, model_args: ModelArgs | None = None, *, probe: bool = True
 ) -> RunSpec:
@@ -143,66 +185,57 @@ def resolve(
     from tracetrain.models.build import model_args_from_config
 
     args = model_args if model_args is not None else model_args_from_config(cfg)
-    t = cfg.train
+    t, cuda = cfg.train, device.type == "cuda"
     if probe:
         check_fp8_device(t.fp8, device)  # before a 7B model is materialised
-    decisions: list[tuple[str, str]] = []
+    d = _Decisions()
     precision = resolve_precision(t.precision, device, probe)
-    if t.precision == "auto":
-        decisions.append(
-            (
-                "train.precision",
-                f"{precision}: " + ("bf16 tensor cores on this GPU" if precision == "bf16" else "no bf16 GPU: fp32"),
-            )
-        )
+    d.add(
+        "train.precision",
+        t.precision,
+        precision,
+        "bf16 tensor cores on this GPU" if precision == "bf16" else "no bf16 GPU",
+    )
     base_dtype = lora_base_dtype(cfg, device)
-    if base_dtype is not None:
-        weights_dtype = base_dtype  # a LoRA base is frozen: allocate it in its final dtype at once
-    elif cfg.memory.optimizer_offload:
-        weights_dtype = torch.bfloat16  # the fp32 master copy lives on the host: bf16 weights on the GPU
-    else:
-        weights_dtype = torch.float32
+    weights_dtype = _weights_dtype(cfg, base_dtype, d)
     packed = cfg.data.pack or t.objective != "sft"  # a preference pair shares a row: two documents
     attention = resolve_attention(t.attention, device, packed=packed, seq_len=cfg.data.seq_len)
-    if t.attention == "auto":
-        decisions.append(
-            (
-                "train.attention",
-                f"{attention}: "
-                + (
-                    "packed rows on CUDA, whole FlexAttention tiles"
-                    if attention == "flex"
-                    else "unpacked rows, CPU, or a length that is not whole FlexAttention tiles"
-                ),
-            )
-        )
+    d.add("train.attention", t.attention, attention, _attention_reason(cfg, device, attention, packed))
     compile_on = resolve_switch(t.compile, device)
     kernels_on = resolve_switch(t.fused_kernels, device, unless=compile_on)
-    if t.compile == "auto":
-        decisions.append(
-            ("train.compile", f"{'on' if compile_on else 'off'}: " + ("CUDA" if compile_on else "not CUDA"))
+    d.add("train.compile", t.compile, "on" if compile_on else "off", "CUDA" if compile_on else "not CUDA")
+    d.add(
+        "train.fused_kernels",
+        t.fused_kernels,
+        "on" if kernels_on else "off",
+        "CUDA without compile" if kernels_on else ("train.compile covers them" if compile_on else "not CUDA"),
+    )
+    ce_chunk = fused_ce_chunk(cfg)
+    d.add("train.fused_ce", None, f"{ce_chunk} tokens per chunk" if ce_chunk else "off", _fused_ce_reason(cfg))
+    fsdp_dtype = fsdp_param_dtype_for(precision)
+    if cfg.parallel.dp_shard > 1:
+        d.add("fsdp compute dtype", None, _dtype_name(fsdp_dtype), f"train.precision = {precision}")
+    optimizer_fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and cuda)
+    d.add("optim.fused", cfg.optim.fused, "on" if optimizer_fused else "off", "CUDA" if cuda else "not CUDA")
+    adapters_only = t.mode == "lora" and bool(cfg.model.init_from)
+    if t.mode == "lora":
+        d.add(
+            "checkpoint contents",
+            None,
+            "adapters only" if adapters_only else "whole model",
+            "the base reloads from model.init_from" if adapters_only else "a random base cannot be reloaded",
         )
-    if t.fused_kernels == "auto":
-        decisions.append(
-            (
-                "train.fused_kernels",
-                f"{'on' if kernels_on else 'off'}: "
-                + ("CUDA without compile" if kernels_on else "compile covers them, or not CUDA"),
-            )
-        )
-    optimizer_fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and device.type == "cuda")
     reference = preference_reference(cfg)
-    if reference != "none":
-        decisions.append(
-            (
-                "train.objective",
-                f"dpo reference: {reference}: "
-                + (
-                    "the LoRA base (adapters off), no second copy"
-                    if reference == "adapters_off"
-                    else "a frozen copy of the initial weights (full fine-tuning)"
-                ),
-            )
+    if t.objective != "sft":
+        d.add(
+            "preference reference",
+            None,
+            reference,
+            {
+                "adapters_off": "the LoRA base with the adapters off: no second copy",
+                "copy": "a frozen copy of the initial weights (full fine-tuning)",
+                "none": f"{t.objective} needs no reference model",
+            }[reference],
         )
     return RunSpec(
         cfg=cfg,
@@ -212,16 +245,54 @@ def resolve(
         precision=precision,
         weights_dtype=weights_dtype,
         lora_base_dtype=base_dtype,
-        attention=attention,  # type: ignore[arg-type]  # resolved: sdpa | flex
+        attention=attention,  # type: ignore[arg-type]  # resolve_attention returns 'sdpa' or 'flex' as str
         compile=compile_on,
         fused_kernels=tuple(FUSED_KERNELS) if kernels_on else (),
         fp8=t.fp8,
         fp8_fused_mlp=False,
-        fused_ce_chunk=fused_ce_chunk(cfg),
-        fsdp_param_dtype=fsdp_param_dtype_for(precision),
+        fused_ce_chunk=ce_chunk,
+        fsdp_param_dtype=fsdp_dtype,
         optimizer_fused=optimizer_fused,
-        adapters_only=t.mode == "lora" and bool(cfg.model.init_from),
-        decisions=tuple(decisions),
+        adapters_only=adapters_only,
+        decisions=tuple(d),
         objective=t.objective,
         reference=reference,
     )
+
+
+def _weights_dtype(cfg: Config, base_dtype: torch.dtype | None, d: _Decisions) -> torch.dtype:
+    """dtype the model is materialised in, recorded with the LoRA base dtype's reason."""
+    if base_dtype is not None:
+        d.add(
+            "lora.base_dtype",
+            cfg.lora.base_dtype,
+            _dtype_name(base_dtype),
+            "bf16 on GPUs, fp32 on CPU (frozen: allocated in its final dtype)",
+        )
+        return base_dtype
+    if cfg.memory.optimizer_offload:
+        d.add("weights dtype", None, "bfloat16", "memory.optimizer_offload keeps the fp32 master copy on the host")
+        return torch.bfloat16
+    return torch.float32
+
+
+def _fused_ce_reason(cfg: Config) -> str:
+    if not cfg.train.fused_ce:
+        return "asked: train.fused_ce = false"
+    if not fused_ce_applies(cfg.parallel.tp, cfg.parallel.pp):
+        return "not under tensor or pipeline parallelism (loss parallelism / the last stage computes the loss)"
+    if cfg.train.objective != "sft":
+        return f"train.objective = {cfg.train.objective} reads each token's log-probability from the logits"
+    return "lm_head and cross-entropy in chunks: the logits are never whole"
+
+
+def _attention_reason(cfg: Config, device: torch.device, attention: str, packed: bool) -> str:
+    from tracetrain.models.attention import FLEX_BLOCK_SIZE
+
+    if attention == "flex":
+        return "CUDA, packed rows (document masks), data.seq_len a whole number of FlexAttention tiles"
+    if device.type != "cuda":
+        return f"{device.type}: FlexAttention is compiled for CUDA"
+    if not packed:
+        return "data.pack = false: no document mask, SDPA's flash kernel"
+    return f"data.seq_len = {cfg.data.seq_len} is not a multiple of FlexAttention's {FLEX_BLOCK_SIZE}-token tiles"

@@ -225,8 +225,8 @@ def run_weights_dtype(loaded: Any) -> tuple[torch.dtype, str]:
     """`--dtype auto`: the dtype the run's weights are stored in, and where it was read (module docstring)."""
     cfg, ckpt = loaded.cfg, loaded.checkpoint
     if loaded.spec.adapters_only:  # the checkpoint holds adapters; the base comes from model.init_from
-        if cfg.lora.base_dtype != "auto":
-            return EXPORT_DTYPES[cfg.lora.base_dtype], "lora.base_dtype"
+        if loaded.spec.asked("lora.base_dtype") and loaded.spec.lora_base_dtype is not None:
+            return loaded.spec.lora_base_dtype, "lora.base_dtype"
         base = Path(cfg.model.init_from)
         first = sorted(set(_checkpoint_files(base).values()))[0]
         dtype = _stored_dtype(base / first)

@@ -20,7 +20,7 @@ from tracetrain.plan.core import Plan, advice, max_micro_batch, plan
 from tracetrain.plan.html import render_html
 from tracetrain.plan.inference import GenerationPlan, plan_generation
 from tracetrain.plan.inputs import GPU_NAMES, LINKS, Links, PlanInput
-from tracetrain.plan.mapping import plan_input_from_config, plan_input_from_spec, plan_to_config_overrides
+from tracetrain.plan.mapping import plan_input_from_config, plan_input_from_spec, plan_spec, plan_to_config_overrides
 from tracetrain.plan.report import render_json, render_terminal
 from tracetrain.plan.search import search
 
@@ -37,6 +37,7 @@ __all__ = [
     "plan_generation",
     "plan_input_from_config",
     "plan_input_from_spec",
+    "plan_spec",
     "plan_to_config_overrides",
     "render_html",
     "render_json",

@@ -226,9 +226,12 @@ def plan_input_from_config(cfg: Config, num_gpus: int = 1, gpu: str | None = Non
     """The `PlanInput` a `tracetrain train` run of `cfg` would be on a CUDA GPU: `resolve` decides its
     `auto` choices (for a GPU this process need not see: no capability probe), `plan_input_from_spec`
     reads them."""
-    layout = _layout(cfg, num_gpus)
-    spec = resolve(cfg, torch.device("cuda"), world_size=math.prod(layout.values()), probe=False)
-    return plan_input_from_spec(spec, gpu, num_gpus)
+    return plan_input_from_spec(plan_spec(cfg, num_gpus), gpu, num_gpus)
+
+
+def plan_spec(cfg: Config, num_gpus: int = 1) -> RunSpec:
+    """The spec of `cfg` on a CUDA GPU this process need not see (no capability probe), `num_gpus` ranks."""
+    return resolve(cfg, torch.device("cuda"), world_size=math.prod(_layout(cfg, num_gpus).values()), probe=False)
 
 
 def plan_to_config_overrides(p: Plan) -> list[str]:

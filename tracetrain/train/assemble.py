@@ -265,7 +265,7 @@ def _optimizer(a: Assembly) -> None:
     from tracetrain.train.optim import build_optimizer
 
     cfg = a.spec.cfg
-    a.optimizer = build_optimizer(a.module, cfg.optim, a.spec.device, cfg.memory)
+    a.optimizer = build_optimizer(a.module, cfg.optim, a.spec.optimizer_fused, cfg.memory)
 
 
 def _unified_memory(a: Assembly) -> None:

@@ -84,6 +84,12 @@ class Reporter:
     def note(self, text: str) -> None:
         self.console.print(f"[yellow]note:[/] {text}", highlight=False)
 
+    def decisions(self, lines: list[str]) -> None:
+        """The spec's choices (tracetrain/spec.py), one per line, before the model is built."""
+        self.console.print(
+            "decided: " + ("\n         ".join(lines) or "nothing (every choice was set)"), highlight=False
+        )
+
     def data_stats(self, stats: Any) -> None:
         d = stats if isinstance(stats, dict) else dataclasses.asdict(stats)
         # The length details of drops are said in the note on drops, not as a row of zeros.

@@ -18,11 +18,15 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tracetrain.config import Config, MemorySection
 from tracetrain.errors import OutOfMemory
+
+if TYPE_CHECKING:
+    from tracetrain.spec import RunSpec
 
 # Alternatives the planner evaluates after an OOM, cheapest in speed first.
 _REMEDIES: list[tuple[str, dict[str, object]]] = [
@@ -47,7 +51,8 @@ def configure_allocator(memory: MemorySection, device: torch.device) -> None:
 
 
 def _plan_peak(cfg: Config, gpu: str, world_size: int = 1, **memory_changes: object) -> tuple[float, float]:
-    """(predicted peak GiB, capacity GiB) for `cfg` with some memory switches changed."""
+    """(predicted peak GiB, capacity GiB) for `cfg` with some memory switches changed: a what-if, so the
+    changed config is resolved anew (its spec is not the run's)."""
     import dataclasses
 
     from tracetrain.plan import plan, plan_input_from_config
@@ -58,13 +63,16 @@ def _plan_peak(cfg: Config, gpu: str, world_size: int = 1, **memory_changes: obj
     return p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30
 
 
-def preflight(cfg: Config, device: torch.device, note: Callable[[str], None]) -> None:
-    """Before the first step: warn when the planner predicts the run will not fit."""
-    if device.type != "cuda":
+def preflight(spec: RunSpec, note: Callable[[str], None]) -> None:
+    """Before the first step: warn when the planner predicts the run (its spec, as resolved) will not fit."""
+    if spec.device.type != "cuda":
         return
-    gpu = torch.cuda.get_device_name(device)
+    from tracetrain.plan import plan, plan_input_from_spec
+
+    cfg, gpu = spec.cfg, torch.cuda.get_device_name(spec.device)
     try:
-        need, have = _plan_peak(cfg, gpu)
+        p = plan(plan_input_from_spec(spec, gpu))
+        need, have = p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30
     except Exception as e:  # the planner must never stop a run; say why it could not help
         note(f"memory pre-flight skipped: the planner could not model this run ({e})")
         return

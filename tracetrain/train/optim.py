@@ -13,12 +13,12 @@ from tracetrain.config import Config, MemorySection, OptimSection, check_warmup,
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimSection, device: torch.device, memory: MemorySection | None = None
+    model: nn.Module, cfg: OptimSection, fused: bool, memory: MemorySection | None = None
 ) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; norms, biases and other 1-D tensors get no weight decay.
 
-    The fused kernel (one launch for all parameters, and it honours `found_inf` so a non-finite step
-    is skipped on the GPU without a host sync) is used on CUDA unless `optim.fused = "off"`.
+    `fused`: the spec's `optimizer_fused` (tracetrain/spec.py decides it): the fused kernel, one launch for
+    all parameters, which honours `found_inf` so a non-finite step is skipped on the GPU without a host sync.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -37,7 +37,6 @@ def build_optimizer(
             weight_decay=cfg.weight_decay,
             threads=memory.offload_threads,
         )
-    fused = cfg.fused == "on" or (cfg.fused == "auto" and device.type == "cuda")
     return (AdamW if fused else torch.optim.AdamW)(
         [g for g in groups if g["params"]],
         lr=cfg.lr,

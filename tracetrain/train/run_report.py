@@ -48,6 +48,7 @@ class RunData:
     summary: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     data_stats: dict[str, Any] = field(default_factory=dict)
+    decisions: dict[str, str] = field(default_factory=dict)  # spec.json: key -> "value (reason)"
     world_size: int = 1
 
     def add(self, rec: dict[str, Any]) -> None:
@@ -78,6 +79,7 @@ class RunData:
             run.add(rec)
         run.summary = _json_or_none(run_dir / "summary.json")
         run.data_stats = _json_or_none(run_dir / "data_stats.json") or {}
+        run.decisions = _decisions(_json_or_none(run_dir / "spec.json"))
         if (run_dir / "config.toml").is_file():
             try:
                 run.config = tomllib.loads(_text(run_dir / "config.toml"))
@@ -272,6 +274,17 @@ def _key_values(title: str, values: dict[str, Any], open_: bool = False) -> str:
     return f"<details{' open' if open_ else ''}><summary>{esc(title)}</summary><table>{rows}</table></details>"
 
 
+def _decisions(spec: Any) -> dict[str, str]:
+    """spec.json's decisions as key -> "value (reason)"; a file of another shape shows nothing."""
+    rows = spec.get("decisions") if isinstance(spec, dict) else None
+    if not isinstance(rows, list):
+        return {}
+    good = [
+        r for r in rows if isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("key", "value", "reason"))
+    ]
+    return {r["key"]: f"{r['value']} ({r['reason']})" for r in good}
+
+
 def _flat(config: dict[str, Any]) -> dict[str, Any]:
     return {f"{section}.{k}": v for section, body in config.items() if isinstance(body, dict) for k, v in body.items()}
 
@@ -299,6 +312,7 @@ def render(runs: list[RunData], page_dir: Path) -> str:
     for run in runs:
         body.append(f"<h2>{esc(run.name)}</h2>" if len(runs) > 1 else "<h2>Data and config</h2>")
         body.append(_profile_link(run, page_dir))
+        body.append(_key_values("Decided by tracetrain (spec.json)", run.decisions, open_=True))
         body.append(_key_values("Data statistics", run.data_stats, open_=True))
         body.append(_key_values("Resolved config (config.toml)", _flat(run.config)))
         if run.summary:

@@ -135,6 +135,7 @@ class RunSetup:
 
         cfg, device = self.cfg, self.device
         self.spec = resolve(cfg, device, self.dist.world_size, model_args=self.model_args)
+        self.reporter.decisions(self.spec.decision_lines())
         self.precision = self.spec.precision
         self.args = self.spec.model_args
         check_vocab(self.tokenizer, self.args.vocab_size)  # before a large model is materialised
@@ -192,6 +193,7 @@ class RunSetup:
         if self.rank0:
             atomic_write_text(run_dir / "config.toml", self.config_toml)
             atomic_write_text(run_dir / "data_stats.json", json.dumps(_as_dict(self.data_stats), indent=2))
+            atomic_write_text(run_dir / "spec.json", json.dumps(self.spec.to_json(), indent=2))
             # Before the metrics file is opened for appending (truncation replaces the file).
             if resume is not None and resume.truncate_metrics(run_dir, self.start_step):
                 self.reporter.note(
@@ -285,7 +287,7 @@ class RunSetup:
 
     def announce(self) -> None:
         self.reporter.model_summary(self.args, self.model, self.cfg, self.device_name, self.precision, self.flops.model)
-        preflight(self.cfg, self.device, self.reporter.note)
+        preflight(self.spec, self.reporter.note)
 
 
 def _as_dict(stats: Any) -> dict[str, Any]:

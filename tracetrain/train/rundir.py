@@ -131,7 +131,9 @@ def claim_new_run_dir(run_dir: Path) -> RunLock | None:
 
 
 # Everything a single-process run writes into its directory before its first step.
-SETUP_FILES = frozenset({LOCK_NAME, "config.toml", "data_stats.json", "metrics.jsonl", "tensorboard", "profile"})
+SETUP_FILES = frozenset(
+    {LOCK_NAME, "config.toml", "data_stats.json", "spec.json", "metrics.jsonl", "tensorboard", "profile"}
+)
 
 
 def discard_unstarted(lock: RunLock) -> None:
