@@ -7,8 +7,10 @@ Two ways a run ends before its last step, both leaving a checkpoint to resume fr
 - an error (the reader of stdout quit, a user callback raised, the disk filled up while logging, a tracker
   that let an exception escape) is caught at the top of the loop; the run saves an interruption checkpoint
   of the steps done so far, then ends with one line naming the cause (`RunStopped`, exit status 1).
-Single-process runs only: under torchrun a save is collective, and a rank that failed cannot lead one
-(parallel/dist.py's failure_guard stops the other ranks instead; the last periodic checkpoint stays).
+Under torchrun a signal stops every rank at the same step boundary (`StopFlag.agreed`), and the ranks save
+one checkpoint together. An error saves only in single-process runs: a save is collective, and a rank that
+failed cannot lead one (parallel/dist.py's failure_guard stops the other ranks instead; the last periodic
+checkpoint stays).
 """
 
 from __future__ import annotations
@@ -64,6 +66,24 @@ class StopFlag:
         elif not self.warned:
             self.warned = True
             _say(f"{name} ignored: saving a checkpoint first; to stop now without it: kill -9 {os.getpid()}\n")
+
+    def agreed(self, distributed: bool) -> bool:
+        """Whether the run stops at this step boundary. Under torchrun the save is collective, so every rank
+        must stop at the same step; yet a signal can reach one rank only (a worker killed alone), or reach
+        the ranks on either side of a boundary (torchrun forwards SIGTERM to its workers one by one). So at
+        every boundary the ranks take the largest signal number any of them holds, and a rank that got
+        none adopts it (its exit status then says it too). A CPU tensor: gloo carries it, in an NCCL job
+        too (parallel/dist.py), without waiting for the device; 4 bytes and one round trip a step."""
+        if distributed:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([self.signum or 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if self.signum is None and int(flag.item()):
+                self.signum = int(flag.item())
+                _say(f"another rank received {self.name}: finishing this step, then saving a checkpoint\n")
+        return self.signum is not None
 
     def restore(self) -> None:
         if self.hold and self.signum is not None:

@@ -285,14 +285,15 @@ class _Run(RunSetup):
                 self.step = step  # the OOM explanation names the step that ran out
                 self.one_step(step)
                 done = self.done
-                if done % cfg.logging.log_interval == 0 or done == total or stop.signum:
+                stopping = stop.agreed(self.dist.is_distributed)
+                if done % cfg.logging.log_interval == 0 or done == total or stopping:
                     row = self.metrics.flush()  # the interval's one host sync
                     bar.update(done, row)
                     if row is not None:
                         self.callbacks("on_step", done, dict(row))
                 if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < total:
                     self.evaluate(done)
-                if stop.signum:
+                if stopping:
                     return self.checkpoint(done)
                 if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < total:
                     self.checkpoint(done)
