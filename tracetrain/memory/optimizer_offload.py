@@ -127,6 +127,10 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
     backward. `chunk_numel` sets the granularity of the CPU-update / upload overlap.
     """
 
+    # What a checkpoint's state holds for each parameter, and for every one (train/state_checks.py).
+    STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
+    STATE_FOR_EVERY_PARAMETER = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],

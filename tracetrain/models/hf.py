@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,6 +200,12 @@ def _checkpoint_files(path: Path) -> dict[str, str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' is {type(weight_map).__name__}, not an object")
+        for name, shard in weight_map.items():
+            # A shard is a file of this folder: a path elsewhere ('../x', '/etc/passwd') is never read.
+            if not isinstance(shard, str) or not re.fullmatch(r"[^/\\\x00]+", shard) or shard in (".", ".."):
+                raise CheckpointError(f"{index}: 'weight_map' names {shard!r} for {name!r}, not a file name")
         for shard in sorted(set(weight_map.values())):
             if not (path / shard).is_file():
                 raise CheckpointError(f"{path / shard} (listed in {index.name}) does not exist")

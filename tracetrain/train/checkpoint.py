@@ -45,6 +45,7 @@ from tracetrain.train.manifest import (
     verify_checkpoint,
     write_manifest,
 )
+from tracetrain.train.state_checks import check_optimizer_state, check_rng_state
 
 
 @dataclass
@@ -56,6 +57,7 @@ class TrainState:
     loader: dict[str, Any]
     counters: dict[str, Any]  # skipped_steps: int; scaler: the GradScaler's state dict under fp16
     data_fingerprint: str = ""  # identifies the training data the run was started on ("" before it existed)
+    rng: dict[str, Any] | None = None  # the random states saved with it (None: a checkpoint older than them)
 
 
 def trainer_state_dict(state: TrainState) -> dict[str, Any]:
@@ -90,13 +92,29 @@ def train_state_from_dict(raw: Any, where: Path | str = "trainer_state.pt") -> T
     named = re.fullmatch(r"step_(\d+)", folder.name)
     if named and int(named.group(1)) != step:
         raise CheckpointError(f"{where}: step {step} does not match its folder {folder.name}")
+    if not isinstance(raw.get("data_fingerprint", ""), str):
+        raise CheckpointError(f"{where}: 'data_fingerprint' is {type(raw['data_fingerprint']).__name__}, not str")
+    skipped = raw["counters"].get("skipped_steps", 0)
+    if not isinstance(skipped, int) or isinstance(skipped, bool) or not 0 <= skipped <= step:
+        raise CheckpointError(f"{where}: 'counters.skipped_steps' is {skipped!r}, not a count from 0 to {step}")
+    if "rng" in raw:
+        check_rng_state(raw["rng"], where)
     return TrainState(
         step=raw["step"],
         scheduler=raw["scheduler"],
         loader=raw["loader"],
         counters=raw["counters"],
         data_fingerprint=raw.get("data_fingerprint", ""),
+        rng=raw.get("rng"),
     )
+
+
+def restore_rng(state: TrainState, where: Path) -> None:
+    """The random states saved with `state`; a checkpoint saved before they were (none) is noted."""
+    if state.rng is None:
+        note(f"{where} has no random state (saved by an older tracetrain): random streams restart from train.seed")
+        return
+    set_rng_state(state.rng)
 
 
 def trainable_state_dict(model: nn.Module, lora: bool) -> dict[str, torch.Tensor]:
@@ -296,11 +314,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     load_weights(path / "model.safetensors", model, lora=lora)
     # Load on the CPU, memory-mapped: load_state_dict moves each state to its parameter's device, and an
     # offloaded optimizer's states (81 GB for 7B) must never pass through the GPU.
+    saved = load_pt(path / "optimizer.pt", mmap=True)
+    check_optimizer_state(saved, optimizer, path / "optimizer.pt")
     try:
-        optimizer.load_state_dict(load_pt(path / "optimizer.pt", mmap=True))
+        optimizer.load_state_dict(saved)
     except (ValueError, KeyError) as e:  # torch's "loaded state dict contains a parameter group that ..."
         raise CheckpointError(f"{path / 'optimizer.pt'}: does not fit this model's optimizer ({e})") from None
-    raw = load_pt(path / "trainer_state.pt")
-    state = train_state_from_dict(raw, path / "trainer_state.pt")  # checked before the RNG is touched
-    set_rng_state(raw["rng"])
+    state = train_state_from_dict(load_pt(path / "trainer_state.pt"), path / "trainer_state.pt")
+    restore_rng(state, path)  # checked above, before the RNG is touched
     return state

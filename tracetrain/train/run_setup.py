@@ -21,7 +21,7 @@ from tracetrain.devices import peak_flops
 from tracetrain.models.accounting import training_flops_per_token
 from tracetrain.profile.capture import ProfileCapture
 from tracetrain.train.assemble import reapply_after_load, run_step_context
-from tracetrain.train.checkpoint import load_checkpoint, set_rng_state, train_state_from_dict
+from tracetrain.train.checkpoint import TrainState, load_checkpoint, restore_rng, train_state_from_dict
 from tracetrain.train.console import Reporter
 from tracetrain.train.faults import CallbackError
 from tracetrain.train.metrics import MetricsLogger
@@ -30,6 +30,7 @@ from tracetrain.train.optim import build_scheduler, note_resolved_steps, size_by
 from tracetrain.train.resume import ResumePoint, check_data_unchanged, check_steps_cover, data_fingerprint
 from tracetrain.train.rundir import atomic_write_text
 from tracetrain.train.runtime import resolve_device
+from tracetrain.train.state_checks import SCHEDULER_LOOSE_KEYS, check_like
 
 
 class Callbacks:
@@ -255,6 +256,7 @@ class RunSetup:
             state = self._load(resume)
         if reapply_after_load(self.assembly):
             self.note_managed()
+        self._check_saved_state(state, resume.checkpoint)
         self.scheduler.load_state_dict(state.scheduler)
         if self.scaler is not None and state.counters.get("scaler"):
             self.scaler.load_state_dict(state.counters["scaler"])
@@ -268,14 +270,22 @@ class RunSetup:
         self.skipped_at_start = state.counters.get("skipped_steps", 0)
         self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
 
+    def _check_saved_state(self, state: TrainState, where: Path) -> None:
+        """The schedule, loss scale and data position saved have the make of this run's own (one line
+        naming the key otherwise, never a traceback from their `load_state_dict`)."""
+        check_like(state.scheduler, self.scheduler.state_dict(), where, "scheduler", loose=SCHEDULER_LOOSE_KEYS)
+        if self.scaler is not None and state.counters.get("scaler"):
+            check_like(state.counters["scaler"], self.scaler.state_dict(), where, "counters.scaler")
+        check_like(state.loader, self.loader.state_dict(), where, "loader")
+
     def _load(self, resume: ResumePoint) -> Any:
         """The checkpoint's weights and optimizer into this rank's tensors; the rest of its state returned."""
         if (resume.checkpoint / "dcp").is_dir():  # sharded (saved by several ranks): any layout can load it
             from tracetrain.train.sharded_checkpoint import load_sharded
 
             raw = load_sharded(resume.checkpoint, self.model, self.optimizer)
-            state = train_state_from_dict(raw, resume.checkpoint)  # checked before the RNG is touched
-            set_rng_state(raw["rng"])
+            state = train_state_from_dict(raw, resume.checkpoint)
+            restore_rng(state, resume.checkpoint)  # checked above, before the RNG is touched
             return state
         return load_checkpoint(resume.checkpoint, self.model, self.optimizer, lora=self.adapters_only)
 

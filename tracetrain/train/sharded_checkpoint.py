@@ -24,7 +24,9 @@ and a load planner that reads DCP's non-tensor items with `weights_only=True`.
 from __future__ import annotations
 
 import io
+import math
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import IO, Any
@@ -180,14 +182,70 @@ def _unpickle_metadata(f: IO[bytes], path: str) -> dcp_metadata.Metadata:
         metadata = _MetadataUnpickler(f, path).load()
     except CheckpointError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+    # RuntimeError: TensorProperties.__setstate__ refusing a memory-format code; RecursionError: nesting.
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        RuntimeError,
+        RecursionError,
+    ) as e:
         raise CheckpointError(
             f"{path}: not a readable DCP metadata file ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else 'truncated'})"
         ) from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"{path}: not a DCP metadata file (holds a {type(metadata).__name__})")
+    _check_metadata(metadata, path)
     return metadata
+
+
+def _sizes(value: Any, rank: int | None = None) -> bool:
+    """A torch.Size of non-negative ints (of `rank` dims when given)."""
+    ints = isinstance(value, torch.Size) and all(type(n) is int and n >= 0 for n in value)
+    return ints and (rank is None or len(value) == rank)
+
+
+def _check_tensor_entry(fqn: str, entry: Any, path: str) -> None:
+    """A tensor's entry: a dtype, a size, and chunks inside it that cover it exactly once (DCP writes each
+    element once; a forged list that leaves elements out would leave them at their initial values)."""
+    size: Any = getattr(entry, "size", None)
+    if not isinstance(getattr(getattr(entry, "properties", None), "dtype", None), torch.dtype) or not _sizes(size):
+        raise CheckpointError(f"{path}: tensor {fqn!r} has no valid dtype and size")
+    covered = 0
+    for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
+        offsets: Any = getattr(chunk, "offsets", None)
+        sizes: Any = getattr(chunk, "sizes", None)
+        if not (_sizes(offsets, len(size)) and _sizes(sizes, len(size))) or any(
+            o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)
+        ):
+            raise CheckpointError(f"{path}: tensor {fqn!r} has a chunk outside its size {tuple(size)}")
+        covered += math.prod(sizes)
+    if covered != math.prod(size):
+        raise CheckpointError(f"{path}: the chunks of tensor {fqn!r} hold {covered} of its {math.prod(size)} elements")
+
+
+def _check_metadata(metadata: dcp_metadata.Metadata, path: str) -> None:
+    """What DCP's loader takes on trust: every entry's sizes and chunks, and storage files that are plain
+    names inside the checkpoint's `dcp/` folder (a `../` path would read a file from elsewhere)."""
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{path}: not a DCP metadata file (its tables are not dicts)")
+    for fqn, entry in entries.items():
+        if isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            _check_tensor_entry(fqn, entry, path)
+        elif not isinstance(entry, dcp_metadata.BytesStorageMetadata):
+            raise CheckpointError(f"{path}: entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+    for info in storage.values():
+        name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name) or name.startswith("."):
+            raise CheckpointError(f"{path}: storage file {name!r} is not a file name inside {Path(path).parent}")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise CheckpointError(f"{path}: storage of {name!r} has offset {offset!r} and length {length!r}")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -235,7 +293,7 @@ def _checkpoint_error_in(e: BaseException) -> CheckpointError | None:
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Verify, then load model (and optimizer) shards for the current layout in place; return the trainer
-    state (`data_fingerprint` is "" for checkpoints saved before it existed).
+    state (`data_fingerprint` is "" for checkpoints saved before it existed; `train_state_from_dict` checks it).
 
     Works on any layout, including a single process without a process group. The trainer state is
     this rank's when the checkpoint has one, else rank 0's (the layout changed): loader position and
@@ -263,5 +321,6 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     own = path / f"trainer_state_rank{_rank()}.pt"
     raw = load_pt(own if own.is_file() else path / "trainer_state_rank0.pt")
-    raw.setdefault("data_fingerprint", "")
+    if isinstance(raw, dict):  # anything else is refused by train_state_from_dict, naming the file
+        raw.setdefault("data_fingerprint", "")
     return raw
