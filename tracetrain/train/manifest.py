@@ -82,18 +82,32 @@ def write_manifest(folder: Path, step: int) -> None:
     fsync_path(folder)
 
 
+# A manifest lists a few files per rank: a megabyte is thousands of ranks. A larger one is not ours.
+_MANIFEST_MAX_BYTES = 16 << 20
+
+
+def _entry_ok(entry: dict) -> bool:
+    """A file of the folder (a relative path without `..`: a manifest never names a file elsewhere), its
+    size in bytes and its sha256 in hex."""
+    path, size, digest = entry["path"], entry["bytes"], entry["sha256"]
+    parts = path.split("/") if isinstance(path, str) else [""]
+    inside = path == path.strip() and "\x00" not in path and all(p not in ("", ".", "..") for p in parts)
+    whole = isinstance(size, int) and not isinstance(size, bool) and size >= 0
+    return inside and whole and isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None
+
+
 def _read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     try:
+        if path.stat().st_size > _MANIFEST_MAX_BYTES:
+            raise ValueError("larger than 16 MiB")
         manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        ok = isinstance(manifest["step"], int) and all(
-            isinstance(f["path"], str) and isinstance(f["bytes"], int) and isinstance(f["sha256"], str) for f in files
-        )
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        step = manifest["step"]
+        ok = isinstance(step, int) and not isinstance(step, bool) and all(_entry_ok(f) for f in manifest["files"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a valid checkpoint manifest ({type(e).__name__})") from None
     if not ok:
-        raise CheckpointError(f"{path}: not a valid checkpoint manifest (wrong field types)")
+        raise CheckpointError(f"{path}: not a valid checkpoint manifest (wrong field types, or a path outside it)")
     if step_of(folder) is not None and manifest["step"] != step_of(folder):
         raise CheckpointError(f"{path}: records step {manifest['step']}, the folder is {folder.name}")
     return manifest

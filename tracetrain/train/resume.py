@@ -54,22 +54,39 @@ class ResumePoint:
         if not path.is_file():
             return False
         torn = False
-        lines = [line for line in path.read_text().splitlines() if line]
+        lines = [line for line in _metrics_text(path).splitlines() if line]
         kept = []
         for number, line in enumerate(lines, 1):
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 if number == len(lines):
                     torn = True
                     break
                 raise CheckpointError(
                     f"{path}:{number}: not a JSON line; repair or remove that line before resuming"
                 ) from None
-            if record["step"] <= step:
+            saved = record.get("step") if isinstance(record, dict) else None
+            if not isinstance(saved, int) or isinstance(saved, bool):
+                raise CheckpointError(
+                    f"{path}:{number}: not a metrics record (an object with a 'step' number); "
+                    "repair or remove that line before resuming"
+                )
+            if saved <= step:
                 kept.append(line)
         atomic_write_text(path, "".join(line + "\n" for line in kept))
         return torn
+
+
+def _metrics_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise CheckpointError(
+            f"{path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 text; repair or remove that line before resuming"
+        ) from None
 
 
 def _flatten(cfg: Config) -> dict[str, object]:
