@@ -7,6 +7,7 @@ This module holds the parser and `main`; the subcommands' handlers are in `cli_c
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Callable
 
@@ -279,6 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         # Stop quietly, as the Python docs advise (library/signal.html, "Note on SIGPIPE"), with their
         # status 1; rich, which renders the analyze and plan reports, does the same.
         silence_stdout()
+        return 1
+    except OSError as e:
+        # stdout on a full disk (`tracetrain presets > /dev/full`): a stream has no file name to report.
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or e.filename is not None:
+            raise
+        silence_stdout()  # the interpreter flushes it once more at exit, which would fail again
+        print(f"error: cannot write the output ({e.strerror})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

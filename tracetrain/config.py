@@ -378,6 +378,7 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             "CPU backward); use 'sdpa' or 'auto'"
         )
     check_device_spec(cfg.train.device, f"{where}config key 'train.device'")
+    _check_run_name(cfg.train.run_name, where)
     _check_profile(cfg, where)
 
 
@@ -412,6 +413,15 @@ def _check_lora_variants(cfg: Config, where: str) -> None:
                 f"{where}config key '{key}' = {value} does not combine with train.fp8 = '{cfg.train.fp8}' "
                 "(FP8 replaces the frozen base's matmul that QLoRA and DoRA read); choose one"
             )
+
+
+def _check_run_name(name: str, where: str) -> None:
+    """One folder inside train.output_dir: a name with '/' or '..' would put the run elsewhere."""
+    if name and (len(name.encode()) > 200 or name in (".", "..") or any(c in name for c in "/\\\x00")):
+        raise ConfigError(
+            f"{where}config key 'train.run_name': {name[:40]!r}{'...' if len(name) > 40 else ''} is not a folder "
+            "name (at most 200 bytes, without '/', '\\' or NUL, not '.' or '..')"
+        )
 
 
 def _check_profile(cfg: Config, where: str) -> None:

@@ -109,7 +109,7 @@ def check_export_target(out_dir: str | Path, overwrite: bool) -> None:
     Allowed: a path that does not exist yet (under a writable folder), an empty folder, and, with
     `overwrite`, a folder holding an earlier tracetrain export and nothing else.
     """
-    out = Path(out_dir)
+    out = Path(os.path.abspath(out_dir))  # `--hf .` or `x/..`: the folder by its own name
     if out.is_symlink():
         raise CheckpointError(f"export folder {out} is a symbolic link; name a real folder")
     if out.exists() and not out.is_dir():
@@ -166,6 +166,7 @@ def export_folder(
     `out_dir` is checked first (`check_export_target`); a failed write (read-only place, full disk) is a
     one-line CheckpointError. Folders get mode 0777 and files 0666, less the umask, as any other tool's.
     """
+    out_dir = Path(os.path.abspath(out_dir))  # `--hf .`: a sibling needs the folder's own name
     check_export_target(out_dir, overwrite)
     token = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{token}")

@@ -209,7 +209,7 @@ def claim_run_dir(cfg: Config) -> RunLock:
         (out / name).mkdir(parents=True, exist_ok=True)
         return RunLock(out / name, None, created=False)
     name = cfg.train.run_name or time.strftime("%Y%m%d-%H%M%S")
-    lock = claim_new_run_dir(out / name)
+    lock = _claim(out / name)
     if lock is None and cfg.train.run_name:
         raise ConfigError(
             f"run directory {out / name} already exists; choose another train.run_name "
@@ -218,10 +218,21 @@ def claim_run_dir(cfg: Config) -> RunLock:
     suffix = 0
     while lock is None:  # a timestamped name taken (by another run started in the same second)
         suffix += 1
-        lock = claim_new_run_dir(out / f"{name}-{suffix}")
+        lock = _claim(out / f"{name}-{suffix}")
     if world > 1 and not cfg.train.run_name:
         _shared_run_name(lock.path.name, cfg.parallel.timeout_s)
     return lock
+
+
+def _claim(run_dir: Path) -> RunLock | None:
+    """`claim_new_run_dir`; a place where no folder can be made (train.output_dir a file, or under one, or
+    not writable) is one line."""
+    try:
+        return claim_new_run_dir(run_dir)
+    except OSError as e:
+        raise ConfigError(
+            f"config key 'train.output_dir': cannot create the run directory {run_dir} ({e.strerror})"
+        ) from None
 
 
 def _shared_run_name(name: str | None, timeout_s: int) -> str:
