@@ -1,6 +1,7 @@
 """Places a run or a command's output cannot go (issue #29 item 4, the "output paths" and "stdout full"
 families): each is one line naming the config key or the output, no traceback. Real commands."""
 
+import shutil
 import subprocess
 import sys
 
@@ -61,3 +62,23 @@ def test_export_into_the_current_empty_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(out)
     cli_here("export", str(tmp_path / "r"), "--hf", ".")  # was: ValueError: PosixPath('.') has an empty name
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_checkpoints_replaced_by_a_file_is_one_line_on_resume(tmp_path):
+    cli_here(
+        "train",
+        *TINY,
+        "--train.steps=1",
+        "--optim.warmup_steps=0",
+        f"--train.output_dir={tmp_path}",
+        "--train.run_name=r",
+    )
+    run = tmp_path / "r"
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").write_text("not a folder")
+    proc = cli_here("train", "--resume", str(run), "--train.steps=2", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == f"error: {run} has no usable checkpoint (looked in {run / 'checkpoints'})"
+    )
