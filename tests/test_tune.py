@@ -1,0 +1,116 @@
+"""`tracetrain tune` end to end on the CPU: the real command on the built-in default config, each trial a
+real `tracetrain train` process. One tune (module fixture) is shared: its files, then a rerun that
+resumes it, the numerics guard judged again with --allow, and Ctrl-C on a rerun that has a trial to run."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tracetrain.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+# The default run, with less generated data (the data build runs in every trial) and a short window.
+SMALL = ["--data.synthetic_examples=600", "--steps", "10", "--warmup-steps", "1"]
+DIVERGE = "optim.lr=0.9"  # a change that changes the loss far beyond two seeds' spread: refused
+BUDGET_MIN = 1.0
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _tune(out: Path, *extra: str, budget: float = BUDGET_MIN) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tracetrain.cli", "tune", "--out", str(out), "--budget-min", str(budget)]
+    return subprocess.run([*cmd, *SMALL, *extra], capture_output=True, text=True, env=_env(), timeout=600)
+
+
+def _ledger(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "tune" / "trials.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune")
+    start = time.monotonic()
+    proc = _tune(out, "--try", DIVERGE)
+    return out, proc, time.monotonic() - start
+
+
+def test_tune_writes_tuned_toml_and_the_report_within_its_budget(tuned):
+    out, proc, seconds = tuned
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The budget bounds the trials; the command's own start-up and the files come on top.
+    assert seconds < BUDGET_MIN * 60 + 45, seconds
+    cfg = load_config(out / "tuned.toml")  # loads as a config: every key valid
+    text = (out / "tuned.toml").read_text()
+    assert "tuned by `tracetrain tune`" in text
+    changed = [line for line in text.splitlines() if line.startswith("# tune:")]
+    for line in changed:
+        assert "tokens/s" in line  # each changed key says its measured gain
+    assert cfg.train.steps == 600  # the user's run, not the trial window
+    page = (out / "tune" / "report.html").read_text()
+    records = _ledger(out)
+    assert records[0]["label"] == "baseline" and records[0]["status"] == "ok"
+    assert records[0]["measurement"]["tokens_per_s"] > 0 and len(records[0]["measurement"]["step_s_all"]) >= 10
+    for rec in records:
+        assert rec["label"] in page.replace("&#x27;", "'")
+    assert "predicted gain" in page and "measured gain" in page and "planner error" in page
+    assert proc.stdout.count("\n[") >= 2  # progress: one line per trial
+
+
+def test_the_numerics_guard_refuses_a_change_of_the_loss(tuned):
+    out, proc, _ = tuned
+    records = {r["label"]: r for r in _ledger(out)}
+    assert "baseline, second seed" in records  # measured once, when the guard first needed it
+    base = records["baseline"]["measurement"]["loss"]
+    seed = records["baseline, second seed"]["measurement"]["loss"]
+    diverged = records[DIVERGE]["measurement"]["loss"]
+    assert abs(diverged - base) > abs(seed - base)
+    assert "refused: loss differs" in (out / "tune" / "report.html").read_text()
+    assert tomllib.loads((out / "tuned.toml").read_text()).get("optim", {}).get("lr") is None
+
+
+def test_a_rerun_skips_recorded_trials_and_allow_accepts_the_change(tuned, tmp_path):
+    out, _, _ = tuned
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    before = _ledger(again)
+    proc = _tune(again, "--try", DIVERGE, "--allow", "numerics", budget=0.02)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("(recorded earlier)") >= len(before)
+    after = _ledger(again)
+    assert [r["key"] for r in after[: len(before)]] == [r["key"] for r in before]
+    assert len({r["key"] for r in after}) == len(after)  # nothing measured twice
+    assert "allowed by --allow numerics" in (again / "tune" / "report.html").read_text()
+
+
+def test_ctrl_c_keeps_what_was_measured(tuned, tmp_path):
+    out, _, _ = tuned
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    lines = (again / "tune" / "trials.jsonl").read_text().splitlines()
+    (again / "tune" / "trials.jsonl").write_text("\n".join(lines[:2]) + "\n")  # leave trials to run
+    (again / "tuned.toml").unlink()
+    cmd = [sys.executable, "-m", "tracetrain.cli", "tune", "--out", str(again), "--budget-min", "5", *SMALL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    seen = []
+    for line in proc.stdout:  # the recorded trials come back at once; then a new trial starts
+        seen.append(line)
+        if "candidates from" in line:
+            break
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted" in rest
+    assert (again / "tuned.toml").is_file() and load_config(again / "tuned.toml")
+    assert "interrupted (Ctrl-C)" in (again / "tune" / "report.html").read_text()
+    assert len(_ledger(again)) == 2  # the stopped trial is not recorded: a rerun measures it
