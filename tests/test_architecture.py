@@ -105,3 +105,13 @@ def test_no_test_helpers_in_the_library():
     assert not (PKG / "parallel" / "testing.py").exists()
     for path in PKG.rglob("*.py"):
         assert "import pytest" not in path.read_text(), path
+
+
+def test_tune_sits_above_train_plan_and_profile():
+    """tune/ runs training in child processes and reads the planner and the profile's advice; of the
+    folders and modules, only the command's handlers import it (and the package's top, for the
+    `tracetrain.tune(...)` call, which this walk does not count as a folder)."""
+    edges = _imports()
+    importers = sorted(src for src, dsts in edges.items() if "tune" in dsts)
+    assert importers == ["cli_commands"], importers
+    assert {"plan", "train", "profile"} <= set(edges["tune"]), dict(edges["tune"])

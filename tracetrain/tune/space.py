@@ -23,10 +23,16 @@ from typing import Any
 from tracetrain.config import Config
 from tracetrain.errors import TracetrainError
 from tracetrain.plan import Plan, plan, plan_input_from_config, plan_to_config_overrides, search
+from tracetrain.plan.mapping import FIELDS, LAYOUT_FIELDS
 from tracetrain.plan.memory import GIB
 
-# Config keys the planner does not model: a what-if on them predicts nothing (None, not 0%).
-NOT_PLANNED = frozenset({"data.num_workers", "data.pin_memory", "data.prefetch_factor"})
+# Config keys the planner reads (plan/mapping.py's one table, the batch and the layout): a what-if on
+# any other key (data workers, the learning rate) predicts nothing (None, not 0%).
+PLANNED = frozenset(
+    {f.key for f in FIELDS}
+    | {"train.micro_batch_size", "train.grad_accum_steps", "parallel.pp_microbatches"}
+    | {f"parallel.{name}" for name in LAYOUT_FIELDS}
+)
 # What may be passed to --allow: numerics-changing kinds of candidate.
 ALLOW_CHOICES = ("fp8", "fp16", "numerics")
 
@@ -234,8 +240,11 @@ def make_candidate(
     if changed is None:
         return None
     base = planner.base
+    planned = set(changes) & PLANNED
+    if p is not None and base is not None and p.input == base.input and planned == set(changes):
+        return None  # what `auto` resolves to already (attention flex for packed rows): the same run
     planned_gain = None
-    if p is not None and base is not None and not set(changes) <= NOT_PLANNED:
+    if p is not None and base is not None and planned:
         planned_gain = p.tokens_per_s / base.tokens_per_s - 1
     numerics = (
         "fp8"
