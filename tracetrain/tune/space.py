@@ -345,17 +345,20 @@ def _has(cfg: Config, key: str) -> bool:
     return hasattr(getattr(cfg, section, None), name)
 
 
-def fitting_start(planner: Planner, top: int = 3) -> list[Candidate]:
+def fitting_start(planner: Planner, top: int = 3, below_gib: float | None = None) -> list[Candidate]:
     """When the baseline does not fit (planner), the planner's best fitting rows on the same GPUs, as
-    changes: the starting points to measure instead."""
-    if planner.base is None or planner.base.fits:
+    changes: the starting points to measure instead. `below_gib`: the baseline fitted on paper but ran
+    out of memory; rows planned under this peak instead."""
+    if planner.base is None or (planner.base.fits and below_gib is None):
         return []
-    rows = search(planner.base.input, planner.gpus, top)
+    rows = search(planner.base.input, planner.gpus, top + 5 if below_gib else top)
+    rows = [r for r in rows if below_gib is None or r.peak_gib < below_gib][:top]
     base_overrides = dict(_pairs(plan_to_config_overrides(planner.base)))
+    why = "does not fit" if below_gib is None else "ran out of memory"
     out = []
     for row in rows:
         changes = {k: v for k, v in _pairs(plan_to_config_overrides(row)) if base_overrides.get(k) != v}
-        reason = f"the baseline does not fit ({planner.base.peak_gib:.0f} GiB planned): planner's pick, {row.reason}"
+        reason = f"the baseline {why} ({planner.base.peak_gib:.0f} GiB planned): planner's pick, {row.reason}"
         c = make_candidate(
             planner,
             "fit: " + ", ".join(f"{k}={v}" for k, v in changes.items()),
