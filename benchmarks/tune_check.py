@@ -13,12 +13,12 @@ tuned config's measured tokens/s is compared with the best hand-tuned figure of 
 | 7b-full-80  | llama2-7b full, 4 x 2048, --max-memory 80  | a config that fits in 80 GiB (6,744 tok/s with       |
 |             |                                            | optimizer offload and 8 x accumulation, H200)        |
 
-Each case's budget (`--budget-min`, default 1.6 minutes) keeps the whole script under 8 minutes on one
-H200. Writes `tune_check_<gpu>.json` (benchmarks/results, and $OUT when set) with every case's trials
+Each case's budget (1.3 to 2.2 minutes, 6.8 in all; `--budget-scale` multiplies them) keeps the whole
+script under 8 minutes on one H200. Writes `tune_check_<gpu>.json` (benchmarks/results, and $OUT when set) with every case's trials
 (change, reason, predicted and measured gain, status), and copies each case's tuned.toml and report.html
 to $OUT/tune_check/<case>/.
 
-    PYTHONPATH=. python3 benchmarks/tune_check.py [--cases 7b-lora,1b-full] [--budget-min 1.6]
+    PYTHONPATH=. python3 benchmarks/tune_check.py [--cases 7b-lora,1b-full] [--budget-scale 1.0]
 """
 
 from __future__ import annotations
@@ -34,39 +34,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
 
 COMMON = ["--data.seq_len=2048", "--data.kind=synthetic", "--data.tokenizer=byte", "--data.pack=true"]
-# case -> (overrides, --max-memory, best hand-tuned tok/s, where that figure comes from)
-CASES: dict[str, tuple[list[str], float | None, float | None, str]] = {
+# case -> (overrides, --max-memory, best hand-tuned tok/s, where that figure comes from, budget minutes)
+CASES: dict[str, tuple[list[str], float | None, float | None, str, float]] = {
     "7b-lora": (
         ["--model.preset=llama2-7b", "--train.mode=lora", "--train.micro_batch_size=4"],
         None,
         20_305.0,
         "docs/performance.md: 7B LoRA defaults, packed (speed_fp8_fused_mlp_NVIDIA-H100-80GB-HBM3.json)",
+        1.5,
     ),
     "1b-full": (
         ["--model.preset=llama3.2-1b", "--train.micro_batch_size=4"],
         None,
         59_642.0,
         "docs/performance.md: llama3.2-1b full defaults, packed (speed_inductor_knobs_1b_NVIDIA-H100-80GB-HBM3.json)",
+        1.3,
     ),
     "8b-full": (
         ["--model.preset=llama3-8b", "--train.micro_batch_size=2"],
         None,
         8_133.0,
         "docs/performance.md: llama3-8b full, full recompute, 2 x 2048 on one H200 (peers_NVIDIA-H200.json)",
+        1.8,
     ),
     "7b-full-80": (
         ["--model.preset=llama2-7b", "--train.micro_batch_size=4"],
         80.0,
         None,
         "a config that fits in 80 GiB (docs/performance.md: 6,744 tok/s with optimizer offload, H200)",
+        2.2,
     ),
 }
 
 
-def run_case(name: str, budget_min: float, work: Path) -> dict:
+def run_case(name: str, scale: float, work: Path) -> dict:
     import tracetrain
 
-    overrides, cap, best_known, source = CASES[name]
+    overrides, cap, best_known, source, budget = CASES[name]
+    budget_min = budget * scale
     out = work / name
     start = time.monotonic()
     try:
@@ -97,6 +102,7 @@ def run_case(name: str, budget_min: float, work: Path) -> dict:
         "best_known_source": source,
         "ratio_to_best_known": tuned_tps / best_known if tuned_tps and best_known else None,
         "fits_cap": (peak is not None and peak <= cap) if cap else None,
+        "budget_min": budget_min,
         "num_trials": sum(1 for t in result.trials if t.outcome.status != "pruned"),
         "minutes": result.seconds / 60,
         "trials": [_trial(t) for t in result.trials],
@@ -130,7 +136,7 @@ def _trial(t) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--budget-min", type=float, default=1.6, help="tune budget per case, minutes")
+    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiplies each case's budget (minutes)")
     ap.add_argument("--work", default="/tmp/tune_check", help="tune folders (trials, runs)")
     a = ap.parse_args()
     out_env = os.environ.get("OUT")
@@ -138,7 +144,7 @@ def main() -> None:
     rows = []
     for name in a.cases.split(","):
         print(f"--- {name}", flush=True)
-        rows.append(run_case(name, a.budget_min, work))
+        rows.append(run_case(name, a.budget_scale, work))
         if out_env:
             for f in ("tuned.toml", "tune/report.html"):
                 src = work / name / f
@@ -147,7 +153,7 @@ def main() -> None:
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(src, dst)
     env = environment()
-    payload = {**env, "budget_min_per_case": a.budget_min, "cases": rows}
+    payload = {**env, "budget_scale": a.budget_scale, "cases": rows}
     gpu = env["device"].replace(" ", "-")
     path = write_result(f"tune_check_{gpu}.json", payload, Path(out_env) if out_env else None)
     print("\n| case | baseline tok/s | tuned tok/s | best known | ratio | peak GiB | trials | min | changes |")

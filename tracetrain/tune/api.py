@@ -41,7 +41,7 @@ def tune(
     warmup_steps: int = 3,
     gpus: int = 1,
     tries: Sequence[Mapping[str, Any] | str] = (),
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] | None = None,
 ) -> TuneResult:
     """Measure the config, try the candidates, and write `out_dir/tuned.toml` and `out_dir/tune/report.html`.
 
@@ -55,6 +55,7 @@ def tune(
     from tracetrain.train.api import _raw
     from tracetrain.validate import validate_run
 
+    say = say or _say
     opts = _options(budget_min, max_memory_gib, allow, measured_steps, warmup_steps, gpus, tries)
     raw, where = _raw(config, list(overrides))
     cfg = from_dict({k: dict(v) for k, v in raw.items()}, where)
@@ -65,6 +66,11 @@ def tune(
     say(f"tune: {device}, budget {budget_min:g} min, window {warmup_steps} warm-up + {measured_steps} measured steps")
     interrupted = session.run()
     return _finish(session, raw, out, _title(config), interrupted)
+
+
+def _say(line: str) -> None:
+    """Progress to stdout, flushed: a log file or a pipe shows each trial as it ends."""
+    print(line, flush=True)
 
 
 def _options(

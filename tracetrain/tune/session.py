@@ -234,7 +234,7 @@ class Session:
             if trial.outcome.status not in ("oom", "over-memory"):
                 break
             if cand is base and p is not None and self.cuda:  # fitted on paper only: leaner rows
-                queue = fitting_start(planner, below_gib=0.95 * p.peak_gib)
+                queue = fitting_start(planner, below_gib=p.peak_gib)
         self.notes.append(f"the baseline did not run: {self.baseline.outcome.message if self.baseline else ''}")
         return False
 
