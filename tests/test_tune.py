@@ -24,7 +24,8 @@ BUDGET_MIN = 1.0
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    # One thread per trial: the model is tiny, and two threads spin against the test run's other workers.
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def _tune(out: Path, *extra: str, budget: float = BUDGET_MIN) -> subprocess.CompletedProcess:

@@ -292,9 +292,9 @@ class Session:
             verdict = " kept" if trial.kept else ""
             what = f"{m.tokens_per_s:,.0f} tok/s{gain}{mem}{verdict}"
         else:
-            what = f"{o.status}: {o.message}"
+            what = f"{o.status}: {o.message or trial.guard}"
         again = " (recorded earlier)" if trial.resumed else ""
-        self.say(f"[{len(self.trials):>2}] {clock} {trial.candidate.label}: {what}{again}")
+        self.say(f"[{self.trials.index(trial) + 1:>2}] {clock} {trial.candidate.label}: {what}{again}")
 
 
 # Keys that are one knob with another (the chunk of the fused loss is part of the fused loss): two

@@ -6,8 +6,12 @@ Every trial runs the same window of steps, so the learning-rate schedule, and wi
 numerics guard compares, is the same in each:
 
     warm-up (compilation, allocator growth, first batches)    `warmup` steps, not measured
-    profiled steps (the baseline only; others run them plain)  PROFILE_STEPS + NUM_EACH_SIDE
     measured steps                                             `measured` steps (>= 10): the median
+    profiled steps (the baseline only; others run them plain)  NUM_EACH_SIDE timed, PROFILE_STEPS
+                                                               profiled, NUM_EACH_SIDE timed
+
+The profile comes after the measured steps, so the baseline's measurement is as plain as every other
+trial's: no profiler has run in its process yet (the step timer's device syncs come after it too).
 
 The measurement is read back from the trial's own `metrics.jsonl` (per-step `step_s` from CUDA events
 or the clock, train/metrics.py): tokens/s = tokens per step / median step time; peak memory as the
@@ -72,7 +76,7 @@ class Window:
         }
         if profiled:
             values |= {
-                "profile.start_step": self.warmup + 1,
+                "profile.start_step": self.warmup + self.measured + NUM_EACH_SIDE + 1,
                 "profile.num_steps": PROFILE_STEPS,
                 "profile.analyze": True,
             }
@@ -118,8 +122,8 @@ def read_measurement(run_dir: Path, window: Window) -> Measurement | None:
             rec = json.loads(line)
             if isinstance(rec, dict) and rec.get("kind") == "train":
                 rows.append(rec)
-    first = window.total - window.measured  # steps are 1-based in the file
-    timed = [r for r in rows if r["step"] > first and r.get("step_s")]
+    last = window.warmup + window.measured  # steps are 1-based in the file
+    timed = [r for r in rows if window.warmup < r["step"] <= last and r.get("step_s")]
     if len(timed) < min(window.measured, MIN_MEASURED):
         return None
     step_s = statistics.median(r["step_s"] for r in timed)
