@@ -241,6 +241,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
         metavar="KEY=VALUE[,KEY=VALUE]",
         help="one more candidate to measure (repeatable)",
     )
+    tu.add_argument(
+        "--max-trials", type=int, metavar="N", help="measure at most N candidates (default: the budget decides)"
+    )
     handlers["tune"] = cmd_tune
 
     rp = sub.add_parser(

@@ -434,5 +434,6 @@ def cmd_tune(a: argparse.Namespace, overrides: list[str]) -> int:
         warmup_steps=a.warmup_steps,
         gpus=a.gpus,
         tries=a.try_changes or [],
+        max_trials=a.max_trials,
     )
     return 130 if result.interrupted else 0

@@ -41,6 +41,7 @@ def tune(
     warmup_steps: int = 3,
     gpus: int = 1,
     tries: Sequence[Mapping[str, Any] | str] = (),
+    max_trials: int | None = None,
     say: Callable[[str], None] | None = None,
 ) -> TuneResult:
     """Measure the config, try the candidates, and write `out_dir/tuned.toml` and `out_dir/tune/report.html`.
@@ -48,7 +49,8 @@ def tune(
     `budget_min`: wall-clock minutes for all trials; `max_memory_gib`: peak memory per GPU a result may
     use; `allow`: numerics-changing kinds to accept ('fp8', 'fp16', 'numerics' for any); `tries`: more
     changes to measure (`{"data.num_workers": 2}` or 'key=value,key=value'); `gpus`: GPUs per trial
-    (torchrun; the planner's top layouts are candidates). Trials already in `out_dir/tune/trials.jsonl`
+    (torchrun; the planner's top layouts are candidates); `max_trials`: candidates measured at most
+    (the baseline, its second seed and the combination come on top). Trials already in `out_dir/tune/trials.jsonl`
     are not measured again. Ctrl-C stops the running trial and still writes both files.
     """
     from tracetrain.models.build import model_args_from_config
@@ -56,7 +58,7 @@ def tune(
     from tracetrain.validate import validate_run
 
     say = say or _say
-    opts = _options(budget_min, max_memory_gib, allow, measured_steps, warmup_steps, gpus, tries)
+    opts = _options(budget_min, max_memory_gib, allow, measured_steps, warmup_steps, gpus, tries, max_trials)
     raw, where = _raw(config, list(overrides))
     cfg = from_dict({k: dict(v) for k, v in raw.items()}, where)
     validate_run(cfg, model_args_from_config(cfg))
@@ -81,6 +83,7 @@ def _options(
     warmup: int,
     gpus: int,
     tries: Sequence[Mapping[str, Any] | str],
+    max_trials: int | None,
 ) -> Options:
     if not 0 < budget_min < math.inf:
         raise ConfigError(f"--budget-min {budget_min}: must be above 0 (minutes)")
@@ -92,8 +95,11 @@ def _options(
         raise ConfigError(f"--warmup-steps {warmup}: at least 1 (compilation and allocator warm-up)")
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: at least 1")
+    if max_trials is not None and max_trials < 0:
+        raise ConfigError(f"--max-trials {max_trials}: 0 or more")
     window = Window(warmup=warmup, measured=measured)
-    return Options(budget_min, max_memory_gib, check_allow(allow), window, gpus, tuple(_try(t) for t in tries))
+    tried = tuple(_try(t) for t in tries)
+    return Options(budget_min, max_memory_gib, check_allow(allow), window, gpus, tried, max_trials)
 
 
 def _try(item: Mapping[str, Any] | str) -> dict[str, Any]:

@@ -9,13 +9,18 @@ the candidates came from.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from tracetrain.profile.analyze.svg import PALETTE, esc
-from tracetrain.train.report_charts import CHART_CSS, Series, chart
+from tracetrain.train.report_charts import CHART_CSS, HEIGHT, LEFT, PLOT_H, PLOT_W, TOP, WIDTH, y_axis
 from tracetrain.train.run_report import PAGE_CSS
 from tracetrain.tune.session import Trial, TuneResult
 
+CPU_NOTE = (
+    "On the CPU the planner's tokens/s and memory are a GPU's (it plans an H100 when none is visible): "
+    "they are left out, and only its ratios, the predicted gains, are shown."
+)
 _CSS = """
 tr.winner td{background:#eaf6ea;font-weight:600}tr.miss td{color:#888}td.n{white-space:nowrap}
 .star{color:#2a7d2a}.small{font-size:12px;color:#555}
@@ -48,23 +53,56 @@ def _cards(result: TuneResult) -> str:
 
 
 def _gain_chart(trials: list[Trial]) -> str:
-    measured = [(float(i), 100 * t.gain) for i, t in enumerate(trials, 1) if t.gain is not None]
-    predicted = [
-        (float(i), 100 * t.candidate.predicted_gain)
+    """Predicted and measured gain of each candidate trial, side by side as bars around 0% (the axes
+    as report_charts.py draws them: round ticks, the same sizes and colours)."""
+    rows = [
+        (i, t)
         for i, t in enumerate(trials, 1)
-        if t.candidate.predicted_gain is not None and t.role != "baseline"
+        if t.role in ("candidate", "combination") and t.outcome.status != "pruned"
     ]
-    series = [
-        Series("measured gain %", PALETTE[0], measured, dots=True),
-        Series("predicted gain %", PALETTE[1], predicted, dots=True),
-    ]
-    return chart("Predicted and measured gain per trial", series, "trial")
+    values = [100 * v for _, t in rows for v in (t.gain, t.candidate.predicted_gain) if v is not None]
+    if not values:
+        return "<h3>Predicted and measured gain per trial</h3><p class='meta'>no candidate measured</p>"
+    y = y_axis([*values, 0.0], log=False)
+    slot = PLOT_W / len(rows)
+    parts = [f'<rect x="{LEFT}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" fill="none" stroke="#ccc"/>']
+    for v in y.ticks():
+        parts.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#eee"/>')
+        parts.append(f'<text x="{LEFT - 5}" y="{y(v) + 4:.1f}" text-anchor="end">{esc(f"{v:g}%")}</text>')
+    parts.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{y(0):.1f}" y2="{y(0):.1f}" stroke="#888"/>')
+    width = min(slot * 0.35, 28.0)
+    for k, (i, t) in enumerate(rows):
+        mid = LEFT + (k + 0.5) * slot
+        for value, color, dx, what in (
+            (t.candidate.predicted_gain, PALETTE[1], -width, "predicted"),
+            (t.gain, PALETTE[0], 0.0, "measured"),
+        ):
+            if value is None:
+                continue
+            top, bottom = sorted((y(100 * value), y(0)))
+            parts.append(
+                f'<rect x="{mid + dx:.1f}" y="{top:.1f}" width="{width:.1f}" height="{max(bottom - top, 1):.1f}" '
+                f'fill="{color}"><title>{esc(t.candidate.label)}: {what} {value:+.1%}</title></rect>'
+            )
+        parts.append(f'<text x="{mid:.1f}" y="{TOP + PLOT_H + 15}" text-anchor="middle">{i}</text>')
+    parts.append(f'<text x="{LEFT + PLOT_W / 2}" y="{HEIGHT - 2}" text-anchor="middle">trial (table below)</text>')
+    legend = "".join(
+        f'<span><i style="background:{c}"></i>{esc(n)}</span>'
+        for n, c in (("predicted gain", PALETTE[1]), ("measured gain", PALETTE[0]))
+    )
+    svg = (
+        f'<svg class="chart" role="img" aria-label="gain per trial" width="{WIDTH:.0f}" height="{HEIGHT:.0f}" '
+        f'viewBox="0 0 {WIDTH:.0f} {HEIGHT:.0f}">{"".join(parts)}</svg>'
+    )
+    return f'<h3>Predicted and measured gain per trial</h3><p class="legend">{legend}</p>{svg}'
 
 
-def _row(i: int, t: Trial) -> str:
+def _row(i: int, t: Trial, gpu: bool) -> str:
     c, o, m = t.candidate, t.outcome, t.outcome.measurement
     ok = o.status == "ok" and m is not None
     error = None
+    if not gpu:  # the planner plans a GPU: on the CPU only its ratios (the predicted gain) apply
+        c = replace(c, predicted_tokens_per_s=None, predicted_peak_gib=None)
     if ok and c.predicted_tokens_per_s:
         error = c.predicted_tokens_per_s / m.tokens_per_s - 1  # type: ignore[union-attr]
     changes = ", ".join(f"{k} = {v}" for k, v in c.changes) or "(none)"
@@ -90,13 +128,13 @@ def _row(i: int, t: Trial) -> str:
     )
 
 
-def _table(trials: list[Trial]) -> str:
+def _table(trials: list[Trial], gpu: bool) -> str:
     head = (
         "<tr><th>#</th><th>change</th><th>reason</th><th>predicted gain</th><th>measured gain</th>"
         "<th>tokens/s planned / measured</th><th>planner error</th><th>peak GiB planned / measured</th>"
         "<th>loss (window) and guard</th><th>status</th></tr>"
     )
-    return f"<table>{head}{''.join(_row(i, t) for i, t in enumerate(trials, 1))}</table>"
+    return f"<table>{head}{''.join(_row(i, t, gpu) for i, t in enumerate(trials, 1))}</table>"
 
 
 def _changes(result: TuneResult) -> str:
@@ -125,6 +163,7 @@ def _advice(result: TuneResult, page_dir: Path) -> str:
 
 def render(result: TuneResult, page_dir: Path, title: str) -> str:
     """The whole page."""
+    gpu = result.device != "cpu"
     body = [
         f"<h1>tracetrain tune: {esc(title)}</h1>",
         _cards(result),
@@ -133,7 +172,8 @@ def render(result: TuneResult, page_dir: Path, title: str) -> str:
         "<p class='meta'>Gains are tokens/s against the baseline (median step time of the measured window). "
         "Planned figures are the planner's (plan/); the planner error is planned over measured tokens/s, minus 1. "
         "&#9733; marks the winner.</p>",
-        _table(result.trials),
+        "" if gpu else f"<p class='meta'>{esc(CPU_NOTE)}</p>",
+        _table(result.trials, gpu),
         "<h2>Tuned keys (tuned.toml)</h2>",
         _changes(result),
         "<h2>Profile advice of the baseline</h2>",

@@ -81,6 +81,7 @@ class Options:
     window: Window
     gpus: int
     tries: tuple[dict[str, Any], ...]
+    max_trials: int | None = None  # candidates measured at most (None: as many as the budget allows)
 
 
 class Session:
@@ -115,7 +116,7 @@ class Session:
         overrides = self.opts.window.overrides(self.cfg, profiled, self.cuda)
         overrides += [override(k, v) for k, v in self.start.items() if k not in cand.change_dict]
         overrides += cand.overrides()
-        key = trial_key(self.base_text, overrides, self.device, self.opts.gpus)
+        key = trial_key(self.base_text, [self.opts.window.key(), *overrides], self.device, self.opts.gpus)
         outcome = self.ledger.get(key)
         resumed = outcome is not None
         if outcome is None:
@@ -243,12 +244,17 @@ class Session:
         assert self.baseline is not None
         cands = build_candidates(planner, self.baseline.outcome.advice, self.cuda, self.opts.allow, self.opts.tries)
         self.say(f"{len(cands)} candidates from the profile's advice and the planner's what-ifs")
+        measured = 0
         for cand in cands:
+            if self.opts.max_trials is not None and measured >= self.opts.max_trials:
+                self.notes.append(f"stopped after {measured} candidates (--max-trials)")
+                break
             if cand.fits is False and cand.source != "--try":
                 reason = f"pruned: the planner needs {cand.predicted_peak_gib:.1f} GiB, more than fits"
                 self.trials.append(Trial("candidate", cand, TrialOutcome("pruned", 0.0, message=reason)))
                 continue
             trial = self.measure("candidate", cand)
+            measured += 1
             self.judge(trial)
             self._show(trial)
         self._combine(planner)

@@ -50,6 +50,10 @@ class Window:
     warmup: int = 3
     measured: int = 10
 
+    def key(self) -> str:
+        """What the measurement depends on besides the overrides (the window's layout): in trial keys."""
+        return f"window-v2 {self.warmup} {self.measured} {PROFILE_STEPS} {NUM_EACH_SIDE}"
+
     @property
     def total(self) -> int:
         return self.warmup + PROFILE_STEPS + NUM_EACH_SIDE + self.measured
@@ -72,6 +76,9 @@ class Window:
             "logging.tensorboard": False,
             "logging.mlflow": False,
             "logging.wandb": False,
+            # One read-back (host sync) right after the measured steps: none inside them, and the
+            # measurement is on disk even if the budget stops the trial during its profile.
+            "logging.log_interval": self.warmup + self.measured,
             "profile.enabled": profiled,
         }
         if profiled:
@@ -177,7 +184,11 @@ def run_trial(cmd: list[str], run_dir: Path, window: Window, timeout_s: float) -
             code = proc.wait(timeout=max(timeout_s, 1.0))
         except subprocess.TimeoutExpired:
             _stop(proc)
-            return TrialOutcome("budget", time.monotonic() - start, message="stopped: the time budget ran out")
+            seconds = time.monotonic() - start
+            measured = read_measurement(run_dir, window)
+            if measured is not None:  # stopped in its profile: the measurement itself is complete
+                return TrialOutcome("ok", seconds, measured, "the budget ran out during its profile (no advice)")
+            return TrialOutcome("budget", seconds, message="stopped: the time budget ran out")
         except BaseException:
             _stop(proc)
             raise
