@@ -169,7 +169,9 @@ def _comments(session: Session, best: Any, changes: dict[str, Any]) -> dict[str,
     out: dict[str, str] = {}
     base = session.baseline
     for key in changes:
-        if best is not None and base is not None and key in best.candidate.change_dict:
+        if key in session.implicit:
+            out[key] = f"tune: --gpus {session.opts.gpus}: the data sharded over them; was {_was(session.cfg, key)}"
+        elif best is not None and base is not None and key in best.candidate.change_dict:
             out[key] = (
                 f"tune: {best.candidate.label} measured {best.gain:+.1%} tokens/s "
                 f"({best.tokens_per_s:,.0f} against {base.tokens_per_s:,.0f}); was {_was(session.cfg, key)}"

@@ -101,6 +101,10 @@ class Session:
         self.trials: list[Trial] = []
         self.durations: list[tuple[float, bool]] = []  # (seconds, profiled) of the trials run here
         self.start: dict[str, Any] = {}  # changes the baseline needed to fit (planner), else empty
+        # With --gpus N and a one-GPU config, the N ranks shard the data (the planner's what-if, too).
+        par = cfg.parallel
+        one_gpu = par.dp_replicate * par.dp_shard * par.tp * par.pp * par.cp == 1
+        self.implicit: dict[str, Any] = {"parallel.dp_shard": opts.gpus} if opts.gpus > 1 and one_gpu else {}
         self.baseline: Trial | None = None
         self.seed: Trial | None = None
         self.notes: list[str] = []
@@ -137,12 +141,12 @@ class Session:
         return trial
 
     def _estimate_s(self) -> float:
-        """How long the next trial will take: the slowest plain trial so far, else most of the profiled
-        baseline (its profile and analysis are extra), else nothing known (0)."""
+        """How long the next trial will take: the slowest plain trial so far, else half the profiled
+        baseline (its profile, analysis and a cold compile cache are extra), else nothing known (0)."""
         plain = [s for s, profiled in self.durations if not profiled]
         if plain:
             return max(plain)
-        return 0.75 * max((s for s, _ in self.durations), default=0.0)
+        return 0.5 * max((s for s, _ in self.durations), default=0.0)
 
     def judge(self, trial: Trial) -> None:
         """Gain against the baseline, the memory cap and the numerics guard; `kept` when it helps."""
@@ -210,11 +214,11 @@ class Session:
         return False
 
     def _baseline(self) -> bool:
-        planner = Planner.of(self.cfg, self.gpu, self.opts.gpus, self.opts.max_memory_gib)
+        planner = Planner.of(self.cfg.replace(self.implicit), self.gpu, self.opts.gpus, self.opts.max_memory_gib)
         p = planner.base
         base = Candidate(
             "baseline",
-            (),
+            tuple(self.implicit.items()),
             "your config",
             "baseline",
             predicted_gain=0.0 if p else None,
@@ -225,7 +229,7 @@ class Session:
         queue = (fitting_start(planner) if self.cuda else []) or [base]
         while queue:
             cand = queue.pop(0)
-            self.start = cand.change_dict
+            self.start = {**self.implicit, **cand.change_dict}
             trial = self.measure("baseline", cand, profiled=True)
             self._over_cap(trial)
             self.baseline = trial
