@@ -4,6 +4,7 @@ resumes it, the numerics guard judged again with --allow, and Ctrl-C on a rerun 
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,7 +70,7 @@ def test_tune_writes_tuned_toml_and_the_report_within_its_budget(tuned):
 
 
 def test_the_numerics_guard_refuses_a_change_of_the_loss(tuned):
-    out, proc, _ = tuned
+    out, _, _ = tuned
     records = {r["label"]: r for r in _ledger(out)}
     assert "baseline, second seed" in records  # measured once, when the guard first needed it
     base = records["baseline"]["measurement"]["loss"]
@@ -116,3 +117,47 @@ def test_ctrl_c_keeps_what_was_measured(tuned, tmp_path):
     assert (again / "tuned.toml").is_file() and load_config(again / "tuned.toml")
     assert "interrupted (Ctrl-C)" in (again / "tune" / "report.html").read_text()
     assert len(_ledger(again)) == 2  # the stopped trial is not recorded: a rerun measures it
+
+
+def test_tuned_toml_puts_changed_keys_under_their_comment_first_in_their_section(tmp_path):
+    from tracetrain.config import from_dict
+    from tracetrain.tune.output import tuned_text, write_tuned
+
+    raw = {"data": {"kind": "instruction", "sources": [{"path": "a.jsonl", "weight": 2.0}]}, "train": {"steps": 50}}
+    changes = {"data.num_workers": 2, "train.micro_batch_size": 8, "memory.recompute": "selective"}
+    comments = {"data.num_workers": "tune: data workers 2 measured +12.0% tokens/s"}
+    text = tuned_text(raw, changes, comments, ["header line"])
+    expected = from_dict(
+        {
+            **raw,
+            "data": {**raw["data"], "num_workers": 2},
+            "train": {"steps": 50, "micro_batch_size": 8},
+            "memory": {"recompute": "selective"},
+        }
+    )
+    write_tuned(tmp_path / "tuned.toml", text, expected)
+    lines = (tmp_path / "tuned.toml").read_text().splitlines()
+    assert lines[0] == "# header line"
+    at = lines.index("num_workers = 2")
+    assert lines[at - 1] == "# tune: data workers 2 measured +12.0% tokens/s"
+    assert at < next(i for i, line in enumerate(lines) if line.startswith(("sources", "[[data.sources]]")))
+    assert tomllib.loads("\n".join(lines))["data"]["sources"] == [{"path": "a.jsonl", "weight": 2.0}]
+
+
+def test_bad_tune_flags_are_one_line_errors(tmp_path):
+    cmd = [sys.executable, "-m", "tracetrain.cli", "tune", "--out", str(tmp_path), "--allow", "fp4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: --allow fp4: not a kind tune knows; allowed: fp8, fp16, numerics")
+    assert "Traceback" not in proc.stderr
+    import tracetrain
+    from tracetrain.errors import ConfigError
+
+    for kwargs, words in (
+        ({"measured_steps": 5}, "--steps 5: the median needs at least 10"),
+        ({"budget_min": 0.0}, "--budget-min 0.0: must be above 0"),
+        ({"max_memory_gib": -1.0}, "--max-memory -1.0: must be above 0"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            tracetrain.tune(out_dir=tmp_path, **kwargs)
+    assert not (tmp_path / "tune").exists()  # refused before anything was written
