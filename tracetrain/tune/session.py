@@ -259,9 +259,15 @@ class Session:
                 continue
             trial = self.measure("candidate", cand)
             measured += 1
-            self.judge(trial)
-            self._show(trial)
+            self._judge_and_show(trial)
         self._combine(planner)
+
+    def _judge_and_show(self, trial: Trial) -> None:
+        """Judge a measured trial and show it, also when the guard's second seed does not fit the budget."""
+        try:
+            self.judge(trial)
+        finally:
+            self._show(trial)
 
     def _combine(self, planner: Planner) -> None:
         """Merge the kept changes, largest gain first, skipping keys already set; measure the merge."""
@@ -278,9 +284,7 @@ class Session:
             return
         cand = make_candidate(planner, " + ".join(used), merged, "the kept changes together", "combination")
         if cand is not None:
-            trial = self.measure("combination", cand)
-            self.judge(trial)
-            self._show(trial)
+            self._judge_and_show(self.measure("combination", cand))
 
     def best(self) -> Trial | None:
         kept = [t for t in self.trials if t.kept and t.tokens_per_s]
