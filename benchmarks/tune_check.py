@@ -73,6 +73,7 @@ def run_case(name: str, scale: float, work: Path) -> dict:
     overrides, cap, best_known, source, budget = CASES[name]
     budget_min = budget * scale
     out = work / name
+    shutil.rmtree(out, ignore_errors=True)  # a fresh tune: trials of an earlier call are not reused
     start = time.monotonic()
     try:
         result = tracetrain.tune(
@@ -152,7 +153,7 @@ def main() -> None:
                     dst = Path(out_env) / "tune_check" / name / Path(f).name
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(src, dst)
-    env = environment()
+    env = environment()  # after the cases: it opens a CUDA context, and the GPU's memory is the trials'
     payload = {**env, "budget_scale": a.budget_scale, "cases": rows}
     gpu = env["device"].replace(" ", "-")
     path = write_result(f"tune_check_{gpu}.json", payload, Path(out_env) if out_env else None)

@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from test_html_render import console_errors, render_in_browser
 
 from tracetrain.config import load_config
 
@@ -69,6 +70,14 @@ def test_tune_writes_tuned_toml_and_the_report_within_its_budget(tuned):
         assert rec["label"] in page.replace("&#x27;", "'")
     assert "predicted gain" in page and "measured gain" in page and "planner error" in page
     assert proc.stdout.count("\n[") >= 2  # progress: one line per trial
+
+
+def test_the_report_renders_in_chromium(tuned, tmp_path):
+    out, _, _ = tuned
+    dom, log = render_in_browser(out / "tune" / "report.html", tmp_path)
+    assert not console_errors(log), console_errors(log)
+    assert 'aria-label="gain per trial"' in dom and "<rect" in dom
+    assert dom.count("<tr") >= len(_ledger(out)) + 1  # every measured trial, and the table's head
 
 
 def test_the_numerics_guard_refuses_a_change_of_the_loss(tuned):
