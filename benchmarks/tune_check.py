@@ -13,7 +13,7 @@ tuned config's measured tokens/s is compared with the best hand-tuned figure of 
 | 7b-full-80  | llama2-7b full, 4 x 2048, --max-memory 80  | a config that fits in 80 GiB (6,744 tok/s with       |
 |             |                                            | optimizer offload and 8 x accumulation, H200)        |
 
-Each case's budget (1.3 to 2.2 minutes, 6.8 in all; `--budget-scale` multiplies them) keeps the whole
+Each case's budget (1.2 to 2.1 minutes, 6.5 in all; `--budget-scale` multiplies them) keeps the whole
 script under 8 minutes on one H200. Writes `tune_check_<gpu>.json` (benchmarks/results, and $OUT when set) with every case's trials
 (change, reason, predicted and measured gain, status), and copies each case's tuned.toml and report.html
 to $OUT/tune_check/<case>/.
@@ -41,14 +41,14 @@ CASES: dict[str, tuple[list[str], float | None, float | None, str, float]] = {
         None,
         20_305.0,
         "docs/performance.md: 7B LoRA defaults, packed (speed_fp8_fused_mlp_NVIDIA-H100-80GB-HBM3.json)",
-        1.5,
+        1.4,
     ),
     "1b-full": (
         ["--model.preset=llama3.2-1b", "--train.micro_batch_size=4"],
         None,
         59_642.0,
         "docs/performance.md: llama3.2-1b full defaults, packed (speed_inductor_knobs_1b_NVIDIA-H100-80GB-HBM3.json)",
-        1.3,
+        1.2,
     ),
     "8b-full": (
         ["--model.preset=llama3-8b", "--train.micro_batch_size=2"],
@@ -62,7 +62,7 @@ CASES: dict[str, tuple[list[str], float | None, float | None, str, float]] = {
         80.0,
         None,
         "a config that fits in 80 GiB (docs/performance.md: 6,744 tok/s with optimizer offload, H200)",
-        2.2,
+        2.1,
     ),
 }
 
