@@ -97,12 +97,11 @@ def test_a_rerun_skips_recorded_trials_and_allow_accepts_the_change(tuned, tmp_p
     again = tmp_path / "again"
     shutil.copytree(out, again)
     before = _ledger(again)
-    proc = _tune(again, "--try", DIVERGE, "--allow", "numerics")
+    # A budget too small for any new trial (the recorded ones say how long one takes): only the ledger.
+    proc = _tune(again, "--try", DIVERGE, "--allow", "numerics", budget=0.05)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("(recorded earlier)") >= len(before)
-    after = _ledger(again)
-    assert [r["key"] for r in after[: len(before)]] == [r["key"] for r in before]
-    assert len({r["key"] for r in after}) == len(after)  # nothing measured twice
+    assert [r["key"] for r in _ledger(again)] == [r["key"] for r in before]  # nothing measured again
     assert "allowed by --allow numerics" in (again / "tune" / "report.html").read_text()
 
 

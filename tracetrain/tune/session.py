@@ -99,7 +99,7 @@ class Session:
         self.started = time.monotonic()
         self.deadline = self.started + opts.budget_min * 60
         self.trials: list[Trial] = []
-        self.durations: list[tuple[float, bool]] = []  # (seconds, profiled) of the trials run here
+        self.durations: list[tuple[float, bool]] = []  # (seconds, profiled) of the trials, run or recorded
         self.start: dict[str, Any] = {}  # changes the baseline needed to fit (planner), else empty
         # With --gpus N and a one-GPU config, the N ranks shard the data (the planner's what-if, too).
         par = cfg.parallel
@@ -131,8 +131,9 @@ class Session:
             where = [override("train.output_dir", str(self.tune_dir / "runs")), override("train.run_name", key)]
             cmd = command(self.base_toml, overrides + where, self.opts.gpus)
             outcome = run_trial(cmd, self.tune_dir / "runs" / key, self.opts.window, remaining)
-            self.durations.append((outcome.seconds, profiled))
             self.ledger.add(key, cand.label, outcome)
+        # A recorded trial's time counts too: on a rerun it is what the next trial will take.
+        self.durations.append((outcome.seconds, profiled))
         trial = Trial(role, cand, outcome, key, resumed)
         self.trials.append(trial)
         if outcome.status == "budget":
