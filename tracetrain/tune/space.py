@@ -281,8 +281,8 @@ def build_candidates(
     tries: Sequence[dict[str, Any]] = (),
 ) -> list[Candidate]:
     """Every candidate, deduplicated by its changes, in the order to try them: the user's --try first,
-    then advice (largest predicted gain first), then the planner's what-ifs (largest predicted gain first;
-    unpredicted ones last)."""
+    then advice (largest predicted gain first), then the planner's what-ifs and, with several GPUs, its
+    top layouts (largest predicted gain first; unpredicted ones last)."""
     found: list[Candidate] = []
     for changes in tries:
         label = ", ".join(f"{k}={v}" for k, v in changes.items())
@@ -301,9 +301,9 @@ def build_candidates(
         make_candidate(planner, label, ch, f"planner what-if: {why}", "planner")
         for label, ch, why in knob_changes(planner.cfg, cuda, allow)
     ]
+    if planner.gpus > 1:  # the top layouts compete with the what-ifs on predicted gain
+        planned += layout_changes(planner)
     found += sorted((c for c in planned if c is not None), key=_order)
-    if planner.gpus > 1:
-        found += layout_changes(planner)
     unique: dict[tuple, Candidate] = {}
     for c in found:
         unique.setdefault(c.changes, c)
