@@ -28,8 +28,13 @@ def _imports() -> dict[str, dict[str, set[str]]]:
         if rel.parts == ("__init__",):
             src = "tracetrain"
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
             for name in names:
                 dst = _node(name)
                 if dst and dst != src:
@@ -49,7 +54,7 @@ def test_no_import_cycle_between_folders():
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if colour.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in colour and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -80,24 +85,47 @@ def _calls(path: Path) -> set[str]:
 def test_every_transform_is_applied_only_from_the_table():
     """The model's `apply_*` transforms are called from train/assemble.py alone."""
     table_calls = {c for c in _calls(PKG / "train" / "assemble.py") if c.startswith("apply_")}
-    assert {"apply_lora", "apply_fp8", "apply_recompute", "apply_compile", "apply_data_parallel",
-            "apply_tensor_parallel", "apply_activation_offload", "apply_fused_ce"} <= table_calls
-    offenders = sorted(f"{rel}: {name}" for path in PKG.rglob("*.py") if path.name != "assemble.py"
-                       for rel in [str(path.relative_to(PKG))] for name in _calls(path) & table_calls
-                       if (rel, name) not in NOT_ASSEMBLY)
+    assert {
+        "apply_lora",
+        "apply_fp8",
+        "apply_recompute",
+        "apply_compile",
+        "apply_data_parallel",
+        "apply_tensor_parallel",
+        "apply_activation_offload",
+        "apply_fused_ce",
+    } <= table_calls
+    offenders = sorted(
+        f"{rel}: {name}"
+        for path in PKG.rglob("*.py")
+        if path.name != "assemble.py"
+        for rel in [str(path.relative_to(PKG))]
+        for name in _calls(path) & table_calls
+        if (rel, name) not in NOT_ASSEMBLY
+    )
     assert not offenders, f"transforms applied outside the table: {offenders}"
     names = [t.name for t in TRANSFORMS]
     assert len(names) == len(set(names)) and all(t.why for t in TRANSFORMS)
     # The order the docs promise: LoRA before every wrapper, recompute before compile before FSDP.
-    assert names.index("lora") < names.index("fp8") < names.index("tensor_parallel") < names.index("recompute") \
-        < names.index("compile") < names.index("data_parallel") < names.index("optimizer")
+    assert (
+        names.index("lora")
+        < names.index("fp8")
+        < names.index("tensor_parallel")
+        < names.index("recompute")
+        < names.index("compile")
+        < names.index("data_parallel")
+        < names.index("optimizer")
+    )
 
 
 def test_shared_constants_and_step_context_have_one_home():
     defs = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if re.search(r"^IGNORE_INDEX\s*=", p.read_text(), re.M)]
     assert defs == ["labels.py"]
-    builders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
-                if re.search(r"(?<![\w.])StepContext\(", p.read_text()) and p.name != "step.py"]
+    builders = [
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if re.search(r"(?<![\w.])StepContext\(", p.read_text()) and p.name != "step.py"
+    ]
     assert builders == ["train/assemble.py"], builders
 
 
@@ -143,3 +171,13 @@ def test_decided_config_keys_are_read_only_through_the_spec():
                 continue
             bad += [f"{root.name}/{rel}:{hit}" for hit in _decided_key_reads(path)]
     assert not bad, "read the spec's decided value instead (tracetrain/spec.py):\n" + "\n".join(bad)
+
+
+def test_tune_sits_above_train_plan_and_profile():
+    """tune/ runs training in child processes and reads the planner and the profile's advice; of the
+    folders and modules, only the command's handlers import it (and the package's top, for the
+    `tracetrain.tune(...)` call, which this walk does not count as a folder)."""
+    edges = _imports()
+    importers = sorted(src for src, dsts in edges.items() if "tune" in dsts)
+    assert importers == ["cli_commands"], importers
+    assert {"plan", "train", "profile"} <= set(edges["tune"]), dict(edges["tune"])

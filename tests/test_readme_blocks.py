@@ -37,6 +37,7 @@ NOT_RUNNABLE = {
     "# Llama-3-70B LoRA on 2 GPUs": "torchrun over 2 GPUs of 140 GiB (measured by benchmarks/scale_large.py)",
     "tracetrain profile --config my.toml": "the reader's my.toml (the tour runs the same window on the default run)",
     "tracetrain analyze runs/<run>/profile": "placeholders (<run>, before/after traces) for the reader's traces",
+    "tracetrain tune my.toml": "the reader's my.toml; tests/test_tune.py runs `tracetrain tune` on the default run",
     "pip install 'tracetrain[mlflow]'": "installs from PyPI; the reader's my.toml",
     "runs/<name>/": "a folder listing, not a command",
     "MLFLOW_ALLOW_FILE_STORE=true mlflow ui": "a server that runs until stopped; tests/test_tracking_mlflow.py starts "

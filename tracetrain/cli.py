@@ -25,6 +25,7 @@ from tracetrain.cli_commands import (
     cmd_profile,
     cmd_report,
     cmd_train,
+    cmd_tune,
 )
 from tracetrain.errors import TracetrainError
 from tracetrain.train.faults import silence_stdout, stdout_reader_gone
@@ -221,6 +222,33 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     pl.add_argument("--html", metavar="FILE", help="write the interactive HTML planner page")
     pl.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     handlers["plan"] = cmd_plan
+
+    tu = sub.add_parser(
+        "tune",
+        help="measure the advice's and the planner's candidate changes, keep what is faster: tuned.toml",
+        epilog=EPILOG_OVERRIDES,
+    )
+    tu.add_argument("config", nargs="?", help="TOML config file (default: the built-in default run)")
+    tu.add_argument("--budget-min", type=float, default=15.0, metavar="N", help="minutes for all trials (default 15)")
+    tu.add_argument("--max-memory", type=float, metavar="GIB", help="peak memory per GPU the result may use")
+    tu.add_argument(
+        "--allow", metavar="KINDS", help="numerics changes to try and accept: fp8, fp16, numerics (comma-separated)"
+    )
+    tu.add_argument("--out", default=".", metavar="DIR", help="where tuned.toml and tune/ go (default: here)")
+    tu.add_argument("--steps", type=int, default=10, help="measured steps per trial (>= 10; the median is used)")
+    tu.add_argument("--warmup-steps", type=int, default=3, help="steps before the measured ones (compilation)")
+    tu.add_argument("--gpus", type=int, default=1, help="GPUs per trial (torchrun); the planner's top layouts join")
+    tu.add_argument(
+        "--try",
+        dest="try_changes",
+        action="append",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="one more candidate to measure (repeatable)",
+    )
+    tu.add_argument(
+        "--max-trials", type=int, metavar="N", help="measure at most N candidates (default: the budget decides)"
+    )
+    handlers["tune"] = cmd_tune
 
     rp = sub.add_parser(
         "report",

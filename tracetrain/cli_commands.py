@@ -431,3 +431,25 @@ def cmd_config(a: argparse.Namespace, overrides: list[str]) -> int:
 
     print(reference_markdown() if a.reference else to_toml(load_config(a.config, overrides)))
     return 0
+
+
+def cmd_tune(a: argparse.Namespace, overrides: list[str]) -> int:
+    """Exit 0 when the search ended (finished or out of budget); 130 when Ctrl-C stopped it (both files
+    are written either way, from the trials that finished)."""
+    from tracetrain.tune.api import tune
+
+    allow = [w.strip() for w in (a.allow or "").split(",") if w.strip()]
+    result = tune(
+        a.config,
+        overrides=overrides,
+        budget_min=a.budget_min,
+        max_memory_gib=a.max_memory,
+        allow=allow,
+        out_dir=a.out,
+        measured_steps=a.steps,
+        warmup_steps=a.warmup_steps,
+        gpus=a.gpus,
+        tries=a.try_changes or [],
+        max_trials=a.max_trials,
+    )
+    return 130 if result.interrupted else 0

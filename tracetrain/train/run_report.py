@@ -26,7 +26,7 @@ from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.svg import PALETTE, esc
 from tracetrain.train.report_charts import CHART_CSS, Series, chart, fmt_num
 
-_CSS = """
+PAGE_CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:980px;color:#222;padding:0 12px}
 h1{font-size:22px}h2{font-size:17px;margin-top:26px;border-bottom:1px solid #ddd}
 .meta{color:#555}.cards{display:flex;gap:12px;flex-wrap:wrap}
@@ -319,7 +319,7 @@ def render(runs: list[RunData], page_dir: Path) -> str:
             body.append(_key_values("summary.json", run.summary))
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-        f"<style>{_CSS}{CHART_CSS}</style></head><body>{''.join(body)}</body></html>"
+        f"<style>{PAGE_CSS}{CHART_CSS}</style></head><body>{''.join(body)}</body></html>"
     )
 
 
