@@ -257,15 +257,20 @@ def export_hf(
 # PEFT adapters
 
 
-def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> None:
-    """The config written must describe the adapters written, or PEFT would load them wrongly."""
+def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> list[str]:
+    """The config written must describe the adapters written, or PEFT would load them wrongly. Returns the
+    target names to write: those adapted (an MoE model's experts are not linear layers, so a target that
+    names only expert projections adapts nothing there and is left out)."""
     wrapped = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     ranks = {m.rank for m in wrapped.values()}
     if ranks != {rank}:
         raise ValueError(f"rank {rank} does not match the model's adapters (rank {sorted(ranks)})")
     names = {n.rpartition(".")[2] for n in wrapped}
-    if names != set(resolve_targets(targets)):
+    linear = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, (nn.Linear, LoRALinear))}
+    wanted = [t for t in resolve_targets(targets) if t in linear]
+    if names != set(wanted):
         raise ValueError(f"targets {targets} do not match the model's adapted layers {sorted(names)}")
+    return wanted
 
 
 def write_peft_adapter(
@@ -281,7 +286,7 @@ def write_peft_adapter(
     adapters = lora_state_dict(model)
     if not adapters:
         raise ValueError("model has no LoRA adapters to export; apply_lora first")
-    _check_adapter_args(model, rank, targets)
+    adapted = _check_adapter_args(model, rank, targets)
     dora = any(isinstance(m, DoRALinear) for m in model.modules())
     cfg = {
         "peft_type": "LORA",
@@ -289,7 +294,7 @@ def write_peft_adapter(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": resolve_targets(targets),
+        "target_modules": adapted,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

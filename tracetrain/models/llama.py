@@ -22,6 +22,7 @@ KV cache uses `attention.cached_attention` instead, whose kernel choice follows 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -146,12 +147,24 @@ def apply_rope_qk(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future."""
+def document_causal_mask(document_ids: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future;
+    with a sliding `window` (Mistral), also fewer than `window` positions back (as transformers' mask)."""
     seq = document_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    if window:
+        causal = causal.triu(1 - window)  # key k visible from query q when q - window < k <= q
     same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (batch, seq, seq)
     return (same_doc & causal).unsqueeze(1)
+
+
+def dense_mask_fn(args: ModelArgs) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The default `Transformer.mask_fn` of a model of `args`: dense, windowed when the model is."""
+    return (
+        functools.partial(document_causal_mask, window=args.sliding_window)
+        if args.sliding_window
+        else document_causal_mask
+    )
 
 
 class RMSNorm(nn.Module):
@@ -251,7 +264,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
         # (batch, seq) document ids -> the attention mask every block receives; built once per batch.
-        self.mask_fn = document_causal_mask
+        self.mask_fn = dense_mask_fn(args)
         # (hidden (tokens, dim), lm_head weight, labels (tokens,)) -> summed loss without full logits; set by
         # the fused cross-entropy transform (kernels/fused_ce.py `apply_fused_ce`), None = logits only.
         self.fused_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -304,6 +317,8 @@ class Transformer(nn.Module):
             start = cache.length if cache is not None else 0
             position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
         cos, sin = self.rope(position_ids)
+        if document_ids is None and cache is None and 0 < self.args.sliding_window < s:
+            document_ids = tokens.new_zeros(b, s)  # one document: SDPA's is_causal has no window, the mask has
         mask = self.mask_fn(document_ids) if document_ids is not None else None
         if cache is not None:
             mask = cache.attention_mask(s)
@@ -363,6 +378,7 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        self.sliding_window = args.sliding_window
 
     def attention_mask(self, s: int) -> torch.Tensor:
         """(batch, 1, s, length + s) bool: causal within the new tokens, and no padded positions."""
@@ -372,6 +388,8 @@ class KVCache:
         q_pos = torch.arange(self.length, end, device=self.valid.device).unsqueeze(1)
         k_pos = torch.arange(end, device=self.valid.device).unsqueeze(0)
         causal = k_pos <= q_pos  # (s, end)
+        if self.sliding_window:
+            causal &= k_pos > q_pos - self.sliding_window
         return (causal.unsqueeze(0) & self.valid[:, None, :end]).unsqueeze(1)
 
     def advance(self, s: int) -> None:
