@@ -270,6 +270,13 @@ def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> list
     wanted = [t for t in resolve_targets(targets) if t in linear]
     if names != set(wanted):
         raise ValueError(f"targets {targets} do not match the model's adapted layers {sorted(names)}")
+    dense_mlp = sorted(names & {"gate_proj", "up_proj", "down_proj"})
+    if dense_mlp and getattr(model, "args", None) is not None and model.args.num_experts:  # type: ignore[union-attr]  # the plain model's args
+        raise ValueError(
+            f"a PEFT adapter of an MoE model cannot hold the dense blocks' {', '.join(dense_mlp)} adapters: "
+            "transformers 5 maps those names onto the experts; export --hf (merged), or train with "
+            "lora.targets on the attention projections"
+        )
     return wanted
 
 
