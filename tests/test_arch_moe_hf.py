@@ -189,3 +189,30 @@ def test_peft_export_of_moe_dense_mlp_adapters_is_refused(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="dense blocks' down_proj, gate_proj, up_proj.*export --hf"):
         export_peft_adapter(model, tmp_path / "peft", 4, 8.0, 0.0, ["all-linear"])
     assert not (tmp_path / "peft").exists()
+
+
+@pytest.mark.slow  # a 2-rank torchrun run (about 90 s on a busy 2-core machine)
+def test_mixtral_on_expert_parallel_ranks_exports_its_experts(tmp_path: Path) -> None:
+    """A Mixtral folder trained on 2 expert-parallel ranks (each reads and holds 2 of the 4 experts), saved
+    by both ranks (DCP) and streamed to a Hugging Face folder: transformers computes the trained model."""
+    import subprocess
+    import sys
+
+    from tracetrain.inference import load_trained
+
+    reference = save_family(tmp_path / "base", MIXTRAL)
+    args = ["--data.seq_len=32", "--data.synthetic_examples=40", "--train.steps=1", "--optim.warmup_steps=0",
+            "--train.micro_batch_size=2", "--train.device=cpu", "--train.precision=fp32", "--train.eval_interval=0",
+            "--train.eval_generate=0", "--logging.progress=false", "--parallel.dp_shard=2", "--parallel.ep=2",
+            f"--model.init_from={tmp_path / 'base'}", f"--train.output_dir={tmp_path}", "--train.run_name=r"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "tracetrain.cli", "train", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "r" / "checkpoints").glob("*/dcp/.metadata"))  # saved by both ranks
+    cli_here("export", str(tmp_path / "r"), "--hf", str(tmp_path / "hf"), "--dtype", "fp32")
+    exported = hf_from(tmp_path / "hf")
+    assert_same_logits(exported, load_trained(tmp_path / "r", "cpu").model.eval())
+    with torch.no_grad():  # one step of AdamW moved the experts: the export is the trained model
+        x = tokens()
+        assert not torch.allclose(exported(x).logits, reference(x).logits, atol=1e-5)
