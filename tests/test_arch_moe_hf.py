@@ -201,12 +201,34 @@ def test_mixtral_on_expert_parallel_ranks_exports_its_experts(tmp_path: Path) ->
     from tracetrain.inference import load_trained
 
     reference = save_family(tmp_path / "base", MIXTRAL)
-    args = ["--data.seq_len=32", "--data.synthetic_examples=40", "--train.steps=1", "--optim.warmup_steps=0",
-            "--train.micro_batch_size=2", "--train.device=cpu", "--train.precision=fp32", "--train.eval_interval=0",
-            "--train.eval_generate=0", "--logging.progress=false", "--parallel.dp_shard=2", "--parallel.ep=2",
-            f"--model.init_from={tmp_path / 'base'}", f"--train.output_dir={tmp_path}", "--train.run_name=r"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "tracetrain.cli", "train", *args]
+    args = [
+        "--data.seq_len=32",
+        "--data.synthetic_examples=40",
+        "--train.steps=1",
+        "--optim.warmup_steps=0",
+        "--train.micro_batch_size=2",
+        "--train.device=cpu",
+        "--train.precision=fp32",
+        "--train.eval_interval=0",
+        "--train.eval_generate=0",
+        "--logging.progress=false",
+        "--parallel.dp_shard=2",
+        "--parallel.ep=2",
+        f"--model.init_from={tmp_path / 'base'}",
+        f"--train.output_dir={tmp_path}",
+        "--train.run_name=r",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "tracetrain.cli",
+        "train",
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "r" / "checkpoints").glob("*/dcp/.metadata"))  # saved by both ranks
@@ -216,3 +238,21 @@ def test_mixtral_on_expert_parallel_ranks_exports_its_experts(tmp_path: Path) ->
     with torch.no_grad():  # one step of AdamW moved the experts: the export is the trained model
         x = tokens()
         assert not torch.allclose(exported(x).logits, reference(x).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-0.6b"])
+def test_planner_counts_the_experts_and_qk_norms(preset: str) -> None:
+    """The planner's parameters are the built model's: experts, routers, q/k norms, LoRA on attention only."""
+    from tracetrain.config import load_config
+    from tracetrain.models.build import build_on_meta
+    from tracetrain.models.lora import apply_lora
+    from tracetrain.models.presets import PRESETS
+    from tracetrain.plan.mapping import plan_input_from_config
+    from tracetrain.plan.params import total_params, trainable_params
+
+    cfg = load_config(None, [f"--model.preset={preset}", "--train.mode=lora", "--lora.targets=['all-linear']"])
+    inp = plan_input_from_config(cfg)
+    args = PRESETS[preset]
+    assert total_params(inp) == num_params(args)
+    model = build_on_meta(args)
+    assert trainable_params(inp) == apply_lora(model, cfg.lora.rank, cfg.lora.alpha, 0.0, ["all-linear"])

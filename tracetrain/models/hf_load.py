@@ -8,7 +8,8 @@ only that block's rows from the file, 64 MiB at a time, with plain reads rather 
 rank's host memory holds its own shards plus one read, whatever the model's size, and no page of the
 checkpoint stays mapped into it (benchmarks/shard_load_rss.py measures it). `materialize_parts`
 (models/build.py) calls `fill` for every parameter of this rank's parts; `load_hf_weights` (models/hf.py)
-for a whole model.
+for a whole model. A model tensor may be several checkpoint tensors (`Piece`: Mixtral's and Qwen3-MoE's one
+tensor per expert, stacked along dim 0 here): an expert-parallel rank then reads only its experts' files.
 """
 
 from __future__ import annotations

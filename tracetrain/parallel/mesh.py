@@ -112,6 +112,12 @@ def _check_tp(cfg: Config, args: ModelArgs) -> None:
         "parallel.tp, model.num_experts",
         "tensor parallelism of MoE blocks is not supported; shard experts with parallel.ep",
     )
+    # Each rank's heads would give its q/k norm weights a partial gradient that nothing sums over tp.
+    _need(
+        not args.qk_norm,
+        "parallel.tp, model.init_from",
+        "tensor parallelism of Qwen3's per-head q/k norms is not supported; use parallel.dp_shard",
+    )
 
 
 def _check_cp(cfg: Config, args: ModelArgs) -> None:
