@@ -256,3 +256,28 @@ def test_planner_counts_the_experts_and_qk_norms(preset: str) -> None:
     assert total_params(inp) == num_params(args)
     model = build_on_meta(args)
     assert trainable_params(inp) == apply_lora(model, cfg.lora.rank, cfg.lora.alpha, 0.0, ["all-linear"])
+
+
+def test_layouts_without_a_window_or_qk_norms_say_so_in_one_line(tmp_path: Path) -> None:
+    """resolve picks SDPA for a window shorter than the rows (flex has none); CP (no window) and TP (Qwen3's
+    q/k norms would get partial gradients) are refused naming their keys; fused kernels and FP8 say what
+    they skip in an MoE model."""
+    from tracetrain.config import load_config
+    from tracetrain.errors import ConfigError
+    from tracetrain.models.presets import PRESETS
+    from tracetrain.parallel.mesh import validate_parallel
+    from tracetrain.spec import resolve
+
+    save_tiny(tmp_path / "mistral", "MistralConfig", sliding_window=16)
+    cfg = load_config(None, [f"--model.init_from={tmp_path / 'mistral'}", "--data.seq_len=128", "--data.pack=true"])
+    spec = resolve(cfg, torch.device("cuda"), probe=False)
+    assert spec.attention == "sdpa" and "sliding window (16)" in dict(spec.decisions)["train.attention"]
+    cp = cfg.replace({"parallel.cp": 2})
+    with pytest.raises(ConfigError, match=r"parallel\.cp.*sliding window"):
+        validate_parallel(cp, spec.model_args, 2)
+    qwen3 = load_config(None, ["--model.preset=qwen3-0.6b", "--parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"parallel\.tp.*q/k norms"):
+        validate_parallel(qwen3, PRESETS["qwen3-0.6b"], 2)
+    moe = load_config(None, ["--model.preset=mixtral-8x7b", "--train.fused_kernels=on", "--train.fp8=rowwise"])
+    notes = dict(resolve(moe, torch.device("cuda"), probe=False).decisions)
+    assert "experts" in notes["train.fused_kernels"] and "experts" in notes["train.fp8"]
