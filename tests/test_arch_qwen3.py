@@ -82,3 +82,16 @@ def test_qwen3_fine_tunes_and_exports(tmp_path: Path, mode: str) -> None:
         peft = pytest.importorskip("peft")
         adapted = peft.PeftModel.from_pretrained(hf_from(tmp_path / "base"), tmp_path / "peft").eval()
         assert_same_logits(adapted, trained, x)
+
+
+def test_qwen3_greedy_generation_equals_transformers(tmp_path: Path) -> None:
+    """The KV cache holds keys after their norm and rotation: greedy tokens are transformers'."""
+    from tracetrain.models.generate import generate
+
+    reference = save_tiny(tmp_path, "Qwen3Config", head_dim=32)
+    model = load_tracetrain(tmp_path)
+    prompt = tokens(seq=8, batch=1)[0].tolist()
+    [ours] = generate(model, [prompt], 12, eos_id=-1, pad_id=0)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert ours == out[0, len(prompt) :].tolist()
