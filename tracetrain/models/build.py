@@ -55,6 +55,11 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
                 f"config key 'model.num_experts' cannot turn the checkpoint {m.init_from} into a mixture of "
                 "experts; an MoE checkpoint (Mixtral, Qwen3-MoE) brings its own experts: leave it 0"
             )
+        if m.experts_top_k > m.num_experts:
+            raise ConfigError(
+                f"config key 'model.experts_top_k': {m.experts_top_k} exceeds model.num_experts = "
+                f"{m.num_experts}; it must be <= {m.num_experts}"
+            )
         changes.update(num_experts=m.num_experts, experts_top_k=m.experts_top_k)
     # A loaded checkpoint keeps its own context length (exported configs must not understate it).
     max_seq_len = max(args.max_seq_len, cfg.data.seq_len) if m.init_from else cfg.data.seq_len
