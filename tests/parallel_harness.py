@@ -30,13 +30,13 @@ def tiny_config(overrides: list[str]) -> Config:
 
 
 def build_tiny(cfg: Config) -> nn.Module:
-    """The plain model every rank builds identically (seeded), MoE applied when configured."""
+    """The plain model every rank builds identically (seeded), with its experts when configured (the model
+    args carry model.num_experts)."""
     model = materialize(model_args_from_config(cfg), torch.device("cpu"), cfg.train.seed)
     if cfg.model.num_experts:
-        from tracetrain.models.moe import apply_moe
+        from tracetrain.models.moe import set_aux_loss_weight
 
-        torch.manual_seed(cfg.train.seed + 1)
-        apply_moe(model, cfg.model.num_experts, cfg.model.experts_top_k, cfg.model.moe_aux_loss_coef)
+        set_aux_loss_weight(model, cfg.model.moe_aux_loss_coef)
     return model
 
 

@@ -231,7 +231,9 @@ def test_unknown_architecture_names_config(tmp_path: Path) -> None:
         load_hf_config(path)
 
 
-def test_unsupported_head_dim(tmp_path: Path) -> None:
-    path, _ = save_hf(tmp_path, "llama", head_dim=32)
-    with pytest.raises(CheckpointError, match="head_dim 32"):
-        load_hf_config(path)
+def test_head_dim_of_its_own(tmp_path: Path) -> None:
+    """A head size other than hidden / heads (q_proj 64 -> 128 here) loads with transformers' logits."""
+    path, hf_model = save_hf(tmp_path, "llama", head_dim=32)
+    model = load_tracetrain(path)
+    assert model.args.head_dim == 32 and model.layers[0].self_attn.q_proj.weight.shape == (128, 64)
+    assert_same_logits(hf_model, model)

@@ -411,9 +411,12 @@ def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.models.presets import PRESETS
 
     for name, args in PRESETS.items():
+        experts = f" experts {args.num_experts} (top {args.experts_top_k}, ffn {args.expert_ffn_dim})"
         print(
             f"{name:<14} {num_params(args) / 1e9:>7.3f}B  dim {args.dim:<5} layers {args.n_layers:<3} "
             f"heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.vocab_size}"
+            + (f" head_dim {args.head_dim}" if args.head_dim_override else "")
+            + (experts if args.num_experts else "")
         )
     return 0
 

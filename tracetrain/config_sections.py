@@ -67,7 +67,11 @@ class ModelSection:
     )
     init_std: float = fld(0.02, "Standard deviation of the random weight init.", gt=0)
     num_experts: int = fld(
-        0, "Mixture-of-experts: experts per block (0 = dense SwiGLU MLP).", ge=0, le=MODEL_SHAPE_LIMITS["num_experts"]
+        0,
+        "Mixture-of-experts variant of the preset: experts per block (0 = dense SwiGLU MLP; an MoE "
+        "model.init_from, Mixtral or Qwen3-MoE, brings its own experts).",
+        ge=0,
+        le=MODEL_SHAPE_LIMITS["num_experts"],
     )
     experts_top_k: int = fld(2, "MoE: experts each token is routed to.", gt=0)
     moe_aux_loss_coef: float = fld(0.01, "MoE: weight of the load-balancing loss.", ge=0)

@@ -170,6 +170,16 @@ class _Decisions(list[Decision]):
         self.append(Decision(key, str(value), reason if asked == "auto" or asked is None else f"{ASKED}{asked}"))
 
 
+def architecture_notes(args: ModelArgs, kernels_on: bool, fp8: str) -> list[tuple[str, str, str]]:
+    """(key, value, reason) per speed transform that skips part of this architecture: one line each."""
+    notes = []
+    if args.num_experts and kernels_on:
+        notes.append(("train.fused_kernels", "not on the experts", "the swiglu kernel covers dense MLPs only"))
+    if args.num_experts and fp8 != "none":
+        notes.append(("train.fp8", "not on the experts", "their batched weights stay bf16; FP8 covers nn.Linear"))
+    return notes
+
+
 def resolve(
     cfg: Config, device: torch.device, world_size: int = 1, model_args: ModelArgs | None = None, *, probe: bool = True
 ) -> RunSpec:
@@ -179,6 +189,7 @@ def resolve(
     `probe` False: decide for a device this process does not have (the planner: a Hopper GPU assumed,
     no capability query).
     """
+    from tracetrain.errors import ConfigError
     from tracetrain.kernels.apply import FUSED_KERNELS
     from tracetrain.kernels.fp8 import check_fp8_device
     from tracetrain.models.attention import resolve_attention
@@ -200,7 +211,17 @@ def resolve(
     weights_dtype = _weights_dtype(cfg, base_dtype, d)
     packed = cfg.data.pack or t.objective != "sft"  # a preference pair shares a row: two documents
     attention = resolve_attention(t.attention, device, packed=packed, seq_len=cfg.data.seq_len)
-    d.add("train.attention", t.attention, attention, _attention_reason(cfg, device, attention, packed))
+    window = args.sliding_window
+    if attention == "flex" and 0 < window < cfg.data.seq_len:  # the block mask has no sliding window
+        if t.attention == "flex":
+            raise ConfigError(
+                f"config key 'train.attention': 'flex' has no sliding window, and this model's ({window}) "
+                f"is shorter than data.seq_len = {cfg.data.seq_len}; use 'sdpa' or 'auto'"
+            )
+        attention = "sdpa"
+        d.add("train.attention", t.attention, attention, f"the model's sliding window ({window}) needs a dense mask")
+    else:
+        d.add("train.attention", t.attention, attention, _attention_reason(cfg, device, attention, packed))
     compile_on = resolve_switch(t.compile, device)
     kernels_on = resolve_switch(t.fused_kernels, device, unless=compile_on)
     d.add("train.compile", t.compile, "on" if compile_on else "off", "CUDA" if compile_on else "not CUDA")
@@ -210,6 +231,8 @@ def resolve(
         "on" if kernels_on else "off",
         "CUDA without compile" if kernels_on else ("train.compile covers them" if compile_on else "not CUDA"),
     )
+    for key, value, reason in architecture_notes(args, kernels_on, t.fp8):
+        d.add(key, None, value, reason)
     ce_chunk = fused_ce_chunk(cfg)
     d.add("train.fused_ce", None, f"{ce_chunk} tokens per chunk" if ce_chunk else "off", _fused_ce_reason(cfg))
     fsdp_dtype = fsdp_param_dtype_for(precision)

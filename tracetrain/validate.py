@@ -27,12 +27,12 @@ from tracetrain.models.lora import resolve_targets
 
 def projection_features(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA-targetable projection of one block."""
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    d, q, kv, f = args.dim, args.q_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
     return {
-        "q_proj": (d, d),
+        "q_proj": (d, q),
         "k_proj": (d, kv),
         "v_proj": (d, kv),
-        "o_proj": (d, d),
+        "o_proj": (q, d),
         "gate_proj": (d, f),
         "up_proj": (d, f),
         "down_proj": (f, d),

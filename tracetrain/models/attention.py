@@ -209,13 +209,15 @@ def apply_attention(model: nn.Module, backend: Literal["sdpa", "flex"]) -> None:
 
     Call before `apply_compile` (the compiled graphs capture the core). Parameters are untouched.
     """
-    from tracetrain.models.llama import document_causal_mask
+    from tracetrain.models.llama import dense_mask_fn
 
     if backend == "flex":
+        # The block mask has no sliding window: resolve (tracetrain/spec.py) picks sdpa for a windowed model.
+        assert not model.args.sliding_window, "FlexAttention's block mask has no sliding window"  # type: ignore[union-attr]  # the plain model's args
         model.mask_fn = document_causal_block_mask  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         core: type[nn.Module] = FlexCore
     elif backend == "sdpa":
-        model.mask_fn = document_causal_mask  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        model.mask_fn = dense_mask_fn(model.args)  # type: ignore[assignment, arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         core = SDPACore
     else:
         raise ValueError(f"attention backend {backend!r} is not one of sdpa, flex (resolve 'auto' first)")

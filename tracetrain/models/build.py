@@ -13,7 +13,7 @@ ordered table `tracetrain.train.assemble.TRANSFORMS`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -43,12 +43,24 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
         raise ConfigError(
             f"config key 'model.preset': {m.preset!r} is not a preset; choose one of {', '.join(PRESETS)}"
         )
-    changes = {k: getattr(m, k) for k in _OVERRIDES if getattr(m, k) is not None}
+    changes: dict[str, Any] = {k: getattr(m, k) for k in _OVERRIDES if getattr(m, k) is not None}
     if m.init_from and changes:
         raise ConfigError(
             f"config keys {', '.join('model.' + k for k in changes)} cannot change the shape "
             f"of a loaded checkpoint ({m.init_from})"
         )
+    if m.num_experts:  # an MoE variant of the preset (a checkpoint's experts come from its config.json)
+        if m.init_from:
+            raise ConfigError(
+                f"config key 'model.num_experts' cannot turn the checkpoint {m.init_from} into a mixture of "
+                "experts; an MoE checkpoint (Mixtral, Qwen3-MoE) brings its own experts: leave it 0"
+            )
+        if m.experts_top_k > m.num_experts:
+            raise ConfigError(
+                f"config key 'model.experts_top_k': {m.experts_top_k} exceeds model.num_experts = "
+                f"{m.num_experts}; it must be <= {m.num_experts}"
+            )
+        changes.update(num_experts=m.num_experts, experts_top_k=m.experts_top_k)
     # A loaded checkpoint keeps its own context length (exported configs must not understate it).
     max_seq_len = max(args.max_seq_len, cfg.data.seq_len) if m.init_from else cfg.data.seq_len
     args = dataclasses.replace(args, **changes, max_seq_len=max_seq_len, init_std=m.init_std)

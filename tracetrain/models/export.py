@@ -35,7 +35,8 @@ import torch
 
 from tracetrain import __version__
 from tracetrain.errors import CheckpointError, ConfigError
-from tracetrain.models.hf import _checkpoint_files, _read_json, hf_config_dict, write_hf_weights, write_peft_adapter
+from tracetrain.models.hf import _checkpoint_files, write_hf_weights, write_peft_adapter
+from tracetrain.models.hf_config import hf_config_dict, read_json
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import is_lora_key, lora_state_dict
 from tracetrain.safe_load import open_safetensors
@@ -247,7 +248,7 @@ def run_weights_dtype(loaded: Any) -> tuple[torch.dtype, str]:
 
 def _base_json(init_from: str, name: str) -> dict[str, Any]:
     path = Path(init_from) / name if init_from else None
-    return _read_json(path) if path is not None and path.is_file() else {}
+    return read_json(path) if path is not None and path.is_file() else {}
 
 
 def _ids(value: Any) -> list[int]:
@@ -314,7 +315,7 @@ def _held_out_loss(ckpt: Path) -> str:
     summary_path = run_dir / "summary.json" if run_dir else None
     if summary_path is None or not summary_path.is_file():
         return "not recorded (no summary.json)"
-    summary = _read_json(summary_path)
+    summary = read_json(summary_path)
     if "eval_loss" not in summary:
         return "not recorded in summary.json"
     at_this = Path(str(summary.get("checkpoint", ""))).name == ckpt.name

@@ -156,9 +156,13 @@ def export_run_gguf(loaded: Any, out_file: str | Path, dtype: torch.dtype, overw
 
     out = Path(out_file)
     check_gguf_target(out, overwrite)
-    if loaded.cfg.model.num_experts:
-        raise CheckpointError("--gguf writes dense Llama models; this run has mixture-of-experts blocks")
     args: ModelArgs = loaded.model.args
+    if args.num_experts or args.qk_norm:
+        what = "mixture-of-experts blocks" if args.num_experts else "q/k norms (Qwen3)"
+        raise CheckpointError(
+            f"--gguf writes dense Llama models; this run's model has {what}: export --hf and convert that "
+            "with llama.cpp's convert_hf_to_gguf.py"
+        )
     file_type = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}[dtype]  # LlamaFileType ALL_F32, ...
     tmp = out.with_name(f".{out.name}.tmp")
     writer = gguf.GGUFWriter(tmp, "llama")

@@ -1,12 +1,11 @@
 """Hugging Face interop: read and write `transformers` checkpoints and PEFT LoRA adapters.
 
 The model's parameter names already follow HF's Llama layout, and its rotary embedding uses HF's
-half-split layout, so conversion is only a renaming (`model.` prefix) with no permutation of q/k.
-
-Supported architectures: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (q/k/v bias).
-Sliding-window attention (Mistral's `sliding_window`, Qwen2's `use_sliding_window`) is ignored:
-the model attends to the full causal context, which is identical while sequences are no longer than
-the window (4096 for Mistral 7B v0.1; later Mistral and Qwen2 checkpoints disable it).
+half-split layout, so for most tensors conversion is only a renaming (`model.` prefix) with no
+permutation of q/k; a family whose checkpoints name or cut tensors otherwise (Mixtral's and Qwen3-MoE's
+one tensor per expert) says where each of the model's tensors lies (`ArchFamily.pieces`, models/arch.py).
+The families and their config.json keys: models/families.py and models/hf_config.py
+(`load_hf_config`, `hf_config_dict`, re-exported here).
 
 Weights are streamed block by block (`safetensors.safe_open(...).get_slice`, models/hf_load.py) into the
 existing parameters or into each rank's shards, so no rank ever reads or holds a whole checkpoint.
@@ -17,7 +16,6 @@ half-written checkpoint behind.
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +27,9 @@ from torch import nn
 
 from tracetrain.errors import CheckpointError
 from tracetrain.models.dora import DoRALinear
-from tracetrain.models.hf_load import HFCheckpoint, local_name
+from tracetrain.models.families import family_of_args
+from tracetrain.models.hf_config import hf_config_dict, load_hf_config, read_json
+from tracetrain.models.hf_load import HFCheckpoint, Piece, local_name
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import (
     LoRALinear,
@@ -45,144 +45,8 @@ from tracetrain.safe_load import open_safetensors
 if TYPE_CHECKING:
     from tracetrain.progress import Progress
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+__all__ = ["export_hf", "export_peft_adapter", "hf_config_dict", "load_hf_config", "load_hf_weights"]
 _PEFT_PREFIX = "base_model.model."
-
-
-# ----------------------------------------------------------------------------------------------------
-# config.json -> ModelArgs
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{path} does not exist")
-    try:
-        data = json.loads(path.read_bytes())  # bytes: JSON is UTF-8, whatever the locale says
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); JSON files must be UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
-    except RecursionError:  # the decoder recurses once per nesting level
-        raise CheckpointError(f"{path}: JSON nested too deeply to read") from None
-    except ValueError as e:  # an integer of more digits than Python converts
-        raise CheckpointError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object {{...}}, got {type(data).__name__}")
-    return data
-
-
-def _shape_int(cfg: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:
-    """A positive integer of config.json: a string, float or bool there is a broken file, not a size."""
-    value = cfg.get(key)
-    if value is None:
-        if default is None:
-            raise CheckpointError(f"{where}: required key '{key}' is missing")
-        return default
-    # bool is a subclass of int in Python (true would read as 1).
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"{where}: {key} = {json.dumps(value)} is not allowed; it must be a positive integer")
-    return value
-
-
-def _positive_float(value: Any, key: str, where: Path) -> float:
-    """A positive, finite number of config.json (eps, rope theta, scaling factors, init std)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise CheckpointError(f"{where}: {key} = {json.dumps(value)} is not allowed; it must be a positive number")
-    return float(value)
-
-
-def _flag(cfg: dict[str, Any], key: str, where: Path, default: bool) -> bool:
-    value = cfg.get(key, default)
-    if not isinstance(value, bool):  # bool("false") is True
-        raise CheckpointError(f"{where}: {key} = {json.dumps(value)} is not allowed; it must be true or false")
-    return value
-
-
-def _check_architecture(cfg: dict[str, Any], where: Path) -> str:
-    """The HF model_type of a supported architecture, else CheckpointError listing the supported ones."""
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type", "")
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
-    if not isinstance(archs, list) or not isinstance(model_type, str):
-        raise CheckpointError(f"{where}: 'architectures' must be a list and 'model_type' a string")
-    if archs:
-        if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(f"{where}: architecture {', '.join(archs)} is not supported; supported: {supported}")
-        return SUPPORTED_ARCHITECTURES[archs[0]]
-    if model_type not in SUPPORTED_ARCHITECTURES.values():
-        raise CheckpointError(f"{where}: model_type '{model_type}' is not supported; supported: {supported}")
-    return model_type
-
-
-def _rope_from_config(cfg: dict[str, Any], where: Path) -> tuple[float, dict[str, float]]:
-    """(rope_theta, llama3 scaling dict) from either transformers-5 `rope_parameters` or the older
-    top-level `rope_theta` + `rope_scaling` keys."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise CheckpointError(f"{where}: rope_scaling = {json.dumps(params)} is not allowed; it must be an object")
-    theta = _positive_float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta", where)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, {}
-    if rope_type != "llama3":
-        raise CheckpointError(f"{where}: rope_type '{rope_type}' is not supported; supported: default, llama3")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in params]
-    if missing:
-        raise CheckpointError(f"{where}: llama3 rope scaling needs {', '.join(missing)}")
-    return theta, {k: _positive_float(params[k], f"rope_scaling.{k}", where) for k in keys}
-
-
-def _check_unsupported_features(cfg: dict[str, Any], where: Path, dim: int, n_heads: int) -> None:
-    """Features the plain model does not implement fail loudly instead of loading wrong weights."""
-    if cfg.get("head_dim") not in (None, dim // n_heads):
-        raise CheckpointError(
-            f"{where}: head_dim {cfg['head_dim']} != hidden_size / num_attention_heads "
-            f"({dim // n_heads}) is not supported"
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act '{cfg['hidden_act']}' is not supported; supported: silu")
-    # Llama's attention_bias also adds an o_proj bias, which the model (like Qwen2) does not have.
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise CheckpointError(f"{where}: {key} = true is not supported")
-
-
-def load_hf_config(path: str | Path) -> ModelArgs:
-    """ModelArgs from the `config.json` of a Hugging Face checkpoint directory."""
-    where = Path(path) / "config.json"
-    cfg = _read_json(where)
-    model_type = _check_architecture(cfg, where)
-    dim, n_heads = _shape_int(cfg, "hidden_size", where), _shape_int(cfg, "num_attention_heads", where)
-    _check_unsupported_features(cfg, where, dim, n_heads)
-    theta, scaling = _rope_from_config(cfg, where)
-    args = ModelArgs(
-        dim=dim,
-        n_layers=_shape_int(cfg, "num_hidden_layers", where),
-        n_heads=n_heads,
-        n_kv_heads=_shape_int(cfg, "num_key_value_heads", where, default=n_heads),
-        ffn_dim=_shape_int(cfg, "intermediate_size", where),
-        vocab_size=_shape_int(cfg, "vocab_size", where),
-        norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=_shape_int(cfg, "max_position_embeddings", where, default=2048),
-        qkv_bias=model_type == "qwen2",
-        tie_embeddings=_flag(cfg, "tie_word_embeddings", where, False),
-        init_std=_positive_float(cfg.get("initializer_range", 0.02), "initializer_range", where),
-    )
-    try:
-        args.validate()
-    except ValueError as e:
-        raise CheckpointError(f"{where}: {e}") from None
-    return args
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -191,15 +55,19 @@ def load_hf_config(path: str | Path) -> ModelArgs:
 
 def _hf_name(key: str) -> str:
     """The model's state-dict key (LoRA-wrapped or not) -> HF's key ('.base.' dropped, 'model.' added)."""
-    name = key.replace(".base.", ".")
-    return name if name.startswith("lm_head.") else "model." + name
+    return _hf_key(key.replace(".base.", "."))
+
+
+def _hf_key(local: str) -> str:
+    """A local name (no 'model.') -> the key HF files use."""
+    return local if local.startswith("lm_head.") else "model." + local
 
 
 def _checkpoint_files(path: Path) -> dict[str, str]:
     """HF tensor name -> file name holding it, from the index (sharded) or the single file's header."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = read_json(index).get("weight_map", {})
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: 'weight_map' is {type(weight_map).__name__}, not an object")
         for name, shard in weight_map.items():
@@ -227,10 +95,16 @@ def open_hf_checkpoint(path: str | Path, model: nn.Module) -> HFCheckpoint:
     """The checkpoint at `path` for `model` (on any device, meta included; LoRA-wrapped or not), its names
     and shapes checked against the model's (headers only): one CheckpointError line on a mismatch."""
     path = Path(path)
-    tied = bool(getattr(getattr(model, "args", None), "tie_embeddings", False))
-    checkpoint = HFCheckpoint(path, _checkpoint_files(path), tied=tied)
+    args: ModelArgs = model.args  # type: ignore[assignment]  # the plain model (Transformer) carries its args
+    family = family_of_args(args)
+    checkpoint = HFCheckpoint(
+        path,
+        _checkpoint_files(path),
+        tied=args.tie_embeddings,
+        pieces=lambda name, shape: family.pieces(name, shape, args),
+    )
     shapes = _model_shapes(model)
-    if tied:
+    if args.tie_embeddings:
         shapes.pop("lm_head.weight", None)
     checkpoint.check(shapes)
     return checkpoint
@@ -260,53 +134,6 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
 # generation_config.json, model card) for `tracetrain export`.
 
 
-def hf_config_dict(
-    args: ModelArgs,
-    dtype: torch.dtype,
-    bos_token_id: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-) -> dict[str, Any]:
-    """The `config.json` transformers needs: Qwen2ForCausalLM when q/k/v have biases, else Llama.
-
-    Rope is written in the long-standing `rope_theta` + `rope_scaling` form, which transformers 4.x
-    reads as is and 5.x converts to `rope_parameters`. `eos_token_id` may list several stop ids.
-    """
-    arch, model_type = ("Qwen2ForCausalLM", "qwen2") if args.qkv_bias else ("LlamaForCausalLM", "llama")
-    scaling = {"rope_type": "llama3", **args.rope_scaling} if args.rope_scaling else None
-    cfg: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": args.tie_embeddings,
-        "initializer_range": args.init_std,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": pad_token_id,
-        # transformers >= 4.56 reads `dtype`; older versions read `torch_dtype`.
-        "torch_dtype": _DTYPE_NAMES[dtype],
-        "dtype": _DTYPE_NAMES[dtype],
-    }
-    if args.qkv_bias:
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
-    else:
-        cfg.update(attention_bias=False, mlp_bias=False)
-    return cfg
-
-
 def _export_tensor(model: nn.Module, key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One tensor as written: LoRA-wrapped weights merged (into a new tensor), cast, on the CPU."""
     module_name, _, leaf = key.rpartition(".")
@@ -331,6 +158,40 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
     return shards
 
 
+def _export_parts(args: ModelArgs, state: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, Piece]]]:
+    """HF key -> the pieces of the model's tensors (state key, piece) it is made of, in state order."""
+    family = family_of_args(args)
+    parts: dict[str, list[tuple[str, Piece]]] = {}
+    for key, value in state.items():
+        for piece in family.pieces(local_name(_hf_name(key)), tuple(value.shape), args):
+            parts.setdefault(_hf_key(piece.hf_name), []).append((key, piece))
+    return parts
+
+
+def _piece_numel(value: torch.Tensor, piece: Piece) -> int:
+    return value[0].numel() * piece.rows if value.dim() else 1
+
+
+class _Converter:
+    """The model's tensors as written (merged, cast, on the CPU), the last one kept: the experts of a
+    block are several HF tensors cut from one of the model's."""
+
+    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.model, self.state, self.dtype = model, state, dtype
+        self.key, self.value = "", torch.empty(0)
+
+    def hf_tensor(self, parts: list[tuple[str, Piece]]) -> torch.Tensor:
+        chunks = []
+        for key, piece in sorted(parts, key=lambda kp: kp[1].hf_start):
+            if key != self.key:
+                self.key, self.value = key, _export_tensor(self.model, key, self.state[key], self.dtype)
+            if piece.stacked:
+                chunks.append(self.value[piece.start])
+            else:
+                chunks.append(self.value[piece.start : piece.start + piece.rows] if self.value.dim() else self.value)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
 @torch.no_grad()
 def write_hf_weights(
     model: nn.Module,
@@ -342,25 +203,28 @@ def write_hf_weights(
 ) -> None:
     """`model.safetensors`, or shards + `model.safetensors.index.json`, into the existing folder `out_dir`.
 
-    LoRA adapters are merged into the written weights without changing `model`. Shards are built one
-    at a time, so peak host memory is about one shard, not the whole model. `progress` hears the bytes
-    converted and written so far, per tensor (tracetrain/progress.py).
+    LoRA adapters are merged into the written weights without changing `model`; tensors are named and
+    cut as the family's checkpoints hold them (`ArchFamily.pieces`). Shards are built one at a time, so
+    peak host memory is about one shard, not the whole model. `progress` hears the bytes converted and
+    written so far, per tensor (tracetrain/progress.py).
     """
     state = {k: v for k, v in dense_state_dict(model).items() if not is_lora_key(k)}
     if args.tie_embeddings:
         state.pop("lm_head.weight", None)  # HF ties it on load; safetensors refuses shared storage anyway
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = _plan_shards({k: v.numel() * itemsize for k, v in state.items()}, max_shard_bytes)
+    parts = _export_parts(args, state)
+    sizes = {hf: sum(_piece_numel(state[k], p) for k, p in ps) * itemsize for hf, ps in parts.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
+    converter = _Converter(model, state, dtype)
     weight_map: dict[str, str] = {}
-    total = sum(v.numel() * itemsize for v in state.values())
-    done = 0
+    total, done = sum(sizes.values()), 0
     for i, keys in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         what = f"exporting weights: shard {i + 1} of {len(shards)}"  # one bar (and ETA) for all shards
         tensors = {}
-        for k in keys:
-            tensors[_hf_name(k)] = _export_tensor(model, k, state[k], dtype)
-            done += state[k].numel() * itemsize
+        for hf in keys:
+            tensors[hf] = converter.hf_tensor(parts[hf]).contiguous()
+            done += sizes[hf]
             if progress:
                 progress(what, done, total, "bytes")
         save_file(tensors, out_dir / file, metadata={"format": "pt"})  # transformers checks "format"
@@ -400,15 +264,27 @@ def export_hf(
 # PEFT adapters
 
 
-def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> None:
-    """The config written must describe the adapters written, or PEFT would load them wrongly."""
+def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> list[str]:
+    """The config written must describe the adapters written, or PEFT would load them wrongly. Returns the
+    target names to write: those adapted (an MoE model's experts are not linear layers, so a target that
+    names only expert projections adapts nothing there and is left out)."""
     wrapped = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     ranks = {m.rank for m in wrapped.values()}
     if ranks != {rank}:
         raise ValueError(f"rank {rank} does not match the model's adapters (rank {sorted(ranks)})")
     names = {n.rpartition(".")[2] for n in wrapped}
-    if names != set(resolve_targets(targets)):
+    linear = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, (nn.Linear, LoRALinear))}
+    wanted = [t for t in resolve_targets(targets) if t in linear]
+    if names != set(wanted):
         raise ValueError(f"targets {targets} do not match the model's adapted layers {sorted(names)}")
+    dense_mlp = sorted(names & {"gate_proj", "up_proj", "down_proj"})
+    if dense_mlp and getattr(model, "args", None) is not None and model.args.num_experts:  # type: ignore[union-attr]  # the plain model's args
+        raise ValueError(
+            f"a PEFT adapter of an MoE model cannot hold the dense blocks' {', '.join(dense_mlp)} adapters: "
+            "transformers 5 maps those names onto the experts; export --hf (merged), or train with "
+            "lora.targets on the attention projections"
+        )
+    return wanted
 
 
 def write_peft_adapter(
@@ -424,7 +300,7 @@ def write_peft_adapter(
     adapters = lora_state_dict(model)
     if not adapters:
         raise ValueError("model has no LoRA adapters to export; apply_lora first")
-    _check_adapter_args(model, rank, targets)
+    adapted = _check_adapter_args(model, rank, targets)
     dora = any(isinstance(m, DoRALinear) for m in model.modules())
     cfg = {
         "peft_type": "LORA",
@@ -432,7 +308,7 @@ def write_peft_adapter(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": resolve_targets(targets),
+        "target_modules": adapted,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -491,7 +367,7 @@ _PEFT_UNSUPPORTED = (
 
 def _read_peft_config(adapter_dir: Path) -> dict[str, Any]:
     where = adapter_dir / "adapter_config.json"
-    cfg = _read_json(where)
+    cfg = read_json(where)
     if cfg.get("peft_type") != "LORA":
         raise CheckpointError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported; supported: LORA")
     used = [k for k in _PEFT_UNSUPPORTED if cfg.get(k)] + (["bias"] if cfg.get("bias", "none") != "none" else [])

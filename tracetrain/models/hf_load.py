@@ -8,7 +8,8 @@ only that block's rows from the file, 64 MiB at a time, with plain reads rather 
 rank's host memory holds its own shards plus one read, whatever the model's size, and no page of the
 checkpoint stays mapped into it (benchmarks/shard_load_rss.py measures it). `materialize_parts`
 (models/build.py) calls `fill` for every parameter of this rank's parts; `load_hf_weights` (models/hf.py)
-for a whole model.
+for a whole model. A model tensor may be several checkpoint tensors (`Piece`: Mixtral's and Qwen3-MoE's one
+tensor per expert, stacked along dim 0 here): an expert-parallel rank then reads only its experts' files.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +42,54 @@ def list_some(names: set[str], limit: int = 5) -> str:
     return ", ".join(sorted(names)[:limit]) + more
 
 
-class HFCheckpoint:
-    """A HF checkpoint's tensors by local name (no `model.` prefix), read block by block."""
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, start + rows) (dim 0) of one of the model's tensors, as stored in a checkpoint.
 
-    def __init__(self, path: Path, weight_map: dict[str, str], *, tied: bool = False) -> None:
+    They are rows [hf_start, hf_start + rows) of the checkpoint's tensor `hf_name` (a local name, no
+    `model.`) of the same trailing shape; or, `stacked`, the model's row `start` (rows = 1) is the whole
+    checkpoint tensor `hf_name` of shape = the model's trailing shape (one expert of a MoE block).
+    """
+
+    hf_name: str
+    start: int
+    rows: int
+    hf_start: int = 0
+    stacked: bool = False
+
+
+Pieces = Callable[[str, tuple[int, ...]], list[Piece]]  # (model's local name, full shape) -> its pieces
+
+
+def _same_name(name: str, shape: tuple[int, ...]) -> list[Piece]:
+    return [Piece(name, 0, shape[0] if shape else 1)]
+
+
+def checkpoint_shapes(shapes: dict[str, tuple[int, ...]], pieces: Pieces) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensors (local name -> full shape) that hold the model's tensors `shapes`."""
+    stored: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        for p in pieces(name, shape):
+            if p.stacked:
+                stored[p.hf_name] = shape[1:]
+            else:  # several model tensors may fill one fused checkpoint tensor: it has the rows of all
+                rows = max(p.hf_start + p.rows, stored.get(p.hf_name, (0,))[0])
+                stored[p.hf_name] = (rows, *shape[1:])
+    return stored
+
+
+class HFCheckpoint:
+    """A HF checkpoint's tensors by local name (no `model.` prefix), read block by block.
+
+    `pieces` says where each of the model's tensors lies in the checkpoint (models/arch.py: the family's
+    naming); by default a model tensor is the checkpoint tensor of the same name."""
+
+    def __init__(
+        self, path: Path, weight_map: dict[str, str], *, tied: bool = False, pieces: Pieces | None = None
+    ) -> None:
         """`weight_map`: the file's key -> the file holding it (models/hf.py `open_hf_checkpoint` reads it)."""
         self.path = path
+        self.pieces = pieces or _same_name
         stored = {k: v for k, v in weight_map.items() if not k.endswith(IGNORED_SUFFIXES)}
         self.keys = {local_name(k): k for k in stored}  # local name -> the file's key
         self.files = {local_name(k): v for k, v in stored.items()}
@@ -58,6 +103,7 @@ class HFCheckpoint:
     def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Every tensor the model expects (local name -> full shape) is stored with that shape, and
         nothing else is; one CheckpointError line otherwise. Reads the headers only."""
+        shapes = checkpoint_shapes(shapes, self.pieces)
         missing, unexpected = shapes.keys() - self.files.keys(), self.files.keys() - shapes.keys()
         if missing:
             raise CheckpointError(f"{self.path}: tensors missing from the checkpoint: {list_some(missing)}")
@@ -101,7 +147,26 @@ class HFCheckpoint:
 
     @torch.no_grad()
     def fill(self, local: torch.Tensor, name: str, shape: tuple[int, ...], offsets: tuple[int, ...]) -> bool:
-        """Copy the block of `name` at `offsets` (of `local`'s shape) into `local`; False if not stored.
+        """Copy the block at `offsets` (of `local`'s shape) of the model's tensor `name` (full `shape`) into
+        `local`, from the checkpoint pieces that hold it; False if the checkpoint does not hold it."""
+        pieces = self.pieces(name, shape)
+        if any(p.hf_name not in self.files for p in pieces):
+            return False
+        start = offsets[0] if shape else 0
+        stop = start + (local.shape[0] if shape else 1)
+        for p in pieces:
+            lo, hi = max(start, p.start), min(stop, p.start + p.rows)
+            if p.stacked:
+                for row in range(lo, hi):
+                    self._fill_block(local[row - start], p.hf_name, shape[1:], offsets[1:])
+            elif lo < hi:
+                rows = local[lo - start : hi - start] if shape else local
+                hf_offsets = (p.hf_start + lo - p.start, *offsets[1:]) if shape else offsets
+                self._fill_block(rows, p.hf_name, shape, hf_offsets)
+        return True
+
+    def _fill_block(self, local: torch.Tensor, name: str, shape: tuple[int, ...], offsets: tuple[int, ...]) -> bool:
+        """Copy the block of the checkpoint's tensor `name` at `offsets` (of `local`'s shape) into `local`.
 
         Reads with plain file reads, not a memory map: only the block's rows cross into this process (its
         columns are cut from them), at most `_READ_BYTES` at a time, and no page of the file stays mapped."""

@@ -68,6 +68,7 @@ class CacheMask:
     length: int
     max_len: int
     padded: bool = True  # host flag; until `set_prompt_mask` says otherwise, assume padding
+    sliding_window: int = 0  # the model's sliding window (Mistral): keys fewer than `window` positions back; 0 = all
 
     def set_prompt_mask(self, valid: torch.Tensor) -> None:
         """(batch, prompt_len) bool, False at left padding. Notes on the host whether any row is padded
@@ -89,9 +90,15 @@ class CacheMask:
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; {end} requested")
         num_keys = self.num_keys(s)
-        if not self.padded and num_keys == end:
+        windowed = 0 < self.sliding_window < num_keys
+        if not self.padded and num_keys == end and not windowed:
             return causal_lower_right(s, num_keys)
-        return causal_valid_mask(self.valid, self.query_positions(s), num_keys)
+        q_pos = self.query_positions(s)
+        mask = causal_valid_mask(self.valid, q_pos, num_keys)
+        if windowed:  # slot distances are position distances: left padding shifts a whole row
+            k_pos = torch.arange(num_keys, device=self.valid.device)
+            mask = mask & (k_pos[None, :] > q_pos[:, None] - self.sliding_window)[None, None]
+        return mask
 
 
 class StaticKVLayer:
@@ -135,6 +142,7 @@ class StaticKVCache(CacheMask):
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # what a captured step reads
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
         self.fixed_shape = fixed_shape
+        self.sliding_window = args.sliding_window
 
     def num_keys(self, s: int) -> int:
         """Keys the attention sees: all of them for a fixed-shape decode step, else those written."""
@@ -222,6 +230,7 @@ class OffloadedKVCache(CacheMask):
         ]
         self.layers = [OffloadedKVLayer(self, i) for i in range(args.n_layers)]
         self.max_len, self.length, self.device = max_len, 0, device
+        self.sliding_window = args.sliding_window
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready = [torch.cuda.Event() if self.copy_stream else None for _ in range(2)]

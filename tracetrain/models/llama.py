@@ -1,8 +1,9 @@
 """Llama-family decoder as a plain nn.Module.
 
-Covers Llama 2/3/3.1/3.2, Mistral (no sliding window) and Qwen2: RMSNorm, rotary embeddings (with
-Llama-3 frequency scaling), grouped-query attention through `F.scaled_dot_product_attention`, SwiGLU
-MLP, optional q/k/v bias, tied or untied embeddings. Parameter names follow Hugging Face's Llama
+Covers Llama 2/3/3.1/3.2, Mistral (with its sliding window), Qwen2, Qwen3 and the MoE families
+(Mixtral, Qwen3-MoE): RMSNorm, rotary embeddings (with Llama-3 frequency scaling), grouped-query
+attention through `F.scaled_dot_product_attention`, SwiGLU MLP or routed SwiGLU experts
+(models/moe.py), optional q/k/v bias, optional per-head q/k RMSNorm, tied or untied embeddings. Parameter names follow Hugging Face's Llama
 layout (`layers.N.self_attn.q_proj`, `layers.N.mlp.gate_proj`, ...) so checkpoint and PEFT adapter
 names map one to one, and the rotary embedding uses the same half-split ("rotate_half") layout as HF
 checkpoints, so their q/k weights load without a permutation.
@@ -21,6 +22,7 @@ KV cache uses `attention.cached_attention` instead, whose kernel choice follows 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from torch import nn
 
 from tracetrain.config_sections import MODEL_SHAPE_LIMITS
 from tracetrain.models.attention import SDPACore, cached_attention
+from tracetrain.models.moe import GroupedExperts, MoEFeedForward
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias
@@ -57,22 +60,54 @@ class ModelArgs:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Families beyond Llama (models/arch*.py); each default keeps the Llama layout.
+    head_dim_override: int = 0  # per-head size when not dim // n_heads (Qwen3: 128 at any width); 0 = derived
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (weights of head_dim), before RoPE
+    sliding_window: int = 0  # Mistral: a query sees only the last `sliding_window` positions, itself included; 0 = all
+    num_experts: int = 0  # mixture of experts (models/moe.py) in place of the dense MLP; 0 = dense
+    experts_top_k: int = 0  # experts each token is routed to (MoE)
+    moe_ffn_dim: int = 0  # each expert's hidden size; 0 = ffn_dim (Mixtral). Qwen3-MoE's moe_intermediate_size
+    moe_norm_topk: bool = True  # renormalise the top-k router probabilities (Mixtral; Qwen3-MoE's norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # MoE model: blocks that keep the dense MLP (Qwen3-MoE's mlp_only_layers)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of o_proj's input): n_heads * head_dim, dim unless head_dim is set."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Block `layer` routes its tokens to experts (an MoE model, and not one of its dense layers)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def validate(self) -> None:
         for name, limit in MODEL_SHAPE_LIMITS.items():
             value = getattr(self, name, None)
-            if isinstance(value, int) and not 0 < value <= limit:
-                raise ValueError(f"{name} = {value} is out of range (allowed: 1 to {limit:,})")
-        if self.dim % self.n_heads:
+            low = 0 if name == "num_experts" else 1  # 0 experts: a dense model
+            if isinstance(value, int) and not low <= value <= limit:
+                raise ValueError(f"{name} = {value} is out of range (allowed: {low} to {limit:,})")
+        for name in ("head_dim_override", "moe_ffn_dim"):
+            if not 0 <= getattr(self, name) <= MODEL_SHAPE_LIMITS["ffn_dim"]:
+                raise ValueError(
+                    f"{name} = {getattr(self, name)} is out of range (allowed: 0 to {MODEL_SHAPE_LIMITS['ffn_dim']:,})"
+                )
+        if self.dim % self.n_heads and not self.head_dim_override:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.num_experts and not 0 < self.experts_top_k <= self.num_experts:
+            raise ValueError(f"experts_top_k {self.experts_top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window {self.sliding_window} must be >= 0 (0 = no window)")
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -112,12 +147,24 @@ def apply_rope_qk(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future."""
+def document_causal_mask(document_ids: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future;
+    with a sliding `window` (Mistral), also fewer than `window` positions back (as transformers' mask)."""
     seq = document_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    if window:
+        causal = causal.triu(1 - window)  # key k visible from query q when q - window < k <= q
     same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (batch, seq, seq)
     return (same_doc & causal).unsqueeze(1)
+
+
+def dense_mask_fn(args: ModelArgs) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The default `Transformer.mask_fn` of a model of `args`: dense, windowed when the model is."""
+    return (
+        functools.partial(document_causal_mask, window=args.sliding_window)
+        if args.sliding_window
+        else document_causal_mask
+    )
 
 
 class RMSNorm(nn.Module):
@@ -138,10 +185,13 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         kv_dim = args.n_kv_heads * args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.dim, bias=args.qkv_bias)
+        self.q_proj = nn.Linear(args.dim, args.q_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.o_proj = nn.Linear(args.q_dim, args.dim, bias=False)
+        # Qwen3: per-head RMSNorm of q and k (one weight of head_dim shared by all heads), before RoPE.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity()
         self.rope_fn = apply_rope_qk  # (q, k, cos, sin) -> (q, k); a fused kernel may replace it
         self.attn_core: nn.Module = SDPACore()  # (q, k, v, mask) -> (batch, heads, seq, head_dim)
 
@@ -154,8 +204,8 @@ class Attention(nn.Module):
         cache: KVCacheLayer | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape  # (batch, seq, dim)
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rope_fn(q, k, cos, sin)
         if cache is not None:  # generation: the cache's mask picks a GQA-capable kernel (attention.py)
@@ -178,12 +228,16 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args)
+        self.mlp: nn.Module = (
+            MoEFeedForward(args.dim, args.expert_ffn_dim, args.num_experts, args.experts_top_k, args.moe_norm_topk)
+            if args.is_moe_layer(layer)
+            else FeedForward(args)
+        )
 
     def forward(
         self,
@@ -205,12 +259,12 @@ class Transformer(nn.Module):
         args.validate()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
         # (batch, seq) document ids -> the attention mask every block receives; built once per batch.
-        self.mask_fn = document_causal_mask
+        self.mask_fn = dense_mask_fn(args)
         # (hidden (tokens, dim), lm_head weight, labels (tokens,)) -> summed loss without full logits; set by
         # the fused cross-entropy transform (kernels/fused_ce.py `apply_fused_ce`), None = logits only.
         self.fused_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -238,6 +292,8 @@ class Transformer(nn.Module):
                         nn.init.zeros_(mod.bias)
                 elif isinstance(mod, RMSNorm):
                     nn.init.ones_(mod.weight)
+                elif isinstance(mod, GroupedExperts):
+                    mod.init_weights(std, std / math.sqrt(2 * self.args.n_layers))
         nn.init.ones_(self.norm.weight)
         if not self.args.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, std=std)
@@ -261,6 +317,8 @@ class Transformer(nn.Module):
             start = cache.length if cache is not None else 0
             position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
         cos, sin = self.rope(position_ids)
+        if document_ids is None and cache is None and 0 < self.args.sliding_window < s:
+            document_ids = tokens.new_zeros(b, s)  # one document: SDPA's is_causal has no window, the mask has
         mask = self.mask_fn(document_ids) if document_ids is not None else None
         if cache is not None:
             mask = cache.attention_mask(s)
@@ -320,6 +378,7 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        self.sliding_window = args.sliding_window
 
     def attention_mask(self, s: int) -> torch.Tensor:
         """(batch, 1, s, length + s) bool: causal within the new tokens, and no padded positions."""
@@ -329,6 +388,8 @@ class KVCache:
         q_pos = torch.arange(self.length, end, device=self.valid.device).unsqueeze(1)
         k_pos = torch.arange(end, device=self.valid.device).unsqueeze(0)
         causal = k_pos <= q_pos  # (s, end)
+        if self.sliding_window:
+            causal &= k_pos > q_pos - self.sliding_window
         return (causal.unsqueeze(0) & self.valid[:, None, :end]).unsqueeze(1)
 
     def advance(self, s: int) -> None:

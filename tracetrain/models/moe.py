@@ -2,7 +2,8 @@
 
 `MoEFeedForward` replaces a block's SwiGLU `mlp`:
 - router: a bias-free linear layer (dim -> num_experts); softmax in float32; each token goes to its
-  top-k experts, weighted by their renormalised probabilities (Mixtral).
+  top-k experts, weighted by their renormalised probabilities (Mixtral), or by the probabilities as
+  they are (`norm_topk` False: Qwen3-MoE checkpoints with norm_topk_prob false).
 - experts: `GroupedExperts` holds all experts' SwiGLU weights as batched tensors
   (num_experts, ffn_dim, dim) / (num_experts, dim, ffn_dim); there is no token dropping (no capacity
   limit): each expert runs on exactly the tokens routed to it.
@@ -103,11 +104,20 @@ def load_balancing_loss(probs: torch.Tensor, expert_idx: torch.Tensor) -> torch.
 class MoEFeedForward(nn.Module):
     """Top-k routed SwiGLU experts in place of a dense MLP: (batch, seq, dim) -> (batch, seq, dim)."""
 
-    def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int, aux_loss_weight: float = 0.0) -> None:
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk: bool = True,
+        aux_loss_weight: float = 0.0,
+    ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in 1..num_experts ({num_experts})")
         self.num_experts, self.top_k, self.aux_loss_weight = num_experts, top_k, aux_loss_weight
+        self.norm_topk = norm_topk  # Mixtral renormalises the top-k probabilities; Qwen3-MoE may not
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, dim, ffn_dim)
         self.dispatcher = LocalDispatcher()
@@ -118,7 +128,7 @@ class MoEFeedForward(nn.Module):
         tokens = x.reshape(b * s, d)  # (T, dim)
         probs = self.router(tokens).float().softmax(dim=-1)  # (T, num_experts)
         top_p, expert_idx = probs.topk(self.top_k, dim=-1)  # (T, top_k)
-        weights = top_p / top_p.sum(dim=-1, keepdim=True)
+        weights = top_p / top_p.sum(dim=-1, keepdim=True) if self.norm_topk else top_p
         out = self.dispatcher(tokens, expert_idx, weights, self.experts)
         if self.training and torch.is_grad_enabled():
             aux = load_balancing_loss(probs, expert_idx)
@@ -141,7 +151,7 @@ def apply_moe(model: nn.Module, num_experts: int, top_k: int, aux_loss_weight: f
     for block in model.layers:  # type: ignore[union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         dense = block.mlp
         ref = dense.gate_proj.weight
-        moe = MoEFeedForward(args.dim, args.ffn_dim, num_experts, top_k, aux_loss_weight)  # type: ignore[arg-type, union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        moe = MoEFeedForward(args.dim, args.ffn_dim, num_experts, top_k, aux_loss_weight=aux_loss_weight)  # type: ignore[arg-type, union-attr]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         moe.to(device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
             nn.init.normal_(moe.router.weight, std=std)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs

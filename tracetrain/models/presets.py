@@ -18,6 +18,18 @@ _LLAMA31_SCALING = {
 }
 _LLAMA32_SCALING = {**_LLAMA31_SCALING, "factor": 32.0}
 
+
+def _qwen3(**shape: int | bool) -> ModelArgs:
+    return ModelArgs(
+        **shape,  # type: ignore[arg-type]  # the shape fields, ints and the tie flag
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        head_dim_override=128,
+    )
+
+
 PRESETS: dict[str, ModelArgs] = {
     # Built-in default: byte-level vocabulary (259 ids, padded to 320), trains on 2 CPU cores in minutes.
     "tiny": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=320),
@@ -92,6 +104,36 @@ PRESETS: dict[str, ModelArgs] = {
         norm_eps=1e-6,
         qkv_bias=True,
     ),
+    # Qwen3: per-head q/k norms, head_dim 128 at every width (models/arch_qwen3.py); tied heads up to 4B.
+    "qwen3-0.6b": _qwen3(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_embeddings=True),
+    "qwen3-1.7b": _qwen3(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144, tie_embeddings=True),
+    "qwen3-4b": _qwen3(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=9728, tie_embeddings=True),
+    "qwen3-8b": _qwen3(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288),
+    "qwen3-14b": _qwen3(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408),
+    "qwen3-32b": _qwen3(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600),
+    # 128 experts of 768, 8 per token, every block sparse; ffn_dim is the (unused) dense width of its config.
+    "qwen3-30b-a3b": _qwen3(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=6144,
+        num_experts=128,
+        experts_top_k=8,
+        moe_ffn_dim=768,
+        moe_norm_topk=True,
+    ),
+    "mixtral-8x7b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+        num_experts=8,
+        experts_top_k=2,
+    ),
 }
 
 # Parameter counts as published for the released checkpoints (embedding counted once when tied).
@@ -107,6 +149,16 @@ PUBLISHED_PARAMS: dict[str, int] = {
     "mistral-7b": 7_241_732_096,
     "qwen2-0.5b": 494_032_768,
     "qwen2-7b": 7_615_616_512,
+    # The hub's safetensors counts of the tied Qwen3 models include the stored copy of the head:
+    # 751_632_384 (0.6B) and 2_031_739_904 (1.7B) are these plus vocab x dim.
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 

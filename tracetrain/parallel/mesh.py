@@ -71,8 +71,8 @@ def validate_parallel(cfg: Config, args: ModelArgs, world_size: int) -> None:
         f"{world_size} rank(s); the product must equal the world size",
     )
     _check_tp(cfg, args)
-    _check_cp(cfg)
-    _check_ep(cfg)
+    _check_cp(cfg, args)
+    _check_ep(cfg, args)
     _check_pp(cfg, args)
     if p.fsdp_cpu_offload:
         _need(p.dp_shard * p.cp > 1, "parallel.fsdp_cpu_offload", "needs FSDP (parallel.dp_shard * cp > 1)")
@@ -108,16 +108,28 @@ def _check_tp(cfg: Config, args: ModelArgs) -> None:
         "tensor parallelism of LoRA-wrapped projections is not supported; use dp_shard for LoRA",
     )
     _need(
-        cfg.model.num_experts == 0,
+        args.num_experts == 0,
         "parallel.tp, model.num_experts",
         "tensor parallelism of MoE blocks is not supported; shard experts with parallel.ep",
     )
+    # Each rank's heads would give its q/k norm weights a partial gradient that nothing sums over tp.
+    _need(
+        not args.qk_norm,
+        "parallel.tp, model.init_from",
+        "tensor parallelism of Qwen3's per-head q/k norms is not supported; use parallel.dp_shard",
+    )
 
 
-def _check_cp(cfg: Config) -> None:
+def _check_cp(cfg: Config, args: ModelArgs) -> None:
     p = cfg.parallel
     if p.cp == 1:
         return
+    _need(
+        not 0 < args.sliding_window < cfg.data.seq_len,
+        "parallel.cp, data.seq_len",
+        f"context parallelism has no sliding window; the model's ({args.sliding_window}) is shorter than "
+        f"seq_len = {cfg.data.seq_len}: use parallel.cp = 1 or data.seq_len <= {args.sliding_window}",
+    )
     _need(
         cfg.data.seq_len % (2 * p.cp) == 0,
         "parallel.cp, data.seq_len",
@@ -125,19 +137,19 @@ def _check_cp(cfg: Config) -> None:
     )
 
 
-def _check_ep(cfg: Config) -> None:
-    p, m = cfg.parallel, cfg.model
+def _check_ep(cfg: Config, args: ModelArgs) -> None:
+    p = cfg.parallel
     if p.ep == 1:
         return
     _need(
-        m.num_experts > 0,
+        args.num_experts > 0,
         "parallel.ep, model.num_experts",
-        "expert parallelism needs an MoE model (model.num_experts > 0)",
+        "expert parallelism needs an MoE model (model.num_experts > 0, or an MoE model.init_from)",
     )
     _need(
-        m.num_experts % p.ep == 0,
+        args.num_experts % p.ep == 0,
         "parallel.ep, model.num_experts",
-        f"ep = {p.ep} must divide num_experts = {m.num_experts}",
+        f"ep = {p.ep} must divide num_experts = {args.num_experts}",
     )
     _need(
         p.dp_shard % p.ep == 0,

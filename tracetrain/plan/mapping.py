@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tracetrain.config import Config, field_choices
+from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import resolve_targets as _lora_targets
 from tracetrain.plan.core import Plan
 from tracetrain.plan.inputs import PlanInput, PlanInputError
@@ -92,6 +93,11 @@ def _moe(inp: PlanInput) -> bool:
     return inp.num_experts > 0
 
 
+def _moe_variant(inp: PlanInput) -> bool:
+    """An MoE variant of a preset: a checkpoint's experts are its own (not a config key to write)."""
+    return inp.num_experts > 0 and not inp.load_checkpoint
+
+
 def _pipelined(inp: PlanInput) -> bool:
     return inp.pp > 1
 
@@ -147,12 +153,13 @@ FIELDS: tuple[Field, ...] = (
     Field("expandable_segments", "memory.expandable_segments", _cfg("memory.expandable_segments")),
     Field("load_checkpoint", "model.init_from", lambda s: bool(s.cfg.model.init_from), when=lambda i: False),
     Field("peak_tflops", "logging.peak_tflops", lambda s: s.cfg.logging.peak_tflops or None, when=lambda i: False),
-    Field("num_experts", "model.num_experts", _cfg("model.num_experts"), when=_moe),
+    # The model's experts (model.num_experts, or an MoE checkpoint's, which no override may change).
+    Field("num_experts", "model.num_experts", lambda s: s.model_args.num_experts, when=_moe_variant),
     Field(
         "top_k",
         "model.experts_top_k",
-        lambda s: s.cfg.model.experts_top_k if s.cfg.model.num_experts else None,
-        when=_moe,
+        lambda s: s.model_args.experts_top_k if s.model_args.num_experts else None,
+        when=_moe_variant,
     ),
     Field("ep", "parallel.ep", _cfg("parallel.ep"), when=_moe),
     Field("zero_stage", "parallel.zero_stage", _cfg("parallel.zero_stage")),
@@ -203,6 +210,17 @@ def _batch(cfg: Config) -> dict[str, int]:
     return {"micro_batch": rows // pp_micro, "grad_accum": pp_micro, "pp_microbatches": pp_micro}
 
 
+def dense_shape(args: ModelArgs) -> ModelArgs:
+    """The planner's view of a model: its dense shape, the experts (PlanInput.num_experts, top_k) apart.
+    An expert has the MLP's shape there, so an MoE model's MLP width is its experts' (Qwen3-MoE's dense
+    blocks, mlp_only_layers, are counted as MoE blocks: the released checkpoints have none)."""
+    if not args.num_experts:
+        return args
+    return dataclasses.replace(
+        args, num_experts=0, experts_top_k=0, ffn_dim=args.expert_ffn_dim, moe_ffn_dim=0, dense_layers=()
+    )
+
+
 def plan_input_from_spec(spec: RunSpec, gpu: str | None = None, num_gpus: int | None = None) -> PlanInput:
     """The `PlanInput` of the run `spec` describes, on `gpu` (default: this process's GPU, else an
     H100 SXM) with `num_gpus` GPUs (default: the spec's world size)."""
@@ -213,7 +231,7 @@ def plan_input_from_spec(spec: RunSpec, gpu: str | None = None, num_gpus: int | 
             values[f.name] = value
     layout = _layout(spec.cfg, num_gpus or spec.world_size)
     return PlanInput(
-        model=spec.model_args,
+        model=dense_shape(spec.model_args),
         num_gpus=math.prod(layout.values()),
         gpu=gpu or _visible_gpu() or "h100-sxm",
         **layout,  # type: ignore[arg-type]  # the five integer axes

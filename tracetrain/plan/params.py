@@ -18,6 +18,7 @@ stay float32 and are cast by autocast at every use.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tracetrain.models.accounting import block_params, lora_params, num_params
@@ -58,10 +59,18 @@ def total_params(inp: PlanInput) -> int:
     return num_params(a) + a.n_layers * (mlp_params(inp) - 3 * a.dim * a.ffn_dim)
 
 
+def adapter_params(inp: PlanInput) -> int:
+    """LoRA parameters: an MoE block's experts are not linear layers, so only its attention is adapted."""
+    a = inp.model
+    if inp.num_experts:
+        a = dataclasses.replace(a, num_experts=inp.num_experts, experts_top_k=inp.top_k)
+    return lora_params(a, inp.lora_rank, list(inp.lora_targets), inp.lora_dora)
+
+
 def trainable_params(inp: PlanInput) -> int:
     if inp.mode == "full":
         return total_params(inp)
-    return lora_params(inp.model, inp.lora_rank, list(inp.lora_targets), inp.lora_dora)
+    return adapter_params(inp)
 
 
 def nf4_params(inp: PlanInput, sp: StageParams) -> float:
@@ -89,7 +98,7 @@ def largest_projection(inp: PlanInput) -> float:
 
 def stage_params(inp: PlanInput, stage: int) -> StageParams:
     a, tp = inp.model, inp.tp
-    d, kv = a.dim, a.n_kv_heads * a.head_dim
+    d, q, kv = a.dim, a.q_dim, a.n_kv_heads * a.head_dim
     attn = block_params(a) - 3 * d * a.ffn_dim - 2 * d  # projections (+ q/k/v bias)
     mlp = mlp_params(inp)
     experts = 0.0
@@ -100,7 +109,7 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
     else:
         mlp_local = mlp / tp
     block = attn / tp + mlp_local + 2 * d
-    block_linear = (2 * d * d + 2 * d * kv) / tp + mlp_local - (d * inp.num_experts if inp.num_experts else 0)
+    block_linear = (2 * d * q + 2 * d * kv) / tp + mlp_local - (d * inp.num_experts if inp.num_experts else 0)
     first, last = stage == 0, stage == inp.pp - 1
     vd = a.vocab_size * d / tp
     embedding = vd if first else 0.0
@@ -111,7 +120,7 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
     num_blocks = blocks_on_rank(inp, stage)
     adapters = 0.0
     if inp.mode == "lora":
-        adapters = lora_params(a, inp.lora_rank, list(inp.lora_targets), inp.lora_dora) * num_blocks / a.n_layers
+        adapters = adapter_params(inp) * num_blocks / a.n_layers
     return StageParams(
         stage,
         num_blocks,
@@ -120,7 +129,7 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
         head,
         adapters,
         block_linear,
-        (d * d + 2 * d * kv) / tp if first else 0.0,
+        (d * q + 2 * d * kv) / tp if first else 0.0,
         experts,
     )
 

@@ -156,13 +156,13 @@ class Gemm:
 def block_gemms(inp: PlanInput, tokens: float) -> list[Gemm]:
     """GEMMs of one block's forward on one GPU (m = tokens on this GPU, tp-sharded n or k)."""
     a, tp = inp.model, inp.tp
-    d, kv, f = a.dim, a.n_kv_heads * a.head_dim, a.ffn_dim
+    d, q, kv, f = a.dim, a.q_dim, a.n_kv_heads * a.head_dim, a.ffn_dim
     full = inp.mode == "full"
     shapes = {
-        "q_proj": (d / tp, d),
+        "q_proj": (q / tp, d),
         "k_proj": (kv / tp, d),
         "v_proj": (kv / tp, d),
-        "o_proj": (d, d / tp),
+        "o_proj": (d, q / tp),
         "gate_proj": (f / tp, d),
         "up_proj": (f / tp, d),
         "down_proj": (d, f / tp),

@@ -104,10 +104,10 @@ def _materialise(a: Assembly) -> None:
 
 
 def _moe(a: Assembly) -> None:
-    from tracetrain.models.moe import apply_moe, set_aux_loss_weight
+    from tracetrain.models.moe import set_aux_loss_weight
 
     cfg = a.spec.cfg
-    apply_moe(a.plain(), cfg.model.num_experts, cfg.model.experts_top_k)
+    # The model row built the experts (ModelArgs.num_experts: model.num_experts or the checkpoint's).
     # The load-balancing term is the mean over every forward pass of a step: its micro-batches on
     # every data- and context-parallel rank.
     par = cfg.parallel
@@ -306,9 +306,10 @@ TRANSFORMS: tuple[Transform, ...] = (
     ),
     Transform(
         "moe",
-        lambda s: s.cfg.model.num_experts > 0,
+        lambda s: s.model_args.num_experts > 0,
         _moe,
-        "replaces the dense MLPs before LoRA, so the adapters and every later row see the experts",
+        "the experts' load-balancing weight (the model row built them from model_args), before LoRA freezes "
+        "the base: with LoRA the routers do not train and the term is inert",
     ),
     Transform(
         "lora",

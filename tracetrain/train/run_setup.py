@@ -174,9 +174,7 @@ class RunSetup:
             self.args,
             cfg.data.seq_len,
             mode=cfg.train.mode,
-            num_lora_params=num_lora,
-            num_experts=cfg.model.num_experts,
-            top_k=cfg.model.experts_top_k if cfg.model.num_experts else 0,
+            num_lora_params=num_lora,  # experts: the model's own (args.num_experts, config or checkpoint)
         )
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = peak_flops(self.device_name, self.precision, cfg.logging.peak_tflops) if device.type == "cuda" else None

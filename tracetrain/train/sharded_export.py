@@ -12,6 +12,7 @@ measures it). The folder, tokenizer, configs and model card are `models/export.p
 from __future__ import annotations
 
 import json
+import math
 import struct
 import warnings
 from collections.abc import Callable
@@ -85,8 +86,13 @@ def write_safetensors_streamed(
             del t
 
 
-def _hf_key(name: str) -> str:
-    return name if name.startswith("lm_head.") else "model." + name
+def _hf_shape(meta: dict[str, torch.Tensor], pieces: list[tuple[str, Any]]) -> tuple[int, ...]:
+    """Shape of the HF tensor made of `pieces` (model key, models.hf_load.Piece) of the model's tensors."""
+    name, first = pieces[0]
+    trailing = tuple(meta[name].shape[1:])
+    if first.stacked:
+        return trailing
+    return (sum(p.rows for _, p in pieces), *trailing) if meta[name].dim() else ()
 
 
 def write_hf_from_dcp(
@@ -100,14 +106,17 @@ def write_hf_from_dcp(
 ) -> None:
     """`model.safetensors`, or shards + `model.safetensors.index.json`, streamed from the DCP checkpoint
     `ckpt` into the existing folder `out_dir`, LoRA adapters merged (`lora_scaling` = alpha / rank)."""
-    from tracetrain.models.hf import _plan_shards  # the same greedy split as a one-process export
+    from tracetrain.models.hf import _export_parts, _plan_shards  # the same names and split as one process
 
     stored = dcp_tensors(ckpt)
     meta = build_on_meta(args).state_dict()  # the plain model's names, in its order, and shapes (no memory)
     if args.tie_embeddings:
         meta.pop("lm_head.weight", None)  # HF ties it on load
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = {n: t.numel() * itemsize for n, t in meta.items()}
+    parts = _export_parts(args, meta)  # HF key -> pieces of the model's tensors (one per expert: MoE)
+    shapes = {hf: _hf_shape(meta, ps) for hf, ps in parts.items()}
+    sizes = {hf: math.prod(shape) * itemsize for hf, shape in shapes.items()}
+    last: dict[str, torch.Tensor] = {}  # the model tensor read last: a block's experts are cut from one
 
     def read(name: str) -> torch.Tensor:
         base = name.removesuffix(".weight") + ".base.weight"
@@ -131,10 +140,17 @@ def write_hf_from_dcp(
             if progress:
                 progress(what, done[0], total, "bytes")
 
-        entries = [(_hf_key(k), tuple(meta[k].shape)) for k in keys]
+        entries = [(hf, shapes[hf]) for hf in keys]
 
         def produce(j: int, keys: list[str] = keys) -> torch.Tensor:
-            return read(keys[j])
+            chunks = []
+            for name, piece in sorted(parts[keys[j]], key=lambda kp: kp[1].hf_start):
+                if name not in last:
+                    last.clear()
+                    last[name] = read(name)
+                value = last[name]
+                chunks.append(value[piece.start] if piece.stacked else value[piece.start : piece.start + piece.rows])
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
         write_safetensors_streamed(out_dir / file, entries, dtype, produce, written)
         weight_map.update(dict.fromkeys((e[0] for e in entries), file))
