@@ -316,6 +316,14 @@ def write_peft_adapter(
         "use_dora": dora,
         "lora_bias": False,
     }
+    args = getattr(model, "args", None)
+    if args is not None and args.family == "phi3":  # adapters of the fused qkv_proj / gate_up_proj
+        from tracetrain.models.arch_phi import fused_adapters, peft_targets
+
+        adapters, ranks = fused_adapters(adapters, args, rank)
+        cfg["target_modules"] = peft_targets(resolve_targets(targets))
+        cfg["rank_pattern"] = {kind: r for kind, r in ranks.items() if r != rank}
+        cfg["alpha_pattern"] = {kind: alpha * r / rank for kind, r in ranks.items() if r != rank}
     tensors = {_PEFT_PREFIX + _hf_name(k): v.detach().cpu().contiguous() for k, v in adapters.items()}
     (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
