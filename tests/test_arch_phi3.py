@@ -181,3 +181,23 @@ def test_finetune_and_export_round_trip(saved, mode: str, targets: str, tmp_path
         expected = ours(ids)
         for model in loaded:
             torch.testing.assert_close(model.eval()(ids).logits, expected, atol=2e-5, rtol=0)
+
+
+def test_streamed_export_of_a_sharded_checkpoint_fuses_too(saved, tmp_path: Path) -> None:
+    """The export of a multi-rank (DCP) checkpoint, streamed tensor by tensor, writes the same fused files as
+    the one-process export (the DCP folder is written here by one process, as the ranks would lay it out)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from tracetrain.train.sharded_export import write_hf_from_dcp
+
+    path, _ = saved
+    ours = load_ours(path)
+    dcp.save({f"model.{k}": v for k, v in ours.state_dict().items()}, checkpoint_id=str(tmp_path / "ckpt" / "dcp"))
+    (tmp_path / "streamed").mkdir()
+    write_hf_from_dcp(tmp_path / "ckpt", ours.args, None, tmp_path / "streamed", torch.float32, 10**9)
+    export_hf(ours, ours.args, tmp_path / "gathered", dtype=torch.float32)
+    streamed, gathered = (load_file(tmp_path / d / "model.safetensors") for d in ("streamed", "gathered"))
+    assert streamed.keys() == gathered.keys() and "model.layers.1.mlp.gate_up_proj.weight" in streamed
+    for key, value in gathered.items():
+        assert torch.equal(streamed[key], value), key
