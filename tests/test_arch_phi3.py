@@ -201,3 +201,22 @@ def test_streamed_export_of_a_sharded_checkpoint_fuses_too(saved, tmp_path: Path
     assert streamed.keys() == gathered.keys() and "model.layers.1.mlp.gate_up_proj.weight" in streamed
     for key, value in gathered.items():
         assert torch.equal(streamed[key], value), key
+
+
+def test_peft_adapter_on_fused_projections_loads_exactly(saved, tmp_path: Path) -> None:
+    """An adapter PEFT trained on qkv_proj / gate_up_proj loads as adapters of the split parts, same logits."""
+    peft = pytest.importorskip("peft")
+    from tracetrain.models.hf import load_peft_adapter
+
+    path, _ = saved
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj", "o_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path), config).eval()
+    adapted.save_pretrained(tmp_path / "adapter")
+    ours = load_ours(path)
+    load_peft_adapter(ours, tmp_path / "adapter")
+    ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), adapted(ids).logits, atol=2e-5, rtol=0)

@@ -226,3 +226,29 @@ PHI3 = ArchFamily(
     pieces=phi3_pieces,
     own_rope_and_act=True,
 )
+
+
+def split_targets(targets: list[str]) -> list[str]:
+    """A PEFT adapter's target_modules with the fused names replaced by our parts (qkv_proj -> q/k/v_proj)."""
+    return [part for t in targets for part in FUSED_PARTS.get(t, (t,))]
+
+
+def split_adapters(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """A fused projection's adapter as one adapter per part, exactly: each part keeps A (shared input side) and
+    its own rows of B, so B_part @ A is the part's rows of the fused update (same rank and alpha)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():  # 'layers.0.self_attn.qkv_proj.lora_B.weight'
+        module, _, rest = key.partition(".lora_")
+        parent, _, fused = module.rpartition(".")
+        if fused not in FUSED_PARTS:
+            out[key] = value
+            continue
+        for part in FUSED_PARTS[fused]:
+            where = fused_rows(args, f"{parent}.{part}.weight")
+            assert where is not None
+            rows = {"q_proj": args.q_dim, "gate_proj": args.ffn_dim, "up_proj": args.ffn_dim}.get(
+                part, args.n_kv_heads * args.head_dim
+            )
+            b_rows = value[where[1] : where[1] + rows]
+            out[f"{parent}.{part}.lora_{rest}"] = value.clone() if rest.startswith("A") else b_rows.clone()
+    return out

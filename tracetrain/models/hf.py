@@ -378,8 +378,10 @@ def _read_peft_config(adapter_dir: Path) -> dict[str, Any]:
     targets = [targets] if targets == "all-linear" else targets
     if not isinstance(targets, list):
         raise CheckpointError(f"{where}: target_modules {targets!r} must be a list of projection names")
+    from tracetrain.models.arch_phi import split_targets  # Phi-3's qkv_proj / gate_up_proj: our parts
+
     try:
-        cfg["target_modules"] = resolve_targets(targets)
+        cfg["target_modules"] = resolve_targets(split_targets(targets))
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
     return cfg
@@ -403,6 +405,11 @@ def load_peft_adapter(
     with safe_open(file, framework="pt") as f:
         # 'base_model.model.model.layers.0...lora_A.weight' -> 'layers.0...lora_A.weight'
         tensors = {local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    args = getattr(model, "args", None)
+    if args is not None and args.family == "phi3":  # adapters of qkv_proj / gate_up_proj, split exactly
+        from tracetrain.models.arch_phi import split_adapters
+
+        tensors = split_adapters(tensors, args)
     count = apply_lora(
         model,
         cfg["r"],
