@@ -320,6 +320,11 @@ def write_peft_adapter(
     if args is not None and args.family == "phi3":  # adapters of the fused qkv_proj / gate_up_proj
         from tracetrain.models.arch_phi import fused_adapters, peft_targets
 
+        if dora:  # a fused DoRA magnitude needs the rows of unadapted parts too: not written
+            raise CheckpointError(
+                "--peft of a Phi-3 DoRA run is not supported (fused qkv_proj / gate_up_proj); --hf merges it"
+            )
+
         adapters, ranks = fused_adapters(adapters, args, rank)
         cfg["target_modules"] = peft_targets(resolve_targets(targets))
         cfg["rank_pattern"] = {kind: r for kind, r in ranks.items() if r != rank}
