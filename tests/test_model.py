@@ -3,11 +3,17 @@
 import pytest
 import torch
 
-from tracetrain.models.accounting import (attention_forward_flops, lora_params, num_matmul_params, num_params,
-                                          training_flops_per_token)
+from tracetrain.models.accounting import (
+    attention_forward_flops,
+    lora_params,
+    num_matmul_params,
+    num_params,
+    training_flops_per_token,
+)
 from tracetrain.models.build import materialize
 from tracetrain.models.generate import generate
 from tracetrain.models.llama import ModelArgs, Transformer, document_causal_mask
+from tracetrain.models.families import transformer_class
 from tracetrain.models.presets import PRESETS, PUBLISHED_PARAMS
 
 transformers = pytest.importorskip("transformers")
@@ -16,13 +22,31 @@ SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "orig
 
 
 def _pair(scaling: dict, tie: bool, kv_heads: int = 2):
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn_dim=160, vocab_size=101,
-                     rope_theta=500000.0, rope_scaling=scaling, tie_embeddings=tie)
+    args = ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=kv_heads,
+        ffn_dim=160,
+        vocab_size=101,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+        tie_embeddings=tie,
+    )
     extra = {"rope_scaling": {"rope_type": "llama3", **scaling}} if scaling else {}
-    hf_cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=101,
-                                      rope_theta=500000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                                      tie_word_embeddings=tie, **extra)
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=101,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        **extra,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     ours = Transformer(args).eval()
@@ -74,14 +98,14 @@ def test_kv_cache_generation_matches_full_recompute():
         for _ in range(len(new)):  # reference: no cache, no padding, recompute every token
             with torch.no_grad():
                 seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-        assert seq[len(prompt):] == new
+        assert seq[len(prompt) :] == new
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_counts_match_built_model_and_published(name):
     args = PRESETS[name]
     with torch.device("meta"):
-        model = Transformer(args)
+        model = transformer_class(args)(args)  # Gemma / Phi presets build their own family's classes
     counted = sum(p.numel() for p in model.parameters())  # parameters() de-duplicates tied weights
     assert counted == num_params(args)
     if name in PUBLISHED_PARAMS:
@@ -107,6 +131,7 @@ def test_matmul_params_and_flops_conventions():
 
 def test_moe_active_matmul_params_match_the_built_experts():
     from tracetrain.models.moe import apply_moe
+
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128)
     model = Transformer(args)
     apply_moe(model, 8, 2)

@@ -170,6 +170,27 @@ class _Decisions(list[Decision]):
         self.append(Decision(key, str(value), reason if asked == "auto" or asked is None else f"{ASKED}{asked}"))
 
 
+def family_limits(
+    args: ModelArgs, attention: str, kernels: tuple[str, ...], ce_chunk: int
+) -> tuple[str, tuple[str, ...], int, list[tuple[str, str, str]]]:
+    """(attention, fused kernels, fused cross-entropy chunk) with what the model's family cannot run
+    turned off, and a (key, value, reason) decision for each thing turned off (models/families.py says why)."""
+    from tracetrain.models.families import kernel_limits
+
+    decisions = []
+    if args.family.startswith("gemma") and attention != "sdpa":
+        attention = "sdpa"
+        decisions.append(("train.attention", "sdpa", "Gemma's sliding-window and soft-capped layers take dense masks"))
+    off, why = kernel_limits(args)
+    if kernels and off:
+        kernels = tuple(k for k in kernels if k not in off)
+        decisions.append(("train.fused_kernels", f"{', '.join(kernels)} only", why))
+    if ce_chunk and args.final_logit_softcap:
+        ce_chunk = 0
+        decisions.append(("train.fused_ce", "off", "the fused lm_head + cross-entropy does not soft-cap the logits"))
+    return attention, kernels, ce_chunk, decisions
+
+
 def architecture_notes(args: ModelArgs, kernels_on: bool, fp8: str) -> list[tuple[str, str, str]]:
     """(key, value, reason) per speed transform that skips part of this architecture: one line each."""
     notes = []
@@ -260,6 +281,13 @@ def resolve(
                 "none": f"{t.objective} needs no reference model",
             }[reference],
         )
+    kernels = tuple(FUSED_KERNELS) if kernels_on else ()
+    attention, kernels, ce_chunk, limits = family_limits(args, attention, kernels, ce_chunk)
+    if limits:  # each replaces the line recorded above for its key
+        overridden = {key for key, _, _ in limits}
+        d[:] = [x for x in d if x.key not in overridden]
+        for key, value, reason in limits:
+            d.add(key, None, value, reason)
     return RunSpec(
         cfg=cfg,
         device=device,
@@ -270,7 +298,7 @@ def resolve(
         lora_base_dtype=base_dtype,
         attention=attention,  # type: ignore[arg-type]  # resolve_attention returns 'sdpa' or 'flex' as str
         compile=compile_on,
-        fused_kernels=tuple(FUSED_KERNELS) if kernels_on else (),
+        fused_kernels=kernels,
         fp8=t.fp8,
         fp8_fused_mlp=False,
         fused_ce_chunk=ce_chunk,

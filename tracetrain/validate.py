@@ -73,6 +73,17 @@ def check_context_length(cfg: Config) -> None:
         )
 
 
+def check_family_layout(cfg: Config, args: ModelArgs) -> None:
+    """A layout the model's family does not run (models/families.py `layout_refusal`) is one line."""
+    from tracetrain.models.families import layout_refusal
+
+    par = cfg.parallel
+    refusal = layout_refusal(args, tp=par.tp, pp=par.pp, cp=par.cp, sequence_parallel=par.sequence_parallel)
+    if refusal is not None:
+        key, why = refusal
+        raise ConfigError(f"config key '{key}' is not supported for a {args.family} model: {why}")
+
+
 def validate_run(cfg: Config, args: ModelArgs) -> None:
     """Refuse a run whose config does not fit its model (`args`, from `model_args_from_config(cfg)`).
 
@@ -81,6 +92,7 @@ def validate_run(cfg: Config, args: ModelArgs) -> None:
     """
     check_lora_rank(cfg, args)
     check_context_length(cfg)
+    check_family_layout(cfg, args)
     # A new run only: a saved run's config.toml (eval, export, resume) loads whatever its schedule was.
     # With train.epochs the length is known once the data is built (train/optim.py::size_by_epochs checks it).
     if not cfg.train.epochs:

@@ -6,7 +6,7 @@ FLOP conventions (stated in the README):
   costs 2P forward, 2P for the input gradient and 2P for the weight gradient.
 - Causal attention is counted at half of the full score matrix: per layer and token, QK^T and PV cost
   2 * seq * (n_heads * head_dim) forward together; backward costs twice the forward. A sliding window
-  w < seq (Mistral) leaves w - w^2 / (2 seq) keys per query on average instead of seq / 2.
+  w < seq (Mistral; Gemma's local layers) leaves w - w^2 / (2 seq) keys per query on average instead of seq / 2.
 - Full training: 3x forward (the usual 6N + attention). LoRA: frozen weights need no weight gradient,
   so 4 FLOPs per frozen weight and token, 6 per adapter weight, attention 3x forward.
 - Mixture of experts (`num_experts` > 0): each token passes through `top_k` experts of the MLP's
@@ -46,9 +46,14 @@ def mlp_params(args: ModelArgs, layer: int = 0) -> int:
     return 3 * args.dim * args.ffn_dim
 
 
+def block_norm_params(args: ModelArgs) -> int:
+    """Norm weights of one block around its sub-layers: two of dim, four in Gemma (before and after both)."""
+    return (4 if args.family.startswith("gemma") else 2) * args.dim
+
+
 def block_params(args: ModelArgs, layer: int = 0) -> int:
-    """Parameters of transformer block `layer` (attention, MLP, two norms)."""
-    return attention_params(args) + mlp_params(args, layer) + 2 * args.dim
+    """Parameters of transformer block `layer` (attention, MLP, norms)."""
+    return attention_params(args) + mlp_params(args, layer) + block_norm_params(args)
 
 
 def num_params(args: ModelArgs) -> int:
@@ -107,10 +112,13 @@ class TokenFlops:
 
 def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:
     """Causal attention scores and weighted sum, forward, per token, all layers."""
-    window = args.sliding_window
-    # Keys a query sees, on average: half the row when causal; with a shorter window, all but the ramp.
-    keys = seq_len / 2 if not 0 < window < seq_len else window - window * window / (2 * seq_len)
-    return 4.0 * args.n_layers * keys * args.q_dim
+    total = 0.0
+    for layer in range(args.n_layers):  # Gemma: local layers of `local_window`, global ones; Mistral: all windowed
+        local = args.layer_types and args.layer_types[layer] == "sliding"
+        window = args.local_window if local else args.sliding_window
+        # Keys a query sees, on average: half the row when causal; with a shorter window, all but the ramp.
+        total += seq_len / 2 if not 0 < window < seq_len else window - window * window / (2 * seq_len)
+    return 4.0 * total * args.q_dim
 
 
 def training_flops_per_token(

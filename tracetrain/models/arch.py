@@ -106,6 +106,7 @@ class ArchFamily:
     parse: Callable[[ConfigReader], dict[str, Any]] = _no_fields
     export_keys: Callable[[ModelArgs], dict[str, Any]] = _no_keys
     pieces: Callable[[str, tuple[int, ...], ModelArgs], list[Piece]] = same_name
+    own_rope_and_act: bool = False  # `parse` reads the rope and activation keys (Gemma, Phi-3), not hf_config
 
 
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")

@@ -22,8 +22,9 @@ from torch.distributed.tensor import DTensor
 from tracetrain.config import Config
 from tracetrain.errors import ConfigError
 from tracetrain.models.dora import DoRALinear
+from tracetrain.models.families import rope_buffers, transformer_class
 from tracetrain.models.init import canonical_name, fill_local, init_rule
-from tracetrain.models.llama import ModelArgs, Transformer, rope_inv_freq
+from tracetrain.models.llama import ModelArgs, Transformer
 from tracetrain.models.presets import PRESETS, get_preset
 from tracetrain.models.qlora import NF4Linear
 
@@ -82,10 +83,11 @@ class WeightSource(Protocol):
 def build_on_meta(args: ModelArgs, dtype: torch.dtype = torch.float32) -> Transformer:
     """The model on the meta device (no memory), its parameters in `dtype`; rotary frequencies stay fp32."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = transformer_class(args)(args)
         if dtype != torch.float32:
             model.to(dtype)
-            model.rope_inv_freq.data = model.rope_inv_freq.float()
+            for buf in model.buffers():  # the rotary frequencies (every buffer there is)
+                buf.data = buf.float()
     return model
 
 
@@ -134,12 +136,13 @@ def materialize_parts(
             first = getattr(holders[0][0], holders[0][1])
             for module, name in holders[1:]:
                 module._parameters[name] = first
+        initial = rope_buffers(args)
         for module in part.modules():
             if isinstance(module, NF4Linear):
                 continue  # its buffers are the quantised weight: filled below
             for name, buf in module._buffers.items():
-                assert buf is not None and name == "rope_inv_freq", f"no initial value for buffer {name!r}"
-                module._buffers[name] = rope_inv_freq(args).to(device)
+                assert buf is not None and name in initial, f"no initial value for buffer {name!r}"
+                module._buffers[name] = initial[name].to(device)
         for name, p in part.named_parameters():
             local, shape, offsets = local_block(p)
             canon = canonical_name(name, tied=args.tie_embeddings)

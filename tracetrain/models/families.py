@@ -1,7 +1,8 @@
 """The table of Hugging Face architecture families (models/arch.py says what an entry holds).
 
 Llama, Mistral and Qwen2 are here; Qwen3 and Qwen3-MoE in models/arch_qwen3.py; Mixtral in
-models/arch_mixtral.py. `FAMILIES` is ordered most specific first: `family_of_args` picks the first
+models/arch_mixtral.py; Gemma 2 / 3 in models/arch_gemma.py and Phi-3 in models/arch_phi.py, which also
+hold their module classes (`transformer_class`, `rope_buffers` below pick them by `ModelArgs.family`). `FAMILIES` is ordered most specific first: `family_of_args` picks the first
 entry whose `matches` accepts a model, so an export writes the family that computes what the model
 computes (Llama, the last, matches any model the others do not claim).
 """
@@ -10,10 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tracetrain.models.arch import ArchFamily, ConfigReader
+from tracetrain.models.arch_gemma import GEMMA2, GEMMA3, GemmaTransformer, gemma_rope_buffers
 from tracetrain.models.arch_mixtral import MIXTRAL
+from tracetrain.models.arch_phi import PHI3, PhiTransformer, phi_rope_buffers
 from tracetrain.models.arch_qwen3 import QWEN3, QWEN3_MOE
-from tracetrain.models.llama import ModelArgs
+from tracetrain.models.llama import ModelArgs, Transformer, rope_inv_freq
 
 
 def _llama(reader: ConfigReader) -> dict[str, Any]:
@@ -44,7 +49,7 @@ def _qwen2_keys(args: ModelArgs) -> dict[str, Any]:
 LLAMA = ArchFamily(
     "llama",
     "LlamaForCausalLM",
-    matches=lambda a: not (a.qkv_bias or a.qk_norm or a.num_experts or a.sliding_window),
+    matches=lambda a: a.family == "llama" and not (a.qkv_bias or a.qk_norm or a.num_experts or a.sliding_window),
     parse=_llama,
     export_keys=lambda a: {"attention_bias": False, "mlp_bias": False},
 )
@@ -64,7 +69,7 @@ QWEN2 = ArchFamily(
     export_keys=_qwen2_keys,
 )
 
-FAMILIES: tuple[ArchFamily, ...] = (QWEN3_MOE, MIXTRAL, QWEN3, QWEN2, MISTRAL, LLAMA)
+FAMILIES: tuple[ArchFamily, ...] = (GEMMA2, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL, QWEN3, QWEN2, MISTRAL, LLAMA)
 
 
 def supported_names() -> str:
@@ -100,3 +105,40 @@ def family_of_args(args: ModelArgs) -> ArchFamily:
         f"(qkv_bias={args.qkv_bias}, qk_norm={args.qk_norm}, num_experts={args.num_experts}, "
         f"sliding_window={args.sliding_window}); supported: {supported_names()}"
     )
+
+
+def transformer_class(args: ModelArgs) -> type[Transformer]:
+    """The decoder class of `args.family`: Gemma's and Phi-3's own, `Transformer` for every other family."""
+    return {"gemma2": GemmaTransformer, "gemma3": GemmaTransformer, "phi3": PhiTransformer}.get(
+        args.family, Transformer
+    )
+
+
+def rope_buffers(args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Name -> initial value (float32) of every rotary buffer the family's model registers."""
+    if args.family in ("gemma2", "gemma3"):
+        return gemma_rope_buffers(args)
+    if args.family == "phi3":
+        return phi_rope_buffers(args)
+    return {"rope_inv_freq": rope_inv_freq(args)}
+
+
+def layout_refusal(args: ModelArgs, *, tp: int, pp: int, cp: int, sequence_parallel: bool) -> tuple[str, str] | None:
+    """(config key, why) of the first layout `args.family` does not run, else None (validate.py refuses it)."""
+    gemma = args.family in ("gemma2", "gemma3")
+    if pp > 1 and (gemma or args.rope_long_factor):
+        return "parallel.pp", "a pipeline stage runs Llama's embedding, rotary embedding and head, not this model's"
+    if cp > 1 and gemma:
+        return "parallel.cp", "context parallelism replaces the attention core, which Gemma's windows and caps bypass"
+    if tp > 1 and sequence_parallel and gemma:
+        return "parallel.sequence_parallel", "Gemma's pre/post feed-forward norms are not in the sequence-parallel plan"
+    return None
+
+
+def kernel_limits(args: ModelArgs) -> tuple[tuple[str, ...], str]:
+    """(fused kernels that do not apply to this family, why); kernels/apply.py swaps Llama's classes only."""
+    if args.family in ("gemma2", "gemma3"):
+        return ("rmsnorm", "swiglu"), "Gemma's (1 + weight) RMSNorm and GeGLU MLP have no fused kernel"
+    if args.rotary_dim < args.head_dim:
+        return ("rope",), "the fused rotary kernel turns whole heads, not a partial rotary_dim"
+    return (), ""

@@ -157,8 +157,14 @@ def export_run_gguf(loaded: Any, out_file: str | Path, dtype: torch.dtype, overw
     out = Path(out_file)
     check_gguf_target(out, overwrite)
     args: ModelArgs = loaded.model.args
-    if args.num_experts or args.qk_norm:
-        what = "mixture-of-experts blocks" if args.num_experts else "q/k norms (Qwen3)"
+    if args.num_experts or args.qk_norm or args.family != "llama":
+        what = (
+            f"the {args.family} architecture"
+            if args.family != "llama"
+            else "mixture-of-experts blocks"
+            if args.num_experts
+            else "q/k norms (Qwen3)"
+        )
         raise CheckpointError(
             f"--gguf writes dense Llama models; this run's model has {what}: export --hf and convert that "
             "with llama.cpp's convert_hf_to_gguf.py"

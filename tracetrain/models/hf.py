@@ -323,6 +323,19 @@ def write_peft_adapter(
         "use_dora": dora,
         "lora_bias": False,
     }
+    args = getattr(model, "args", None)
+    if args is not None and args.family == "phi3":  # adapters of the fused qkv_proj / gate_up_proj
+        from tracetrain.models.arch_phi import fused_adapters, peft_targets
+
+        if dora:  # a fused DoRA magnitude needs the rows of unadapted parts too: not written
+            raise CheckpointError(
+                "--peft of a Phi-3 DoRA run is not supported (fused qkv_proj / gate_up_proj); --hf merges it"
+            )
+
+        adapters, ranks = fused_adapters(adapters, args, rank)
+        cfg["target_modules"] = peft_targets(resolve_targets(targets))
+        cfg["rank_pattern"] = {kind: r for kind, r in ranks.items() if r != rank}
+        cfg["alpha_pattern"] = {kind: alpha * r / rank for kind, r in ranks.items() if r != rank}
     tensors = {_PEFT_PREFIX + _hf_name(k): v.detach().cpu().contiguous() for k, v in adapters.items()}
     (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
@@ -377,8 +390,10 @@ def _read_peft_config(adapter_dir: Path) -> dict[str, Any]:
     targets = [targets] if targets == "all-linear" else targets
     if not isinstance(targets, list):
         raise CheckpointError(f"{where}: target_modules {targets!r} must be a list of projection names")
+    from tracetrain.models.arch_phi import split_targets  # Phi-3's qkv_proj / gate_up_proj: our parts
+
     try:
-        cfg["target_modules"] = resolve_targets(targets)
+        cfg["target_modules"] = resolve_targets(split_targets(targets))
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
     return cfg
@@ -402,6 +417,11 @@ def load_peft_adapter(
     with safe_open(file, framework="pt") as f:
         # 'base_model.model.model.layers.0...lora_A.weight' -> 'layers.0...lora_A.weight'
         tensors = {local_name(k.removeprefix(_PEFT_PREFIX)): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    args = getattr(model, "args", None)
+    if args is not None and args.family == "phi3":  # adapters of qkv_proj / gate_up_proj, split exactly
+        from tracetrain.models.arch_phi import split_adapters
+
+        tensors = split_adapters(tensors, args)
     count = apply_lora(
         model,
         cfg["r"],

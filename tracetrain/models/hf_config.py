@@ -62,13 +62,14 @@ def _rope(reader: ConfigReader) -> tuple[float, dict[str, float]]:
     return theta, {k: reader.positive_float(f"rope_scaling.{k}", 1.0, params[k]) for k in keys}
 
 
-def _shared_fields(reader: ConfigReader) -> dict[str, Any]:
-    """The ModelArgs fields every family stores under the same keys."""
+def _shared_fields(reader: ConfigReader, own_rope_and_act: bool = False) -> dict[str, Any]:
+    """The ModelArgs fields every family stores under the same keys (activation and rope: unless the family
+    reads its own, `ArchFamily.own_rope_and_act`)."""
     dim, n_heads = reader.positive_int("hidden_size"), reader.positive_int("num_attention_heads")
     head_dim = reader.positive_int("head_dim") if reader.get("head_dim") is not None else 0  # 0: dim // n_heads
-    if reader.get("hidden_act", "silu") != "silu":
+    if reader.get("hidden_act", "silu") != "silu" and not own_rope_and_act:
         raise reader.fail(f"hidden_act '{reader.get('hidden_act')}' is not supported; supported: silu")
-    theta, scaling = _rope(reader)
+    theta, scaling = (10000.0, {}) if own_rope_and_act else _rope(reader)
     return {
         "dim": dim,
         "n_layers": reader.positive_int("num_hidden_layers"),
@@ -91,7 +92,7 @@ def load_hf_config(path: str | Path) -> ModelArgs:
     where = Path(path) / "config.json"
     reader = ConfigReader(read_json(where), where)
     family = family_of_config(reader)
-    fields = {**_shared_fields(reader), **family.parse(reader)}
+    fields = {**_shared_fields(reader, family.own_rope_and_act), **family.parse(reader)}
     try:
         args = ModelArgs(**fields)
         args.validate()

@@ -8,8 +8,8 @@ the chunks that overlap its rows and keeps its slice of them: it never holds mor
 one chunk, and 1, 2 or 4 ranks of any layout hold the same numbers (tests/test_sharded_init.py).
 
 The rule for each parameter (normal with `init_std`, residual outputs scaled by 1/sqrt(2 * n_layers),
-norms one, biases zero, LoRA A kaiming-uniform and B zero as in PEFT) is `init_rule`, read from the
-parameter's canonical name: the one the plain model gives it, whatever wrappers (LoRA's `.base`,
+norms one (Gemma's zero: they scale by 1 + weight), biases zero, LoRA A kaiming-uniform and B zero as in
+PEFT) is `init_rule`, read from the parameter's canonical name: the one the plain model gives it, whatever wrappers (LoRA's `.base`,
 checkpointing, compile, FSDP) sit in between. Random draws use a generator on the parameter's own
 device, so a GPU run draws on the GPU (fast) and every rank of the same GPU model draws the same.
 """
@@ -57,8 +57,8 @@ def init_rule(name: str, shape: tuple[int, ...], args: ModelArgs) -> InitRule:
         return InitRule("ones")
     if name.endswith("lora_B.weight") or leaf == "bias":
         return InitRule("zeros")
-    if name.endswith(("norm.weight", "layernorm.weight")):
-        return InitRule("ones")
+    if name.endswith(("norm.weight", "layernorm.weight")):  # Gemma's norms scale by 1 + weight
+        return InitRule("zeros" if args.family.startswith("gemma") else "ones")
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         return InitRule("normal", out_std)
     if name.endswith(("_proj.weight", "router.weight", "embed_tokens.weight", "lm_head.weight")):

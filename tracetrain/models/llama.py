@@ -69,10 +69,32 @@ class ModelArgs:
     moe_ffn_dim: int = 0  # each expert's hidden size; 0 = ffn_dim (Mixtral). Qwen3-MoE's moe_intermediate_size
     moe_norm_topk: bool = True  # renormalise the top-k router probabilities (Mixtral; Qwen3-MoE's norm_topk_prob)
     dense_layers: tuple[int, ...] = ()  # MoE model: blocks that keep the dense MLP (Qwen3-MoE's mlp_only_layers)
+    # Gemma 2 / 3 (models/arch_gemma.py) and Phi-3 (models/arch_phi.py): `family` picks their module classes
+    # (models/families.py); "llama" covers every family above.
+    family: str = "llama"
+    query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power instead of head_dim's; 0 = head_dim
+    attn_logit_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax; 0 = off
+    final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap); 0 = off
+    local_window: int = 0  # tokens a "sliding" layer of `layer_types` sees, itself included (Gemma)
+    layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding" (a local_window layer); () = all full
+    rope_local_theta: float = 0.0  # rope base of the sliding layers (Gemma 3); 0 = rope_theta
+    rope_linear_factor: float = 1.0  # full layers' frequencies divided by it (Gemma 3's "linear" scaling)
+    partial_rotary_factor: float = 1.0  # fraction of each head's dims that rotate (Phi-4-mini: 0.75)
+    # Phi-3 "longrope": per-frequency divisors, the short set while positions stay below
+    # `rope_original_max_len` and the long set beyond; cos/sin times `rope_attention_factor`. () = off.
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    rope_original_max_len: int = 0
+    rope_attention_factor: float = 1.0
 
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that the rotary embedding turns (all but Phi-4-mini's last quarter)."""
+        return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
 
     @property
     def q_dim(self) -> int:
@@ -106,13 +128,18 @@ class ModelArgs:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.num_experts and not 0 < self.experts_top_k <= self.num_experts:
             raise ValueError(f"experts_top_k {self.experts_top_k} must be in 1..num_experts ({self.num_experts})")
+        if any(t not in ("full", "sliding") for t in self.layer_types) or len(self.layer_types) not in (
+            0,
+            self.n_layers,
+        ):
+            raise ValueError(f"layer_types must name 'full' or 'sliding' for each of the {self.n_layers} layers")
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window {self.sliding_window} must be >= 0 (0 = no window)")
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured."""
-    hd = args.head_dim
+    hd = args.rotary_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     s = args.rope_scaling
     if not s:

@@ -30,6 +30,55 @@ def _qwen3(**shape: int | bool) -> ModelArgs:
     )
 
 
+def _gemma2(dim: int, n_layers: int, n_heads: int, head_dim: int, ffn_dim: int) -> ModelArgs:
+    """Gemma 2: GeGLU, 4 norms a block, soft-capped scores (50) and logits (30), 4096-token local layers
+    alternating with global ones (the first local), scores scaled by dim / n_heads (head_dim for 2b, 9b)."""
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads // 2,
+        ffn_dim=ffn_dim,
+        vocab_size=256000,
+        norm_eps=1e-6,
+        max_seq_len=8192,
+        tie_embeddings=True,
+        family="gemma2",
+        head_dim_override=head_dim,
+        query_pre_attn_scalar=float(dim // n_heads if head_dim != 256 else 256),
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+        local_window=4096,
+        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers)),
+    )
+
+
+def _gemma3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int) -> ModelArgs:
+    """Gemma 3 (text): q/k norms, five 1024-token local layers (rope base 10k) to one global (1M, linear
+    factor 8 from 4b up), no soft-capping; 1b: 512-token windows, no scaling, 32k context."""
+    small = dim < 2048
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
+        vocab_size=262144 if small else 262208,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_seq_len=32768 if small else 131072,
+        tie_embeddings=True,
+        family="gemma3",
+        head_dim_override=head_dim,
+        query_pre_attn_scalar=float(dim // n_heads if head_dim != 256 else 256),
+        local_window=512 if small else 1024,
+        layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(n_layers)),
+        rope_local_theta=10000.0,
+        rope_linear_factor=1.0 if small else 8.0,
+        qk_norm=True,
+    )
+
+
 PRESETS: dict[str, ModelArgs] = {
     # Built-in default: byte-level vocabulary (259 ids, padded to 320), trains on 2 CPU cores in minutes.
     "tiny": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=320),
@@ -134,6 +183,38 @@ PRESETS: dict[str, ModelArgs] = {
         num_experts=8,
         experts_top_k=2,
     ),
+    "gemma2-2b": _gemma2(2304, 26, 8, 256, 9216),
+    "gemma2-9b": _gemma2(3584, 42, 16, 256, 14336),
+    "gemma2-27b": _gemma2(4608, 46, 32, 128, 36864),
+    "gemma3-1b": _gemma3(1152, 26, 4, 1, 256, 6912),
+    "gemma3-4b": _gemma3(2560, 34, 8, 4, 256, 10240),
+    "gemma3-12b": _gemma3(3840, 48, 16, 8, 256, 15360),
+    "gemma3-27b": _gemma3(5376, 62, 32, 16, 128, 21504),
+    # Phi-3-mini-4k: Llama's shape with fused q/k/v and gate/up in its checkpoints (models/arch_phi.py).
+    "phi3-mini": ModelArgs(
+        dim=3072,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        ffn_dim=8192,
+        vocab_size=32064,
+        max_seq_len=4096,
+        family="phi3",
+    ),
+    # Phi-4-mini's shape (GQA, 3/4 of each head rotates, tied embeddings). Its longrope factors are the
+    # checkpoint's: model.init_from reads them; the preset rotates with plain rope up to 4096 positions.
+    "phi4-mini": ModelArgs(
+        dim=3072,
+        n_layers=32,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        vocab_size=200064,
+        max_seq_len=4096,
+        tie_embeddings=True,
+        family="phi3",
+        partial_rotary_factor=0.75,
+    ),
 }
 
 # Parameter counts as published for the released checkpoints (embedding counted once when tied).
@@ -159,6 +240,12 @@ PUBLISHED_PARAMS: dict[str, int] = {
     "qwen3-32b": 32_762_123_264,
     "qwen3-30b-a3b": 30_532_122_624,
     "mixtral-8x7b": 46_702_792_704,
+    "gemma2-2b": 2_614_341_888,
+    "gemma2-9b": 9_241_705_984,
+    "gemma2-27b": 27_227_128_320,
+    "gemma3-1b": 999_885_952,
+    "phi3-mini": 3_821_079_552,
+    "phi4-mini": 3_836_021_760,
 }
 
 

@@ -179,20 +179,25 @@ def attention_backend(args: ModelArgs, nm: Numerics, attention: str = "sdpa") ->
     not flash's: memory-efficient attention takes it, but not with GQA (`enable_gqa`), where SDPA
     falls back to the math path, which materialises the fp32 score matrix. (The CPU flash kernel
     takes every case.) FlexAttention keeps flash's tensors at any dtype."""
+    if args.attn_logit_softcap:  # Gemma 2's soft-capped scores run eagerly (models/arch_gemma.py)
+        return "math"
     if nm.c == 2 or attention == "flex":
         return "flash"
     return "efficient" if args.n_kv_heads == args.n_heads else "math"
 
 
 def _attention_items(args: ModelArgs, nm: Numerics, backend: Backend) -> list[Item]:
-    d, kv, h = args.dim, args.n_kv_heads * args.head_dim, args.n_heads
+    d, kv, h = args.q_dim, args.n_kv_heads * args.head_dim, args.n_heads  # d: query heads' width
+    items = []
+    if args.qk_norm:  # Gemma 3's per-head q/k RMSNorm: an fp32 copy of its input and rstd, as the block norms
+        items.append(Item("q/k norms: fp32 input + rstd", 4 * (d + kv) + 4 * (h + args.n_kv_heads), "tp"))
     if backend == "math":  # q * scale, k and v repeated to n_heads, softmax output (b, h, s, s), output
-        return [
+        return items + [
             Item("q, k, v (k/v repeated to all heads)", 3 * nm.c * d, "tp"),
             Item("attention probabilities (math SDPA)", 0.0, "tp", per_token_seq=4 * h),
             Item("attention out", nm.c * d, "tp"),
         ]
-    return [
+    return items + [
         Item("q, k after RoPE", nm.c * (d + kv), "tp"),
         Item("v", nm.c * kv, "tp"),
         Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
@@ -214,13 +219,14 @@ def block_items(
     if path == "compile" and backend != "math":
         return compiled_block_items(args, nm, moe_factor)
     d, f = args.dim, args.ffn_dim
-    norms = 1 if first_lora_block else 2
+    per_block = 4 if args.family.startswith("gemma") else 2  # Gemma norms before and after both sub-layers
+    norms = per_block - 1 if first_lora_block else per_block
     if path == "kernels":  # the fused RMSNorm keeps its input (as is) and rstd
         items = [Item("norm: input + rstd (fused)", norms * (nm.x * d + 4), "sp")]
     else:
         items = [Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp")]
         if nm.full:
-            items.append(Item("norm: normalised (weight grad)", 2 * nm.x * d, "sp"))
+            items.append(Item("norm: normalised (weight grad)", per_block * nm.x * d, "sp"))
     items.append(Item("q/k/v input", _input_copies(nm, QKV, d)))
     items += _attention_items(args, nm, backend)
     if "o_proj" in nm.targets and nm.a != nm.c:

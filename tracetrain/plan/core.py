@@ -157,7 +157,7 @@ def advice(p: Plan) -> list[str]:
         else:
             out.append(f"fits with {gib(m.spare_bytes)} spare")
     loss = m.breakdown.get("logits / loss", 0)
-    if loss > 0.15 * peak:
+    if loss > 0.15 * peak and not i.model.final_logit_softcap:  # the fused loss does not soft-cap (spec.py)
         out.append(
             f"loss buffers (12 x tokens x vocab bytes at backward start) are {gib(loss)}: a chunked or fused "
             "cross-entropy would remove most of them"

@@ -3,7 +3,7 @@ many of those weights autocast copies to bf16. Counts (not bytes); `memory.py` t
 
 Tensor parallelism (Megatron/torchtitan plan): q/k/v/gate/up column-wise, o/down row-wise, the
 embedding and lm_head by vocabulary; RMSNorm weights are replicated. So a block holds
-(block_params - 2d) / tp + 2d parameters per rank, the embedding and head V*d/tp each.
+(block_params - norms) / tp + norms parameters per rank (norms: 2d, Gemma's 4d), the embedding and head V*d/tp each.
 Pipeline parallelism: the blocks split as parallel/pipeline.py `split_layers` splits them (pp, or
 pp x virtual stages with interleaving, contiguous runs as even as possible, the extra blocks on the
 earliest stages: 126 layers over 8 stages = 6 x 16 + 2 x 15), a rank holding its stages s = rank + i pp;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tracetrain.models.accounting import block_params, lora_params, num_params
+from tracetrain.models.accounting import block_norm_params, block_params, lora_params, num_params
 from tracetrain.models.qlora import NF4_BITS_PER_PARAM
 from tracetrain.parallel.pipeline import split_layers
 from tracetrain.plan.inputs import PlanInput
@@ -99,7 +99,8 @@ def largest_projection(inp: PlanInput) -> float:
 def stage_params(inp: PlanInput, stage: int) -> StageParams:
     a, tp = inp.model, inp.tp
     d, q, kv = a.dim, a.q_dim, a.n_kv_heads * a.head_dim
-    attn = block_params(a) - 3 * d * a.ffn_dim - 2 * d  # projections (+ q/k/v bias)
+    norms = block_norm_params(a)  # replicated over tp (Gemma: four of dim)
+    attn = block_params(a) - 3 * d * a.ffn_dim - norms  # projections (+ q/k/v bias, q/k norms)
     mlp = mlp_params(inp)
     experts = 0.0
     if inp.num_experts:
@@ -108,7 +109,7 @@ def stage_params(inp: PlanInput, stage: int) -> StageParams:
         mlp_local = experts + router
     else:
         mlp_local = mlp / tp
-    block = attn / tp + mlp_local + 2 * d
+    block = attn / tp + mlp_local + norms
     block_linear = (2 * d * q + 2 * d * kv) / tp + mlp_local - (d * inp.num_experts if inp.num_experts else 0)
     first, last = stage == 0, stage == inp.pp - 1
     vd = a.vocab_size * d / tp

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 
+from tracetrain.models.families import layout_refusal
 from tracetrain.plan.core import Plan, plan
 from tracetrain.plan.inputs import PlanInput, PlanInputError
 from tracetrain.plan.memory import GIB, plan_memory
@@ -47,6 +48,8 @@ def layouts(base: PlanInput, gpus: int) -> list[dict[str, int]]:
             continue  # parallel/mesh.py refuses these pipelines
         if base.precision == "fp8" and max(tp, pp, cp) > 1:
             continue  # validate.py: FP8 composes with data parallelism only
+        if layout_refusal(a, tp=tp, pp=pp, cp=cp, sequence_parallel=base.sequence_parallel):
+            continue  # validate.py: what the model's family does not run (Gemma: no pp/cp/sp; longrope Phi: no pp)
         dp = gpus // (tp * pp * cp)
         out.append({"dp_replicate": 1, "dp_shard": dp, "tp": tp, "pp": pp, "cp": cp})
         if dp > 1 and cp == 1:  # plain DDP: every rank a full replica
