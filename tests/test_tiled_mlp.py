@@ -128,7 +128,7 @@ def test_auto_rule_and_compile_tie() -> None:
     assert dict(long.decisions)["train.compile"] == "off: tiled norm + MLP runs eagerly"
     forced = resolve(_cfg(f"--data.seq_len={seq}", "--train.compile=on"), cuda, probe=False)
     assert forced.tiled_mlp_tokens == 0 and forced.compile  # auto tiling yields to an explicit compile
-    with pytest.raises(ConfigError, match="memory.tiled_mlp"):
+    with pytest.raises(ConfigError, match=r"memory\.tiled_mlp"):
         resolve(_cfg("--memory.tiled_mlp=on", "--train.compile=on"), cuda, probe=False)
 
 
