@@ -34,6 +34,7 @@ import functools
 import torch
 from torch import nn
 
+from tracetrain.devices import free_device_bytes
 from tracetrain.kernels import triton_available
 from tracetrain.labels import IGNORE_INDEX
 
@@ -119,12 +120,6 @@ def adaptive_chunk_tokens(free_bytes: int, vocab: int, max_chunk: int, bytes_per
     slice of d hidden and the allocator's rounding need the rest)."""
     fit = free_bytes // 2 // max(1, vocab * bytes_per_logit)
     return max(CHUNK_MULTIPLE, min(max_chunk, fit // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
-
-
-def free_device_bytes(device: torch.device) -> int:
-    """Bytes a new allocation can get on a CUDA device: free in the driver plus cached but unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
