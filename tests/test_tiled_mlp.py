@@ -190,3 +190,30 @@ def test_fitting_remedy_names_switches_that_fit() -> None:
     switches, p = remedy
     assert "--memory.recompute=full" in switches and p.fits
     assert fitting_remedy(cfg, 1 << 23, "h200", host_memory_gib=64) is None
+
+
+def test_plan_command_prints_the_longest_context(capsys: pytest.CaptureFixture) -> None:
+    from tracetrain.cli import main
+
+    args = ["plan", "--gpu", "h200", "--longest-context", "--host-memory-gib", "120"]
+    assert main(args + ["--model.preset=llama3.1-8b", "--train.mode=lora", "--train.micro_batch_size=1"]) == 0
+    out = capsys.readouterr().out
+    tail = out[out.index("longest context on 1 x") :].splitlines()
+    assert tail[1].startswith("  with these settings: longest data.seq_len")
+    assert any("--memory.recompute=full" in line for line in tail[2:])
+    assert "runs out of host memory" in tail[-1]  # the last row offloads: the host is the limit
+
+
+def test_preflight_line_names_the_longest_and_the_switches_that_fit() -> None:
+    from tracetrain.plan.mapping import plan_input_from_config
+    from tracetrain.plan import plan
+    from tracetrain.train.oom import preflight_line
+
+    cfg = _8b_lora("--data.seq_len=200000")
+    p = plan(plan_input_from_config(cfg, 1, "h200"))
+    assert not p.fits
+    line = preflight_line(cfg, "h200", p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30)
+    assert "\n" not in line and line.startswith("data.seq_len = 200,000 x micro-batch 1 will likely not fit")
+    longest = longest_context(cfg, "h200").seq_len
+    assert f"the longest data.seq_len these settings fit is {longest:,}." in line
+    assert line.endswith("GiB).") and "It fits with --memory.recompute=full" in line

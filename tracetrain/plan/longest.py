@@ -68,18 +68,20 @@ def plan_at(
     num_gpus: int = 1,
     overrides: tuple[str, ...] = (),
     host_memory_gib: float | None = None,
+    hardware: dict[str, object] | None = None,
 ) -> Plan:
     """The plan of `cfg` with `data.seq_len = seq_len` and `overrides`, resolved again (module docstring).
-    Unvalidated on purpose: a what-if the planner answers, never run."""
+    `hardware`: PlanInput fields of the machine (gpu_memory_gib, gpus_per_node, ...) as `tracetrain plan`
+    flags set them."""
     changes: dict[str, object] = {"data.seq_len": seq_len}
     for o in overrides:
         key, value = o.removeprefix("--").split("=", 1)
         changes[key] = value
-    changed = cfg.replace(changes)
-    inp = plan_input_from_config(changed, num_gpus, gpu)
+    inp = plan_input_from_config(cfg.replace(changes), num_gpus, gpu)
+    extra = dict(hardware or {})
     if host_memory_gib is not None:
-        inp = inp.replace(host_memory_gib=host_memory_gib)
-    return plan(inp)
+        extra["host_memory_gib"] = host_memory_gib
+    return plan(inp.replace(**extra) if extra else inp)
 
 
 def longest_context(
@@ -90,12 +92,13 @@ def longest_context(
     *,
     multiple: int = DEFAULT_MULTIPLE,
     host_memory_gib: float | None = None,
+    hardware: dict[str, object] | None = None,
     limit: int = SEARCH_LIMIT,
 ) -> LongestContext:
     """Bisection over data.seq_len = k * multiple, 1 <= k <= limit / multiple (module docstring)."""
 
     def at(k: int) -> Plan:
-        return plan_at(cfg, k * multiple, gpu, num_gpus, overrides, host_memory_gib)
+        return plan_at(cfg, k * multiple, gpu, num_gpus, overrides, host_memory_gib, hardware)
 
     lo, hi = 0, limit // multiple  # invariant: lo fits (or is 0), everything above hi does not
     while lo < hi:
@@ -109,7 +112,12 @@ def longest_context(
 
 
 def fitting_remedy(
-    cfg: Config, seq_len: int, gpu: str, num_gpus: int = 1, host_memory_gib: float | None = None
+    cfg: Config,
+    seq_len: int,
+    gpu: str,
+    num_gpus: int = 1,
+    host_memory_gib: float | None = None,
+    hardware: dict[str, object] | None = None,
 ) -> tuple[tuple[str, ...], Plan] | None:
     """The first `LONG_CONTEXT_REMEDIES` row under which `seq_len` fits, with its plan; None if none does.
     Rows whose switches the config already has are skipped (they would change nothing)."""
@@ -117,7 +125,7 @@ def fitting_remedy(
         changed = tuple(o for o in row if not _already(cfg, o))
         if not changed:
             continue
-        p = plan_at(cfg, seq_len, gpu, num_gpus, row, host_memory_gib)
+        p = plan_at(cfg, seq_len, gpu, num_gpus, row, host_memory_gib, hardware)
         if p.fits:
             return changed, p
     return None
@@ -127,3 +135,20 @@ def _already(cfg: Config, override: str) -> bool:
     key, value = override.removeprefix("--").split("=", 1)
     section, name = key.split(".")
     return str(getattr(getattr(cfg, section), name)) == value
+
+
+def longest_context_report(
+    cfg: Config, gpu: str, num_gpus: int = 1, hardware: dict[str, object] | None = None
+) -> list[str]:
+    """`tracetrain plan --longest-context`: the longest data.seq_len with the config's settings, then with
+    each row of LONG_CONTEXT_REMEDIES that changes something, one line each."""
+    found = longest_context(cfg, gpu, num_gpus, hardware=hardware)
+    lines, best = ["with these settings: " + found.line()], found.seq_len
+    for row in LONG_CONTEXT_REMEDIES:
+        changed = tuple(o for o in row if not _already(cfg, o))
+        if changed:
+            found = longest_context(cfg, gpu, num_gpus, row, hardware=hardware)
+            if found.seq_len > best:  # a row that buys nothing (its switch already 'auto'-on) is not shown
+                lines.append(f"with {' '.join(changed)}: {found.line()}")
+                best = found.seq_len
+    return lines
