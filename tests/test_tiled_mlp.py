@@ -205,8 +205,8 @@ def test_plan_command_prints_the_longest_context(capsys: pytest.CaptureFixture) 
 
 
 def test_preflight_line_names_the_longest_and_the_switches_that_fit() -> None:
-    from tracetrain.plan.mapping import plan_input_from_config
     from tracetrain.plan import plan
+    from tracetrain.plan.mapping import plan_input_from_config
     from tracetrain.train.oom import preflight_line
 
     cfg = _8b_lora("--data.seq_len=200000")
