@@ -56,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -79,13 +80,38 @@ def our_overrides(seq: int, layers: int, fp8: bool) -> list[str]:
     """The config of the tracetrain rows (module docstring)."""
     return ["--model.preset=llama3.1-8b", f"--model.n_layers={layers}", "--train.mode=lora", "--lora.rank=32",
             "--lora.alpha=32", "--lora.targets=all-linear", "--train.micro_batch_size=1", f"--data.seq_len={seq}",
-            "--train.precision=bf16", "--optim.lr=1e-4", "--memory.recompute=full",
+            "--data.pack=false", "--train.precision=bf16", "--optim.lr=1e-4", "--memory.recompute=full",
             "--memory.activation_offload=streamed", *(["--train.fp8=rowwise"] if fp8 else [])]
 
 
 def host_peak_gib() -> float:
-    found = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    found = re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())
     return int(found.group(1)) / 2**20 if found else float("nan")
+
+
+class HostPeak:
+    """Peak resident host memory while the steps run (VmRSS sampled every 20 ms in a thread): what the
+    offloaded activations hold, without what building or loading the model touched before (VmHWM)."""
+
+    def __init__(self) -> None:
+        self.peak_bytes, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while True:
+            with open("/proc/self/statm") as f:
+                self.peak_bytes = max(self.peak_bytes, int(f.read().split()[1]) * page)
+            if self._stop.wait(0.02):
+                return
+
+    def __enter__(self) -> "HostPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
@@ -116,13 +142,15 @@ def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
         batch = {k: v.contiguous().pin_memory() for k, v in batch.items()}
         torch.cuda.reset_peak_memory_stats()
         times, loss = [], None
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = train_step(built.module, built.optimizer, [batch], ctx).loss
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+        with HostPeak() as host:
+            for _ in range(steps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                loss = train_step(built.module, built.optimizer, [batch], ctx).loss
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+        row["host_peak_gib"] = round(host.peak_bytes / GIB, 2)
         step_s = statistics.median(times[1:] if len(times) > 1 else times)
         row.update(status="ok", step_s_all=[round(t, 4) for t in times], step_s_median=round(step_s, 4),
                    tokens_per_s=round(seq / step_s, 1), loss=float(loss),
@@ -135,7 +163,7 @@ def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
             import traceback
 
             traceback.print_exc()
-    row["host_peak_gib"] = round(host_peak_gib(), 2)
+    row["host_hwm_gib"] = round(host_peak_gib(), 2)  # the whole process, build included
     return row
 
 

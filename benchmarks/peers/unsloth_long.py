@@ -14,8 +14,8 @@ tokenizer and one tensor; a 4-bit base must be quantised from real tensors at lo
 --layers < 32 builds the same shape with fewer blocks: long_context.py runs 2- and 3-block probes at
 lengths where a 32-block step would take minutes, and extrapolates memory and time per block.
 Output: step seconds (every step; the median skips the first, which warms up), tokens/s, peak GPU memory
-allocated and reserved (GiB), the process's peak resident host memory (VmHWM, GiB: offloaded
-activations live there), the loss.
+allocated and reserved (GiB), the peak resident host memory while the steps run (sampled; offloaded
+activations live there) and over the whole process (VmHWM, loading included), the loss.
 """
 import argparse
 import json
@@ -23,6 +23,7 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
 
 os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
@@ -38,6 +39,31 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def host_peak_gib() -> float:
     found = re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())
     return int(found.group(1)) / 2**20 if found else float("nan")
+
+
+class HostPeak:
+    """Peak resident host memory while the steps run (VmRSS sampled every 20 ms in a thread): what the
+    offloaded activations hold, without what building or loading the model touched before (VmHWM)."""
+
+    def __init__(self) -> None:
+        self.peak_bytes, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while True:
+            with open("/proc/self/statm") as f:
+                self.peak_bytes = max(self.peak_bytes, int(f.read().split()[1]) * page)
+            if self._stop.wait(0.02):
+                return
+
+    def __enter__(self) -> "HostPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def write_config(folder: str, layers: int, max_pos: int) -> None:
@@ -74,6 +100,7 @@ def write_checkpoint(folder: str, layers: int, full_weights: bool) -> None:
         tensors[f"model.layers.{i}.input_layernorm.weight"] = ones(d)
         tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = ones(d)
     save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    torch.cuda.empty_cache()  # the generator's blocks: not part of the measured reservations
 
 
 def main() -> None:
@@ -110,16 +137,18 @@ def main() -> None:
         x = torch.randint(0, SHAPE["vocab_size"], (1, a.seq), device="cuda")
         torch.cuda.reset_peak_memory_stats()
         times, loss = [], None
-        for _ in range(a.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+        with HostPeak() as host:
+            for _ in range(a.steps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+        row["host_peak_gib"] = round(host.peak_bytes / 2**30, 2)
         step_s = statistics.median(times[1:] if len(times) > 1 else times)
         row.update(status="ok", step_s_all=[round(t, 4) for t in times], step_s_median=round(step_s, 4),
                    tokens_per_s=round(a.seq / step_s, 1), loss=float(loss),
@@ -133,7 +162,7 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-    row["host_peak_gib"] = round(host_peak_gib(), 2)
+    row["host_hwm_gib"] = round(host_peak_gib(), 2)  # the whole process, loading included
     print(json.dumps(row), flush=True)
 
 
