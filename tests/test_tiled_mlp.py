@@ -217,3 +217,24 @@ def test_preflight_line_names_the_longest_and_the_switches_that_fit() -> None:
     longest = longest_context(cfg, "h200").seq_len
     assert f"the longest data.seq_len these settings fit is {longest:,}." in line
     assert line.endswith("GiB).") and "It fits with --memory.recompute=full" in line
+
+
+def test_offload_pool_carves_large_buffers_without_power_of_two_rounding() -> None:
+    """Long-context block inputs are large and not powers of two: the streamed offload's host pool cuts
+    its buffers out of shared power-of-two blocks instead of rounding each one up."""
+    from tracetrain.memory.activation_offload import PinnedBufferPool
+
+    for like in (torch.randn(9000), torch.randn(100, 90).t()):  # contiguous, and dense but transposed
+        pool = PinnedBufferPool(per_shape=31)
+        pool.CARVE_MIN_BYTES = 0  # the class's 64 MiB threshold, lowered for a test-sized tensor
+        key, first = pool.take(like)
+        taken = [first] + [pool.take(like)[1] for _ in range(30)]
+        nbytes = like.numel() * 4
+        assert pool.num_buffers == 31 and all(t.shape == like.shape and t.stride() == like.stride() for t in taken)
+        assert len({t.data_ptr() for t in taken}) == 31  # 31 distinct buffers
+        assert 31 * nbytes <= pool.num_bytes < 31 * nbytes + 6 * nbytes < 31 * 65536  # not 31 x 2**16
+        for i, t in enumerate(taken):
+            t.fill_(i)
+        assert all(bool((t == i).all()) for i, t in enumerate(taken))  # no two overlap
+        pool.give(key, taken[0])
+        assert pool.take(like)[1] is taken[0] and pool.num_buffers == 31
