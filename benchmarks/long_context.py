@@ -34,14 +34,18 @@ Every probe runs in its own process (an OOM leaves nothing behind; unsloth patch
 Budget: a call runs one `--part` (PARTS), and no probe starts after `--budget-s` (default 450 s; each
 probe's timeout is what is left, at most `--probe-timeout-s`); what did not run says "skipped: time
 budget". Expected on one H200 (estimates, not yet measured): speed (32k and 16k, four rows) about 7
-minutes, 64k about 6, longest (seeds 64k and 128k, then one length near the limit) about 8.
+minutes, 64k about 6; longest (1- and 2-block probes at 64k and 128k, then one length near the limit,
+one step each) about 4 minutes per row, so two calls of a tracetrain row and its unsloth row each
+(`--systems tracetrain,unsloth`, `--systems tracetrain:fp8,unsloth:4bit`). The one-step probes' step
+time includes its warm-up (small next to a 300k+ token step).
 `--systems` narrows a call to some rows. `--from` combines the calls' JSON files into one table and
 the docs' PNG (matplotlib; runs anywhere, no GPU).
 
   tar xzf .peers/peersite.tgz -C /tmp     # (the script does it when /tmp/peersite is missing)
   PYTHONPATH=. python3 benchmarks/long_context.py --part speed     # JSON to $OUT and benchmarks/results/
   PYTHONPATH=. python3 benchmarks/long_context.py --part 64k
-  PYTHONPATH=. python3 benchmarks/long_context.py --part longest
+  PYTHONPATH=. python3 benchmarks/long_context.py --part longest --systems tracetrain,unsloth
+  PYTHONPATH=. python3 benchmarks/long_context.py --part longest --systems tracetrain:fp8,unsloth:4bit
   python3 benchmarks/long_context.py --from benchmarks/results/long_context_NVIDIA-H200_*.json \\
       --png docs/long_context.png
 """

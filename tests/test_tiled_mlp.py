@@ -107,8 +107,14 @@ def test_real_step_with_tiled_mlp_matches_untiled() -> None:
         "document_ids": torch.zeros(2, 24, dtype=torch.long),
     }
     losses = {}
+    # As benchmarks/long_context.py runs it: full recomputation and the streamed offload of block inputs.
     for tiled in ("off", "on"):
-        spec = resolve(_cfg(f"--memory.tiled_mlp={tiled}", "--memory.tiled_mlp_tokens=7"), CPU)
+        overrides = (
+            f"--memory.tiled_mlp={tiled}",
+            "--memory.tiled_mlp_tokens=7",
+            "--memory.activation_offload=streamed",
+        )
+        spec = resolve(_cfg(*overrides), CPU)
         built = assemble(spec)
         assert ("tiled_mlp" in built.applied) == (tiled == "on")
         ctx = run_step_context(built)
