@@ -465,12 +465,14 @@ def main() -> None:
     from common import write_result
 
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    name = f"long_context_{result['env']['device'].replace(' ', '-')}_{a.part}.json"
+    systems = [x for x in a.systems.split(",") if x]
+    tag = a.part if set(systems) == set(SYSTEMS) else f"{a.part}_{'+'.join(x.replace(':', '-') for x in systems)}"
+    name = f"long_context_{result['env']['device'].replace(' ', '-')}_{tag}.json"
     path = write_result(name, result, out)
     table = render(result)
     print(table)
     if out is not None:
-        (out / f"long_context_{a.part}_table.txt").write_text(table + "\n")
+        (out / f"long_context_{tag}_table.txt").write_text(table + "\n")
     print(f"written: {path}")
 
 
