@@ -24,7 +24,9 @@ Every probe runs in its own process (an OOM leaves nothing behind; unsloth patch
    one block's input stays on the GPU at any depth). value(32) = v2 + 30 (v2 - v1) for GPU reserved
    bytes, host resident bytes and step seconds alike. A length fits when both probes train and the
    extrapolated GPU peak (+ 0.6 GiB CUDA context) and host peak are within the device's memory and 92%
-   of the host's available memory. The search probes two short seed lengths, draws a line through their
+   of the host's available memory; for tracetrain, whose probes offload every block input but the last,
+   block inputs the host cannot hold are counted on the GPU instead (seq x 4096 x 2 bytes each), as
+   `memory.activation_offload_fraction` = k / 32 keeps them there (the row records that fraction). The search probes two short seed lengths, draws a line through their
    extrapolated peaks (memory is linear in the length) to where it meets the capacity, probes there and
    bisects (`--search-probes` lengths, multiples of 4096). Tokens/s "at the longest" comes from the
    extrapolated step time (marked so). `--confirm` also runs all 32 blocks at the found length (minutes).
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -68,7 +71,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 FULL_DEPTH = 32  # Llama 3.1 8B
+DIM = 4096
 DEPTHS = (1, 2)  # blocks of the search's probes (same offload structure: one block resident)
+SEED_MARGIN = 0.95
 CONTEXT_GIB = 0.6  # CUDA context and workspaces outside torch's allocator
 SYSTEMS = {
     "tracetrain": {"kind": "ours", "fp8": False, "base": "bf16"},
@@ -238,24 +243,38 @@ def depth_fit(runner: Runner, system: str, seq: int, caps: dict) -> dict:
     gpu = extrapolate(*probes, "reserved_gib") + CONTEXT_GIB
     host = extrapolate(*probes, "host_peak_gib")
     step_s = extrapolate(*probes, "step_s_median")
+    extra = {}
+    if SYSTEMS[system]["kind"] == "ours" and host > caps["host_gib"]:
+        # memory.activation_offload_fraction keeps the last blocks' inputs on the GPU: move as many as the
+        # host cannot hold (each is one block's bf16 residual stream, seq x dim x 2 bytes).
+        block_gib = seq * DIM * 2 / GIB
+        resident = min(FULL_DEPTH - 1, math.ceil((host - caps["host_gib"]) / block_gib))
+        gpu, host = gpu + resident * block_gib, host - resident * block_gib
+        extra = {"offload_fraction": (FULL_DEPTH - 1 - resident) / FULL_DEPTH, "blocks_kept_on_gpu": 1 + resident}
     fits = gpu <= caps["gpu_gib"] and host <= caps["host_gib"]
     why = "fits" if fits else ("GPU memory" if gpu > caps["gpu_gib"] else "host memory")
     return {**out, "fits": fits, "why": why, "gpu_gib_32": round(gpu, 2), "host_gib_32": round(host, 2),
-            "step_s_32": round(step_s, 3), "tokens_per_s_32": round(seq / step_s, 1)}
+            "step_s_32": round(step_s, 3), "tokens_per_s_32": round(seq / step_s, 1), **extra}
 
 
-def seed_length(points: list[dict], caps: dict) -> int | None:
+def seed_length(points: list[dict], caps: dict, pooled: bool) -> int | None:
     """Where the line through two lengths' 32-block GPU and host peaks (memory is linear in the length)
-    meets the device's or the host's capacity; None without two answered lengths."""
+    meets the device's or the host's capacity (`pooled`: tracetrain, whose offload fraction moves block
+    inputs between the two, so their sum against the sum of the capacities); None without two lengths."""
     ok = sorted((p for p in points if p.get("fits") is not None and "gpu_gib_32" in p), key=lambda p: p["seq"])
     if len(ok) < 2:
         return None
     a, b = ok[0], ok[-1]
+    lines = [(lambda p: p["gpu_gib_32"], caps["gpu_gib"])]
+    if pooled:
+        lines.append((lambda p: p["gpu_gib_32"] + p["host_gib_32"], caps["gpu_gib"] + caps["host_gib"]))
+    else:
+        lines.append((lambda p: p["host_gib_32"], caps["host_gib"]))
     limits = []
-    for key, cap in (("gpu_gib_32", caps["gpu_gib"]), ("host_gib_32", caps["host_gib"])):
-        slope = (b[key] - a[key]) / (b["seq"] - a["seq"])
+    for value, cap in lines:
+        slope = (value(b) - value(a)) / (b["seq"] - a["seq"])
         if slope > 0:
-            limits.append(b["seq"] + (cap - b[key]) / slope)
+            limits.append(b["seq"] + (cap - value(b)) / slope)
     return int(min(limits)) if limits else None
 
 
@@ -274,8 +293,9 @@ def search_longest(runner: Runner, system: str, caps: dict) -> dict:
     seeds = [fit(int(n)) for n in runner.a.seed_lengths.split(",") if n]
     lo = max([t["seq"] for t in tried if t["fits"]], default=0)
     hi = min([t["seq"] for t in tried if t["fits"] is False], default=limit + step)
-    seed = seed_length(seeds, caps)
-    seq = min(limit, seed // step * step) if seed else None
+    seed = seed_length(seeds, caps, pooled=SYSTEMS[system]["kind"] == "ours")
+    # A little below the line's crossing: the one probe the default budget affords should land inside.
+    seq = min(limit, int(seed * SEED_MARGIN) // step * step) if seed else None
     for _ in range(runner.a.search_probes):
         if seq is None or not lo < seq < hi:
             break
@@ -306,7 +326,7 @@ def planner_longest(system: str, gpu: str, host_gib: float) -> dict | None:
     from tracetrain.plan.longest import longest_context
 
     cfg = load_config(None, our_overrides(2048, FULL_DEPTH, SYSTEMS[system]["fp8"]))
-    found = longest_context(cfg, gpu, multiple=4096, host_memory_gib=host_gib)
+    found = longest_context(cfg, gpu, multiple=4096, host_memory_gib=host_gib, fit_offload_fraction=True)
     return {"seq": found.seq_len, "limited_by": found.limited_by, "line": found.line()}
 
 

@@ -207,7 +207,11 @@ def test_plan_command_prints_the_longest_context(capsys: pytest.CaptureFixture) 
     tail = out[out.index("longest context on 1 x") :].splitlines()
     assert tail[1].startswith("  with these settings: longest data.seq_len")
     assert any("--memory.recompute=full" in line for line in tail[2:])
-    assert "runs out of host memory" in tail[-1]  # the last row offloads: the host is the limit
+    assert "runs out of host memory" in tail[-1]  # the last row offloads: the host is the limit...
+    # ...and keeps the last blocks' inputs on the GPU, so both memories hold block inputs.
+    assert "with --memory.activation_offload_fraction=0." in tail[-1]
+    fraction = float(tail[-1].split("activation_offload_fraction=")[1].split(":")[0])
+    assert 0 < round(fraction * 32) < 31
 
 
 def test_preflight_line_names_the_longest_and_the_switches_that_fit() -> None:
