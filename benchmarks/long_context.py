@@ -17,6 +17,10 @@ Every probe runs in its own process (an OOM leaves nothing behind; unsloth patch
 
 1. Timed lengths: the full 32-block model, `--steps` steps; tokens/s from the median step after the
    first (which compiles / warms up); peak allocated and reserved GiB; the host's peak resident GiB.
+   A tracetrain row runs the `MEMORY` settings the planner predicts fastest among those it fits at that
+   length with a 10% margin (no recomputation or offload; the tiled MLP alone; or the long-context
+   settings), as a user following `tracetrain plan` would (marked "*" in the table unless the long-context
+   ones; the row's `memory` says which); should that run fail, it runs again with the long-context ones.
 2. Longest: a 32-block step at 300k+ tokens takes minutes (attention is quadratic in the length), so
    the search probes the same shape with 1 and 2 blocks and extrapolates per block to 32: each block
    adds its weights and its checkpointed input (offloaded to the host by both systems), while the
@@ -85,12 +89,36 @@ SYSTEMS = {
 
 # ------------------------------------------------------------------------------- tracetrain's probe
 
-def our_overrides(seq: int, layers: int, fp8: bool) -> list[str]:
-    """The config of the tracetrain rows (module docstring)."""
+# Memory settings of the tracetrain rows: "long" is the longest-context search's; a timed length runs the
+# one the planner predicts fastest among those it fits (module docstring).
+MEMORY = {
+    "long": ("--memory.recompute=full", "--memory.activation_offload=streamed"),
+    "none": (),
+    "tiled": ("--memory.tiled_mlp=on",),
+}
+
+
+def our_overrides(seq: int, layers: int, fp8: bool, memory: str = "long") -> list[str]:
+    """The config of the tracetrain rows (module docstring), with the `MEMORY` settings named."""
     return ["--model.preset=llama3.1-8b", f"--model.n_layers={layers}", "--train.mode=lora", "--lora.rank=32",
             "--lora.alpha=32", "--lora.targets=all-linear", "--train.micro_batch_size=1", f"--data.seq_len={seq}",
-            "--data.pack=false", "--train.precision=bf16", "--optim.lr=1e-4", "--memory.recompute=full",
-            "--memory.activation_offload=streamed", *(["--train.fp8=rowwise"] if fp8 else [])]
+            "--data.pack=false", "--train.precision=bf16", "--optim.lr=1e-4", *MEMORY[memory],
+            *(["--train.fp8=rowwise"] if fp8 else [])]
+
+
+def fastest_memory(system: str, seq: int, gpu: str, caps: dict) -> str:
+    """The `MEMORY` settings the planner predicts fastest among those it fits at `seq` with a 10% margin
+    ("long" when none does)."""
+    from tracetrain.config import load_config
+    from tracetrain.plan import plan, plan_input_from_config
+
+    best, best_tok_s = "long", 0.0
+    for name in MEMORY:
+        cfg = load_config(None, our_overrides(seq, FULL_DEPTH, SYSTEMS[system]["fp8"], name))
+        p = plan(plan_input_from_config(cfg, 1, gpu))
+        if p.memory.required_bytes <= 0.9 * caps["gpu_gib"] * GIB and p.tokens_per_s > best_tok_s:
+            best, best_tok_s = name, p.tokens_per_s
+    return best
 
 
 def host_peak_gib() -> float:
@@ -124,7 +152,10 @@ class HostPeak:
 
 
 def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
-    """One row of ours: assemble the run as `tracetrain train` does and time its real step."""
+    """One row of ours: assemble the run as `tracetrain train` does and time its real step. `system`
+    "@<name>" runs the `MEMORY` settings of that name (default "long")."""
+    system, _, memory = system.partition("@")
+    memory = memory or "long"
     import dataclasses
 
     import torch
@@ -135,9 +166,9 @@ def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
     from tracetrain.train.oom import configure_allocator
     from tracetrain.train.step import train_step
 
-    row = {"system": system, "seq": seq, "layers": layers}
+    row = {"system": system, "seq": seq, "layers": layers, "memory": memory, "overrides": list(MEMORY[memory])}
     try:
-        cfg = load_config(None, our_overrides(seq, layers, SYSTEMS[system]["fp8"]))
+        cfg = load_config(None, our_overrides(seq, layers, SYSTEMS[system]["fp8"], memory))
         device = torch.device("cuda")
         configure_allocator(cfg.memory, device)  # expandable segments, as the trainer sets them
         spec = resolve(cfg, device)
@@ -202,7 +233,7 @@ class Runner:
         timeout = min(self.a.probe_timeout_s, self.left_s())
         if timeout < self.a.min_probe_s:
             return {**base, "status": "skipped: time budget"}
-        if SYSTEMS[system]["kind"] == "ours":
+        if SYSTEMS[system.partition("@")[0]]["kind"] == "ours":
             cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", system, str(seq), str(layers), str(steps)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         else:
@@ -358,6 +389,12 @@ def run(a: argparse.Namespace) -> dict:
             if any(r.get("status") == "OOM" for r in earlier):
                 rows[s]["timed"].append({"system": s, "seq": seq, "status": "skipped: a shorter length ran out"})
                 continue
+            memory = fastest_memory(s, seq, gpu, caps) if SYSTEMS[s]["kind"] == "ours" else "long"
+            if memory != "long":
+                row = runner.probe(f"{s}@{memory}", seq, FULL_DEPTH, a.steps)  # the fastest settings that fit
+                if row.get("status") == "ok":
+                    rows[s]["timed"].append({**row, "system": s})
+                    continue
             rows[s]["timed"].append(runner.probe(s, seq, FULL_DEPTH, a.steps))
     for s in systems:
         rows[s]["timed"].sort(key=lambda r: r["seq"])
@@ -380,7 +417,8 @@ def render(result: dict) -> str:
         for n in (16384, 32768, 65536):
             t = next((x for x in r["timed"] if x["seq"] == n), None)
             ok = t is not None and t.get("status") == "ok"
-            cells.append(f"{t['tokens_per_s'] if ok else (t or {}).get('status', '-')[:11]:>11} "
+            mark = "*" if ok and t.get("memory", "long") != "long" else ""
+            cells.append(f"{str(t['tokens_per_s']) + mark if ok else (t or {}).get('status', '-')[:11]:>11} "
                          f"{t['reserved_gib'] if ok else '':>6}")
         sr = r.get("search", {})
         at = sr.get("at_longest") or {}
@@ -388,7 +426,8 @@ def render(result: dict) -> str:
         lines.append(f"{s:<16} {r['base']:<20} " + " ".join(cells)
                      + f" {sr.get('longest') or '-':>9} {at.get('tokens_per_s_32', '-'):>12} {planner:>9}  "
                      + f"{sr.get('how', '')}; first failing {sr.get('first_failing')}")
-    lines.append(f"tok/s at the longest: extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-block probes; GiB: peak reserved, full depth")
+    lines.append(f"tok/s at the longest: extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-block probes; GiB: peak reserved, full depth; "
+                 "* tracetrain with the memory settings the planner predicts fastest (the row's `memory`)")
     return "\n".join(lines)
 
 
