@@ -154,8 +154,6 @@ class HostPeak:
 def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
     """One row of ours: assemble the run as `tracetrain train` does and time its real step. `system`
     "@<name>" runs the `MEMORY` settings of that name (default "long")."""
-    system, _, memory = system.partition("@")
-    memory = memory or "long"
     import dataclasses
 
     import torch
@@ -166,6 +164,8 @@ def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
     from tracetrain.train.oom import configure_allocator
     from tracetrain.train.step import train_step
 
+    system, _, memory = system.partition("@")
+    memory = memory or "long"
     row = {"system": system, "seq": seq, "layers": layers, "memory": memory, "overrides": list(MEMORY[memory])}
     try:
         cfg = load_config(None, our_overrides(seq, layers, SYSTEMS[system]["fp8"], memory))
