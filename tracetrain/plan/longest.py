@@ -161,12 +161,17 @@ def fitting_remedy(
     hardware: dict[str, object] | None = None,
 ) -> tuple[tuple[str, ...], Plan] | None:
     """The first `LONG_CONTEXT_REMEDIES` row under which `seq_len` fits, with its plan; None if none does.
-    Rows whose switches the config already has are skipped (they would change nothing)."""
+    Rows whose switches the config already has are skipped (they would change nothing); the offload row
+    may come with the `memory.activation_offload_fraction` that fits (`_with_offload_fraction`)."""
     for row in LONG_CONTEXT_REMEDIES:
         changed = tuple(o for o in row if not _already(cfg, o))
         if not changed:
             continue
         p = plan_at(cfg, seq_len, gpu, num_gpus, row, host_memory_gib, hardware)
+        if not p.fits and p.input.activation_offload == "streamed":
+            p = _with_offload_fraction(cfg, seq_len, gpu, num_gpus, row, host_memory_gib, hardware) or p
+            if p.fits:
+                changed += (f"--memory.activation_offload_fraction={p.input.activation_offload_fraction:.4g}",)
         if p.fits:
             return changed, p
     return None

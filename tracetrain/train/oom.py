@@ -86,14 +86,14 @@ def preflight_line(cfg: Config, gpu: str, need_gib: float, have_gib: float, worl
     general remedies (`suggestions`)."""
     from tracetrain.plan.longest import fitting_remedy, longest_context
 
-    seq, mbs = cfg.data.seq_len, cfg.train.micro_batch_size
+    seq, mbs, host = cfg.data.seq_len, cfg.train.micro_batch_size, _host_available_gib()
     line = (
         f"data.seq_len = {seq:,} x micro-batch {mbs} will likely not fit: the planner predicts {need_gib:.1f} GiB "
         f"per GPU, {gpu} has {have_gib:.1f} GiB"
     )
-    longest = longest_context(cfg, gpu, world_size).seq_len
+    longest = longest_context(cfg, gpu, world_size, host_memory_gib=host).seq_len
     line += f"; the longest data.seq_len these settings fit is {longest:,}." if longest else "."
-    remedy = fitting_remedy(cfg, seq, gpu, world_size)
+    remedy = fitting_remedy(cfg, seq, gpu, world_size, host_memory_gib=host)
     if remedy is None:
         return f"{line} {suggestions(cfg, gpu, world_size)}"
     switches, p = remedy
@@ -120,6 +120,15 @@ def suggestions(cfg: Config, gpu: str, world_size: int = 1) -> str:
     return (
         "Would fit: " + "; ".join(found[:3]) + f"; or lower train.micro_batch_size (now {cfg.train.micro_batch_size})."
     )
+
+
+def _host_available_gib() -> float | None:
+    """This machine's available host memory (what offloaded activations may take), None if unknown."""
+    try:
+        found = re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text())
+    except OSError:
+        return None
+    return int(found.group(1)) / 2**20 if found else None
 
 
 def is_out_of_memory(error: BaseException) -> bool:
