@@ -172,7 +172,7 @@ def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
         device = torch.device("cuda")
         configure_allocator(cfg.memory, device)  # expandable segments, as the trainer sets them
         spec = resolve(cfg, device)
-        row.update(compile=spec.compile, tiled_mlp_tokens=spec.tiled_mlp_tokens, decisions=dict(spec.decisions))
+        row.update(compile=spec.compile, tiled_mlp_tokens=spec.tiled_mlp_tokens, decisions={d.key: f"{d.value} ({d.reason})" for d in spec.decisions})
         built = assemble(spec)
         ctx = dataclasses.replace(run_step_context(built), use_document_mask=False)  # one document per row
         g = torch.Generator().manual_seed(0)

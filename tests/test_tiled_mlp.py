@@ -130,8 +130,9 @@ def test_auto_rule_and_compile_tie() -> None:
     seq = AUTO_MIN_TOKENS // 2
     long = resolve(_cfg(f"--data.seq_len={seq}"), cuda, probe=False)
     assert long.tiled_mlp_tokens == 8192 and not long.compile and long.fused_kernels
-    assert dict(long.decisions)["memory.tiled_mlp"].startswith("on: 65,536 tokens")
-    assert dict(long.decisions)["train.compile"] == "off: tiled norm + MLP runs eagerly"
+    got = {d.key: d for d in long.decisions}
+    assert got["memory.tiled_mlp"].value == "on" and got["memory.tiled_mlp"].reason.startswith("65,536 tokens")
+    assert (got["train.compile"].value, got["train.compile"].reason) == ("off", "tiled norm + MLP runs eagerly")
     forced = resolve(_cfg(f"--data.seq_len={seq}", "--train.compile=on"), cuda, probe=False)
     assert forced.tiled_mlp_tokens == 0 and forced.compile  # auto tiling yields to an explicit compile
     with pytest.raises(ConfigError, match=r"memory\.tiled_mlp"):
