@@ -7,8 +7,13 @@ four methods: `gpu` (in-GPU `StaticKVCache`, eager decode), `gpu+graph` (the dec
 CUDA graph, fixed shapes), `offload` (`OffloadedKVCache`, K/V in pinned host memory) and `hf`.
 
 - Prefill: the whole prompt (random ids of one length: no padding, so the peer does the same work),
-  in chunks of 2048 (tracetrain's default), timed once: batch x prompt / seconds. transformers: one
-  `generate(max_new_tokens=1)` call (its prefill plus one step).
+  as `generate_batch` does it by default (`prefill_chunk_tokens`: one forward over the whole prompt when
+  its activations fit in half of the free memory, else chunks; 2048-token chunks for the offloaded
+  cache), timed once: batch x prompt / seconds. transformers: one `generate(max_new_tokens=1)` call (its
+  prefill plus one step).
+- Prefill at the longest prompt transformers holds (#32), per model and batch: doubling from the
+  longest case it ran, then bisection to 1/8 (at most 128k tokens and 6 probes), then tracetrain's
+  prefill of the same length; `--no-hf-longest` skips it.
 - Decode: a fixed number of steps after warm-up steps (the first includes graph capture), timed in
   several repeats; decode tokens/s = batch x steps / seconds, median of the repeats (all repeats are in
   the JSON). tracetrain's steps are driven directly (model + cache, greedy), without `generate_batch`'s
@@ -56,7 +61,8 @@ from common import environment, write_result  # noqa: E402
 
 from tracetrain.models.accounting import kv_cache_bytes  # noqa: E402
 from tracetrain.models.attention import cached_attention, sdpa_attention  # noqa: E402
-from tracetrain.models.generate import GraphedDecodeStep, forward_last, make_cache  # noqa: E402
+from tracetrain.models.generate import (GraphedDecodeStep, forward_last, make_cache,  # noqa: E402
+                                        prefill_chunk_tokens)
 from tracetrain.models.kv_cache import OffloadedKVCache, causal_valid_mask  # noqa: E402
 from tracetrain.models.llama import ModelArgs, Transformer, rope_inv_freq  # noqa: E402
 from tracetrain.models.presets import get_preset  # noqa: E402
@@ -73,11 +79,13 @@ def setup(smoke: bool) -> dict:
         return dict(device=torch.device("cpu"), dtype=torch.float32, models={"tiny": get_preset("tiny")},
                     batches=(1, 4), contexts=(64, 256), chunk=32, gpu="h100-sxm", refetch_limit=1e6,
                     decode={"gpu": (1, 4, 3), "offload": (1, 2, 3), "hf": (0, 4, 3)}, search=(64, 2048, 6),
+                    hf_cap=1024,
                     attention=dict(heads=4, kv_heads=2, head_dim=32, keys=512, batches=(1, 4), chunk=32))
     return dict(device=torch.device("cuda"), dtype=torch.bfloat16,
                 models={n: get_preset(n) for n in ("llama2-7b", "llama3-8b")}, batches=(1, 16),
                 contexts=(4096, 32768), chunk=2048, gpu=torch.cuda.get_device_name(0), refetch_limit=200e9,
                 decode={"gpu": (2, 16, 3), "offload": (1, 2, 3), "hf": (0, 16, 3)}, search=(4096, 1 << 21, 6),
+                hf_cap=1 << 17,
                 attention=dict(heads=32, kv_heads=8, head_dim=128, keys=32768, batches=(1, 16), chunk=2048))
 
 
@@ -221,10 +229,12 @@ def prefill(model: Transformer, cache, batch: int, prompt: int, s: dict) -> tupl
         return torch.zeros(batch, model.args.vocab_size, device=dev), None
     tokens = torch.randint(0, model.args.vocab_size, (batch, prompt), device=dev)
     positions = torch.arange(prompt, device=dev).expand(batch, prompt)
+    # The library's rule (generate_batch's default): the whole prompt when it fits, else chunks.
+    chunk = prefill_chunk_tokens(model, batch, prompt, cache, s["dtype"], None)
     start = sync(dev)
     with torch.no_grad(), autocast(s):
-        for a in range(0, prompt, s["chunk"]):
-            logits = forward_last(model, tokens[:, a:a + s["chunk"]], positions[:, a:a + s["chunk"]], cache)
+        for a in range(0, prompt, chunk):
+            logits = forward_last(model, tokens[:, a:a + chunk], positions[:, a:a + chunk], cache)
     return logits, sync(dev) - start
 
 
@@ -403,6 +413,79 @@ def longest_context(model: Transformer, args: ModelArgs, offload: bool, s: dict,
             "probes": probes, "tried": tried, "stopped": stop}
 
 
+def hf_prefill(hf, batch: int, context: int, s: dict) -> dict:
+    """transformers' prefill of a (batch, context - 1) prompt: one `generate(max_new_tokens=1)`."""
+    dev = s["device"]
+    try:
+        ids = torch.randint(0, hf.config.vocab_size, (batch, context - 1), device=dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = sync(dev)
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=1, attention_mask=torch.ones_like(ids), do_sample=False,
+                        eos_token_id=None, pad_token_id=0)
+        row = {"status": "ok", "prefill_tok_s": round(batch * (context - 1) / (sync(dev) - start), 1)}
+        if dev.type == "cuda":
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        return row
+    except Exception as e:  # noqa: BLE001 - running out is the answer the search looks for
+        return {"status": failure(e)}
+    finally:
+        ids = None
+        free_memory()
+
+
+def ours_prefill(model: Transformer, batch: int, context: int, s: dict) -> dict:
+    """tracetrain's prefill of the same prompt into an in-GPU cache (generate_batch's chunk rule)."""
+    try:
+        cache = make_cache(model, batch, context, s["dtype"], False, 0)
+        cache.set_prompt_mask(torch.ones(batch, context - 1, dtype=torch.bool, device=s["device"]))
+        if s["device"].type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        _, seconds = prefill(model, cache, batch, context - 1, s)
+        row = {"status": "ok", "prefill_tok_s": round(batch * (context - 1) / seconds, 1),
+               "prefill_chunk": prefill_chunk_tokens(model, batch, context - 1, cache, s["dtype"], None)}
+        if s["device"].type == "cuda":
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        return row
+    except Exception as e:  # noqa: BLE001
+        return {"status": failure(e)}
+    finally:
+        cache = None
+        free_memory()
+
+
+def hf_longest(ours: Transformer, hf, name: str, batch: int, known: int, s: dict, deadline: float) -> dict:
+    """The longest prompt transformers prefills at `batch`: doubling from the longest case it ran (`known`),
+    then bisection to 1/8 of the length (multiples of 1024), at most `hf_cap` tokens and 6 probes; then
+    tracetrain's prefill of that length, same call. A length the planner says cannot hold the cache is
+    a failure without a probe."""
+    lo, hi, probes, best = known, None, [], None
+    n = 2 * known if known else 2048
+    while n <= s["hf_cap"] and len(probes) < 6 and time.perf_counter() < deadline:
+        reason = does_not_fit(ours.args, False, batch, n, s)
+        r = {"status": f"does not fit (predicted): {reason}"} if reason else hf_prefill(hf, batch, n, s)
+        probes.append({"context": n, **r})
+        print(json.dumps({"hf_longest": name, "batch": batch, **probes[-1]}), flush=True)
+        if r["status"] == "ok":
+            lo, best = n, r
+        else:
+            hi = n
+        if hi is None:
+            n *= 2
+        elif hi - lo <= max(1024, lo // 8):
+            break
+        else:
+            n = (lo + hi) // 2 // 1024 * 1024
+    row = {"model": name, "batch": batch, "context": lo, "hf_first_failing": hi, "hf_capped": hi is None,
+           "hf": best, "hf_probes": probes}
+    if lo and time.perf_counter() < deadline:
+        row["ours"] = ours_prefill(ours, batch, lo, s)
+        if best and row["ours"].get("status") == "ok":
+            row["prefill_ratio"] = round(row["ours"]["prefill_tok_s"] / best["prefill_tok_s"], 3)
+    return row
+
+
 def render(kernels: list[dict], rows: list[dict], search: list[dict]) -> str:
     lines = ["attention kernels (cached attention, GQA shapes):",
              f"  {'phase':<14} {'batch':>5} {'keys':>6} {'path':<34} {'ms':>9}  without math backend"]
@@ -424,6 +507,18 @@ def render(kernels: list[dict], rows: list[dict], search: list[dict]) -> str:
         lines.append(f"  {r['model']:<10} {'offload' if r['offload'] else 'in-GPU':<8} {r['longest_context']}"
                      f"  (planner's limit {r['planner_limit']}; {r['probes']} probes{known}; "
                      f"stopped: {r['stopped']})")
+    return "\n".join(lines)
+
+
+def render_hf_longest(rows: list[dict]) -> str:
+    lines = ["", "prefill at the longest prompt transformers holds (doubling, then bisection; capped):",
+             f"  {'model':<10} {'batch':>5} {'context':>8} {'HF tok/s':>10} {'ours tok/s':>10} {'ratio':>6}  "
+             "HF first failing"]
+    for r in rows:
+        hf, ours = r.get("hf") or {}, r.get("ours") or {}
+        failing = r["hf_first_failing"] or f"none up to the cap {r['hf_probes'][-1]['context'] if r['hf_probes'] else ''}"
+        lines.append(f"  {r['model']:<10} {r['batch']:>5} {r['context']:>8} {hf.get('prefill_tok_s', '-'):>10} "
+                     f"{ours.get('prefill_tok_s', ours.get('status', '-')):>10} {r.get('prefill_ratio', '-'):>6}  {failing}")
     return "\n".join(lines)
 
 
@@ -449,6 +544,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=390.0, help="start no case or probe after this many seconds")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     ap.add_argument("--no-search", action="store_true", help="skip the longest-context search")
+    ap.add_argument("--no-hf-longest", action="store_true", help="skip the prefill at the longest prompt HF holds")
     a = ap.parse_args()
     s = setup(a.smoke)
     methods = [m for m in a.methods.split(",") if m]
@@ -457,7 +553,7 @@ def main() -> None:
     deadline = time.perf_counter() + a.budget_s
     results = {"budget_s": a.budget_s, "dtype": str(s["dtype"]), "prefill_chunk": s["chunk"],
                "decode_steps": s["decode"], "attention_kernels": attention_kernels(s), "cases": [],
-               "longest_context": [], "ours_vs_hf_logits": []}
+               "longest_context": [], "ours_vs_hf_logits": [], "hf_longest": []}
     rows, search = results["cases"], results["longest_context"]
     print(json.dumps(results["attention_kernels"]), flush=True)
     save(results, a.smoke)
@@ -482,6 +578,12 @@ def main() -> None:
                     rows.append(run_case(ours, hf, name, args, method, batch, context, s))
                     print(json.dumps(rows[-1]), flush=True)
                     save(results, a.smoke)
+        if hf is not None and "hf" in methods and not a.no_hf_longest:
+            for batch in s["batches"]:
+                known = max([r["context"] for r in rows if r["model"] == name and r["batch"] == batch
+                             and r["method"] == "hf" and r.get("status") == "ok"], default=0)
+                results["hf_longest"].append(hf_longest(ours, hf, name, batch, known, s, deadline))
+                save(results, a.smoke)
         if not a.no_search:
             del hf
             free_memory()
@@ -494,7 +596,7 @@ def main() -> None:
             save(results, a.smoke)
         del ours
         free_memory()
-    table = render(results["attention_kernels"], rows, search)
+    table = render(results["attention_kernels"], rows, search) + render_hf_longest(results["hf_longest"])
     print(table)
     path = save(results, a.smoke, table)
     if path is not None:

@@ -213,6 +213,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     )
     pl.add_argument("--search", action="store_true", help="enumerate layouts and settings, rank those that fit")
     pl.add_argument("--top", type=int, default=10, help="rows to show with --search")
+    pl.add_argument(
+        "--longest-context",
+        action="store_true",
+        help="also the longest data.seq_len that fits, with these settings and with the long-context switches",
+    )
     pl.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
     pl.add_argument("--host-memory-gib", type=float, help="CPU memory per node (for offload)")
     pl.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")

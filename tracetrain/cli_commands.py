@@ -403,6 +403,12 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
     if a.search:
         assert isinstance(result, list)  # search() returns the ranked plans
         print("overrides for the top row: " + " ".join(plan_to_config_overrides(result[0])))
+    if a.longest_context:
+        from tracetrain.plan.longest import longest_context_report
+
+        print(f"longest context on {a.gpus} x {inp.gpu} (micro-batch {cfg.train.micro_batch_size}):")
+        for line in longest_context_report(cfg, inp.gpu, a.gpus, hardware=changes):
+            print("  " + line)
     return 0
 
 

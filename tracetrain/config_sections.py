@@ -193,6 +193,11 @@ class TrainSection:
     )
     fused_ce: bool = fld(True, "Chunked fused lm_head + cross-entropy: full-vocabulary fp32 logits never exist.")
     fused_ce_chunk: int = fld(4096, "Tokens per chunk of the fused lm_head + cross-entropy.", gt=0)
+    fused_ce_adaptive: bool = fld(
+        True,
+        "Shrink the fused cross-entropy chunk below fused_ce_chunk when free GPU memory cannot hold its "
+        "logits (long contexts near the memory limit); never grows it.",
+    )
     fp8: Literal["none", "tensorwise", "rowwise"] = fld(
         "none",
         "FP8 GEMMs in the blocks (GPU with compute capability >= 8.9): 'tensorwise' or 'rowwise' "
@@ -309,6 +314,12 @@ class MemorySection:
         gt=0,
         le=1,
     )
+    tiled_mlp: Literal["auto", "on", "off"] = fld(
+        "auto",
+        "Run each block's norm + MLP over sequence tiles, each recomputed in backward: one tile's "
+        "intermediates exist at a time ('auto' = on from 65,536 tokens per micro-batch).",
+    )
+    tiled_mlp_tokens: int = fld(8192, "Tokens per tile of the tiled norm + MLP.", gt=0)
     optimizer_offload: bool = fld(False, "Keep fp32 master weights and AdamW moments in CPU memory (ZeRO-Offload).")
     offload_threads: int = fld(0, "CPU threads for the offloaded optimizer step (0 = all cores).", ge=0)
     unified_memory: Literal["none", "optimizer", "model"] = fld(

@@ -53,3 +53,13 @@ def peak_flops(device_name: str, precision: str, override_tflops: float = 0.0) -
     return {"bf16": spec.bf16_tflops, "fp16": spec.bf16_tflops, "fp8": spec.fp8_tflops, "fp32": spec.fp32_tflops}[
         precision
     ] * 1e12
+
+
+def free_device_bytes(device: object) -> int:
+    """Bytes a new allocation can get on a CUDA device now: free in the driver plus what torch's caching
+    allocator holds unused. No device sync. (The fused cross-entropy's adaptive chunk and generation's
+    prefill chunk size themselves by it.)"""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)  # type: ignore[arg-type]  # a torch.device or an index
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # type: ignore[arg-type]  # as above

@@ -1,8 +1,8 @@
 """`resolve(cfg, device, world_size) -> RunSpec`: every `auto` of a run decided once, with its reason.
 
 The config says what the user asked for ('auto' included); the spec says what will run: precision,
-dtypes, attention backend, compile, fused kernels, fused cross-entropy, FSDP compute dtype, fused
-AdamW. It is frozen and is the single input of `assemble` (the model, its transforms and the optimizer),
+dtypes, attention backend, compile, fused kernels, fused cross-entropy (and its adaptive chunk), the
+tiled norm + MLP, FSDP compute dtype, fused AdamW. It is frozen and is the single input of `assemble` (the model, its transforms and the optimizer),
 of the training step's `StepContext`, of inference (`tracetrain.inference.load_trained`), of the planner
 (`tracetrain.plan.inputs`) and of the benchmarks, which change a spec with `dataclasses.replace`
 instead of patching library functions. A rule written here is never restated elsewhere.
@@ -61,6 +61,8 @@ class RunSpec:
     fp8: Literal["none", "tensorwise", "rowwise"]
     fp8_fused_mlp: bool  # the opt-in fused FP8 feed-forward (benchmarks); config: always False
     fused_ce_chunk: int  # > 0: chunked fused lm_head + cross-entropy, tokens per chunk
+    fused_ce_adaptive: bool  # the chunk shrinks when free GPU memory cannot hold its logits
+    tiled_mlp_tokens: int  # > 0: each block's norm + MLP over sequence tiles of this many tokens
     fsdp_param_dtype: torch.dtype | None  # FSDP compute dtype (None: the parameters' own, fp32)
     optimizer_fused: bool  # fused AdamW kernel (honours found_inf on the device)
     adapters_only: bool  # LoRA checkpoints hold only adapters (the base reloads from init_from)
@@ -201,6 +203,31 @@ def architecture_notes(args: ModelArgs, kernels_on: bool, fp8: str) -> list[tupl
     return notes
 
 
+def resolve_tiled_mlp(cfg: Config, device: torch.device, d: _Decisions) -> tuple[int, bool]:
+    """(tile tokens or 0, compile on): the tiled norm + MLP and regional compile decided together, since
+    a tiled block is not compiled whole (memory/tiled_mlp.py). 'auto' tiling yields to an explicit
+    `train.compile = "on"`; an explicit 'on' with it is a ConfigError."""
+    from tracetrain.errors import ConfigError
+    from tracetrain.memory.tiled_mlp import AUTO_MIN_TOKENS, tiled_mlp_applies
+
+    mem, t = cfg.memory, cfg.train
+    tokens = t.micro_batch_size * cfg.data.seq_len
+    tiled = tiled_mlp_applies(mem.tiled_mlp, tokens) and not (mem.tiled_mlp == "auto" and t.compile == "on")
+    if tiled and t.compile == "on":
+        raise ConfigError(
+            "config keys 'memory.tiled_mlp' = 'on' and 'train.compile' = 'on': a tiled block is not compiled "
+            "whole; set train.compile to 'auto' or 'off', or memory.tiled_mlp to 'auto' or 'off'"
+        )
+    why = f"{tokens:,} tokens per micro-batch" + (" >= " if tiled else " < ") + f"{AUTO_MIN_TOKENS:,}"
+    if t.compile == "on" and tiled_mlp_applies("auto", tokens):
+        why = "train.compile = 'on' asks for whole compiled blocks"
+    d.add("memory.tiled_mlp", mem.tiled_mlp, "on" if tiled else "off", why)
+    compile_on = resolve_switch(t.compile, device) and not tiled
+    why = "tiled norm + MLP runs eagerly" if tiled else ("CUDA" if compile_on else "not CUDA")
+    d.add("train.compile", t.compile, "on" if compile_on else "off", why)
+    return (mem.tiled_mlp_tokens if tiled else 0), compile_on
+
+
 def resolve(
     cfg: Config, device: torch.device, world_size: int = 1, model_args: ModelArgs | None = None, *, probe: bool = True
 ) -> RunSpec:
@@ -243,9 +270,8 @@ def resolve(
         d.add("train.attention", t.attention, attention, f"the model's sliding window ({window}) needs a dense mask")
     else:
         d.add("train.attention", t.attention, attention, _attention_reason(cfg, device, attention, packed))
-    compile_on = resolve_switch(t.compile, device)
+    tiled_tokens, compile_on = resolve_tiled_mlp(cfg, device, d)
     kernels_on = resolve_switch(t.fused_kernels, device, unless=compile_on)
-    d.add("train.compile", t.compile, "on" if compile_on else "off", "CUDA" if compile_on else "not CUDA")
     d.add(
         "train.fused_kernels",
         t.fused_kernels,
@@ -302,6 +328,8 @@ def resolve(
         fp8=t.fp8,
         fp8_fused_mlp=False,
         fused_ce_chunk=ce_chunk,
+        fused_ce_adaptive=t.fused_ce_adaptive,
+        tiled_mlp_tokens=tiled_tokens,
         fsdp_param_dtype=fsdp_dtype,
         optimizer_fused=optimizer_fused,
         adapters_only=adapters_only,

@@ -88,7 +88,7 @@ class _CompiledAttentionBlock(_CompiledBlock):
         if cache is not None:
             return super().forward(x, cos, sin, mask, cache)  # eager, as _CompiledBlock does
         x = self._compiled_forward(x, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        return x + self.ffn(x)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
 
     def _block_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
         return x + self.self_attn(self.input_layernorm(x), cos, sin, mask, None)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs

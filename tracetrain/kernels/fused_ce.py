@@ -19,6 +19,12 @@ A frozen lm_head (LoRA) skips the weight gradient GEMM entirely.
 
 Peak extra memory: one (chunk, vocab) bf16 buffer (chunk 4096 x 128,256 = 1 GiB) plus, when trained,
 the float32 weight gradient (it is the parameter's gradient anyway).
+
+Adaptive chunk (`adaptive=True`, config `train.fused_ce_adaptive`): at the longest contexts the step
+runs a few hundred MiB from the limit, where that 1 GiB buffer decides between fitting and not. Each
+call then reads free device memory (the driver's free bytes plus what the caching allocator holds
+unused: no sync) and shrinks the chunk so that its logits take at most half of it
+(`adaptive_chunk_tokens`); it never grows past `chunk_tokens`, so a run with memory to spare is unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import functools
 import torch
 from torch import nn
 
+from tracetrain.devices import free_device_bytes
 from tracetrain.kernels import triton_available
 from tracetrain.labels import IGNORE_INDEX
 
@@ -104,6 +111,17 @@ def _accumulate_weight_grad(
     return part.to(acc_dtype) if acc is None else acc.add_(part)
 
 
+CHUNK_MULTIPLE = 256  # an adaptive chunk is a multiple of this (GEMM-friendly), and at least this
+
+
+def adaptive_chunk_tokens(free_bytes: int, vocab: int, max_chunk: int, bytes_per_logit: int = 2) -> int:
+    """The chunk whose (chunk, vocab) logits take at most half of `free_bytes`, rounded down to a multiple
+    of CHUNK_MULTIPLE, between CHUNK_MULTIPLE and `max_chunk` (half: the row statistics, the chunk's
+    slice of d hidden and the allocator's rounding need the rest)."""
+    fit = free_bytes // 2 // max(1, vocab * bytes_per_logit)
+    return max(CHUNK_MULTIPLE, min(max_chunk, fit // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -139,25 +157,31 @@ def fused_linear_cross_entropy(
     labels: torch.Tensor,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ignore_index: int = IGNORE_INDEX,
+    adaptive: bool = False,
 ) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight^T, labels), ignoring `ignore_index`.
 
     hidden (tokens, dim), weight (vocab, dim), labels (tokens,) -> () float32. The matmuls run in the
-    autocast dtype when autocast is on (as `lm_head` would), else in hidden's dtype.
+    autocast dtype when autocast is on (as `lm_head` would), else in hidden's dtype. `adaptive` (CUDA):
+    at most `chunk_tokens` per chunk, fewer when free memory is short (module docstring).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    if adaptive and hidden.is_cuda:
+        elem = torch.empty((), dtype=compute_dtype).element_size()
+        chunk_tokens = adaptive_chunk_tokens(free_device_bytes(hidden.device), weight.shape[0], chunk_tokens, elem)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype)
     with torch.autocast(device_type, enabled=False):
         return _chunked(hidden, weight, labels, chunk_tokens, ignore_index, compute_dtype, False, False)[0]
 
 
-def apply_fused_ce(model: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+def apply_fused_ce(model: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, adaptive: bool = False) -> None:
     """Give `model` (a Transformer) the fused lm_head + cross-entropy: its forward with `labels` then
-    returns the summed loss, `chunk_tokens` rows of logits at a time. Parameters are untouched."""
+    returns the summed loss, `chunk_tokens` rows of logits at a time (`adaptive`: fewer when free GPU
+    memory is short). Parameters are untouched."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
-    model.fused_loss = functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk_tokens)  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+    model.fused_loss = functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk_tokens, adaptive=adaptive)  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs

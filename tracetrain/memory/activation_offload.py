@@ -130,12 +130,19 @@ class PinnedBufferPool:
 
     It grows to the largest set of offloaded tensors alive at once (one micro-batch's offloaded
     activations) and keeps that memory, pinned, until `clear()`: cudaHostAlloc is slow (it maps pages
-    for the GPU), so it is paid in the first step only. `num_bytes` is the pool's total host memory as
-    requested; torch's pinned allocator rounds each buffer up to a power of two, so the locked memory
-    can be up to 2x that (Llama activation shapes are mostly powers of two already).
+    for the GPU), so it is paid in the first step only. `num_bytes` is the pool's total host memory.
+
+    torch's pinned allocator rounds every allocation up to a power of two: a long context's block input
+    (300k tokens x 4096 x 2 bytes = 2.3 GiB) would lock 4 GiB. So a buffer of at least
+    `CARVE_MIN_BYTES` is not allocated alone: on a miss, `per_shape` buffers of its key (the offloaded
+    blocks: each saves its tensors once per shape) are carved out of power-of-two blocks
+    (`kv_cache.carve_blocks`: less than one buffer of waste per block) and the rest wait in the pool.
     """
 
-    def __init__(self) -> None:
+    CARVE_MIN_BYTES = 64 << 20
+
+    def __init__(self, per_shape: int = 1) -> None:
+        self.per_shape = max(1, per_shape)
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._lock = threading.Lock()  # buffers come back from the autograd engine's thread
         self.num_buffers = 0
@@ -154,14 +161,32 @@ class PinnedBufferPool:
             if self._free[key]:
                 return key, self._free[key].pop()
         shape, stride, dtype, pinned = key
-        if stride is None:
-            buf = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        nbytes = like.numel() * like.element_size()
+        if nbytes >= self.CARVE_MIN_BYTES and self.per_shape > 1:
+            bufs = self._carve(key, like.numel())
+        elif stride is None:
+            bufs = [torch.empty(shape, dtype=dtype, pin_memory=pinned)]
         else:
-            buf = torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pinned)
-        self.num_buffers += 1
-        self.num_bytes += buf.untyped_storage().nbytes()
-        self.storage_ptrs.add(_storage_ptr(buf))
-        return key, buf
+            bufs = [torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pinned)]
+        self.num_buffers += len(bufs)
+        for buf in bufs:
+            if _storage_ptr(buf) not in self.storage_ptrs:
+                self.num_bytes += buf.untyped_storage().nbytes()
+                self.storage_ptrs.add(_storage_ptr(buf))
+        with self._lock:
+            self._free[key].extend(bufs[1:])
+        return key, bufs[0]
+
+    def _carve(self, key: tuple, numel: int) -> list[torch.Tensor]:
+        """`per_shape` buffers of `key` cut from power-of-two blocks (class docstring)."""
+        from tracetrain.models.kv_cache import carve_blocks
+
+        shape, stride, dtype, pinned = key
+        flat = carve_blocks(
+            self.per_shape, (numel,), dtype, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        )
+        # A dense strided layout covers exactly numel elements: the flat view takes its strides.
+        return [f.view(shape) if stride is None else f.as_strided(shape, stride) for f in flat]
 
     def give(self, key: tuple, buf: torch.Tensor) -> None:
         with self._lock:
@@ -279,7 +304,7 @@ class StreamedOffload(ActivationOffload):
         # Default: the longest lag that frees every offloaded block before the forward ends (module doc).
         self.release_lag = max(1, self.num_blocks - self.num_offloaded if release_lag is None else release_lag)
         self._in_flight: list[_InFlight] = []
-        self.pool = PinnedBufferPool()
+        self.pool = PinnedBufferPool(per_shape=self.num_offloaded)
         self.stats = OffloadStats()
         self._streams: _Streams | None = None
         self._active = False

@@ -145,7 +145,11 @@ class GemmaBlock(TransformerBlock):
         cache: KVCacheLayer | None = None,
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.ffn(x)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma's feed-forward half: norm, MLP, norm (token by token, so the tiled MLP can tile it)."""
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 def gemma_rope_buffers(args: ModelArgs) -> dict[str, torch.Tensor]:

@@ -53,8 +53,9 @@ def cached_attention(
     So the cache says what the attention needs and this picks the kernel:
 
     - a `CausalBias` (no row is padded, the keys are exactly the written positions): lower-right causal.
-      s == 1 needs no mask at all (flash's decode path, split over the keys); s > 1 goes through
-      `CausalBias`, which runs flash with bottom-right causal alignment (GQA native).
+      s == 1 needs no mask at all (flash's decode path, split over the keys); a prompt from the start
+      (s == keys) is plain `is_causal`; other s > 1 go through `CausalBias`, which runs flash with
+      bottom-right causal alignment (GQA native).
     - a dense bool mask (batch, 1, s, keys) (left padding, or a fixed-shape decode step that also reads
       unwritten positions): `grouped_masked_attention`, with as many query heads as K/V heads, so the
       memory-efficient kernel takes it.
@@ -64,6 +65,8 @@ def cached_attention(
         if not gqa or q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16):
             if mask.seq_len_q == 1:  # one query at the last position sees every key
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            if mask.seq_len_q == mask.seq_len_kv:  # a whole prompt from the start: plain causal (flash)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         # GQA in fp32 on CUDA: flash does not run fp32, so SDPA would take its math backend
         mask = lower_right_causal_mask(mask.seq_len_q, mask.seq_len_kv, q.device)

@@ -12,8 +12,13 @@ One forward per new token, on a cache from `kv_cache.py`:
 - offloaded (`kv_offload=True`, `OffloadedKVCache`): K/V in pinned CPU memory, streamed layer by layer
   through two GPU staging buffers; `gpu_window` keeps the most recent positions resident.
 
-The prompt is prefilled in chunks of `prefill_chunk` tokens (bounds the activations and, with padding,
-the dense mask of a long prompt), and only the last position goes through the output head.
+Prefill: when no row is left-padded and the cache is on the GPU, the whole prompt goes through one
+forward (`prefill_chunk_tokens`): each layer's attention is one causal flash call over the prompt's own
+keys and values, no mask tensor and no read back of the cache it has just written; fewer, larger GEMMs
+and a sixteenth of the kernel launches of 2048-token chunks at 32k. Chunks of `prefill_chunk` tokens
+remain for what needs them: a forward whose activations would not fit in half of the free GPU memory
+(the chunk is then the largest that does), a padded batch (its dense mask grows with chunk x keys) and
+the offloaded cache. Only the last position goes through the output head.
 
 Attention kernel (`attention.cached_attention`): a batch without left padding attends with no mask
 tensor (flash, GQA included, for prefill chunks and eager decode steps); left padding or a fixed-shape
@@ -42,7 +47,7 @@ from typing import Any, Literal
 import torch
 
 from tracetrain.models.kv_cache import OffloadedKVCache, StaticKVCache
-from tracetrain.models.llama import Transformer
+from tracetrain.models.llama import ModelArgs, Transformer
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -169,6 +174,44 @@ def left_pad(
     return tokens.to(device), valid.to(device), positions.to(device)
 
 
+DEFAULT_PREFILL_CHUNK = 2048  # tokens per row and forward for padded batches and the offloaded cache
+PREFILL_CHUNK_MULTIPLE = 1024  # a chunk sized from free memory is a multiple of this
+
+
+def prefill_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
+    """Bytes per prompt token alive at once inside one block of a no-grad forward, the larger of its two
+    halves: the MLP (residual and normed input, 2 d, with gate, up, SiLU(gate) and their product, 4 f, in
+    the compute dtype) and the attention (residual, normed input, q, k, v and output, 4 d + 2 kv, plus
+    RoPE's float32 copies of q and k with their rotated halves and products, 16 (d + kv))."""
+    kv = args.n_kv_heads * args.head_dim
+    mlp = dtype_bytes * (2 * args.dim + 4 * args.ffn_dim)
+    attention = dtype_bytes * (4 * args.dim + 2 * kv) + 16 * (args.dim + kv)
+    return max(mlp, attention)
+
+
+def prefill_chunk_tokens(
+    model: Transformer, batch: int, prompt_len: int, cache: Any, dtype: torch.dtype, chunk: int | None
+) -> int:
+    """Tokens per row of each prefill forward (module docstring). `chunk` given: as asked. Otherwise the
+    whole prompt, for an unpadded batch on an in-GPU cache whose forward fits in half of the free device
+    memory (on the CPU: always); else the largest multiple of 1024 that fits (at least 1024), or
+    DEFAULT_PREFILL_CHUNK for padded rows and the offloaded cache."""
+    if chunk is not None:
+        return chunk
+    if cache.padded or isinstance(cache, OffloadedKVCache):
+        return DEFAULT_PREFILL_CHUNK
+    device = model.embed_tokens.weight.device
+    if device.type != "cuda":
+        return prompt_len
+    from tracetrain.devices import free_device_bytes
+
+    per_token = batch * prefill_bytes_per_token(model.args, torch.empty((), dtype=dtype).element_size())
+    fit = free_device_bytes(device) // 2 // per_token
+    if fit >= prompt_len:
+        return prompt_len
+    return max(PREFILL_CHUNK_MULTIPLE, fit // PREFILL_CHUNK_MULTIPLE * PREFILL_CHUNK_MULTIPLE)
+
+
 def forward_last(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
     """Run (batch, s) tokens through the model with the cache; logits of the last position (batch, vocab)."""
     hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
@@ -260,7 +303,7 @@ def generate_batch(
     kv_offload: bool = False,
     gpu_window: int = 0,
     cuda_graph: bool = False,
-    prefill_chunk: int = 2048,
+    prefill_chunk: int | None = None,
     timings: dict[str, float] | None = None,
 ) -> list[GenerationResult]:
     """Continue every request in one left-padded batch; one result per request, in order.
@@ -277,7 +320,7 @@ def generate_batch(
         raise ValueError("stop strings need `decode` (token ids -> text)")
     if not requests or any(not r.prompt for r in requests):
         raise ValueError("every request needs a prompt of at least one token")
-    if prefill_chunk < 1:
+    if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     check_generation_options(temperature=temperature, top_k=top_k, top_p=top_p, gpu_window=gpu_window)
     if kv_offload and cuda_graph:
@@ -293,6 +336,7 @@ def generate_batch(
     batch, longest = tokens.shape
     cache = make_cache(model, batch, longest + num_steps, dtype, kv_offload, gpu_window, fixed_shape=cuda_graph)
     cache.set_prompt_mask(valid)
+    chunk = prefill_chunk_tokens(model, batch, longest, cache, dtype, prefill_chunk)
     graphed = cuda_graph and device.type == "cuda"
     step = GraphedDecodeStep(model, cache, batch, device) if graphed else (lambda t, p, c: forward_last(model, t, p, c))  # type: ignore[arg-type]  # graphed decoding is chosen only for a StaticKVCache
     host_tokens = torch.empty(batch, dtype=torch.long, pin_memory=device.type == "cuda")
@@ -302,10 +346,8 @@ def generate_batch(
         # Autocast's cast cache would hold tensors allocated inside the capture: off with graphs.
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=not graphed):
             start = time.perf_counter()
-            for a in range(0, longest, prefill_chunk):
-                logits = forward_last(
-                    model, tokens[:, a : a + prefill_chunk], positions[:, a : a + prefill_chunk], cache
-                )
+            for a in range(0, longest, chunk):
+                logits = forward_last(model, tokens[:, a : a + chunk], positions[:, a : a + chunk], cache)
             prefill_end = decode_start = _sync(device) if timings is not None else 0.0
             next_pos = positions[:, -1:] + 1  # (batch, 1)
             num_forwards = 0

@@ -11,7 +11,9 @@ and no mask tensor exists (flash kernels, GQA included); otherwise a dense bool 
   (what a CUDA graph needs) a decode step (s == 1) reads all `max_len` positions (unwritten ones are
   zeros and masked out) and finds its write position in a device tensor (`pos`), so the step needs no
   host value that changes from token to token and can be captured. Without it, and for every prefill
-  chunk (s > 1), the attention reads only the `length + s` positions written so far.
+  chunk (s > 1), new K/V are written with a plain slice copy at the host's `length`, and the attention
+  reads only the `length + s` positions written so far, or, for a prompt from position 0, the new K/V
+  themselves (nothing to read back).
 
 - `OffloadedKVCache`: every layer's K/V live in (pinned) CPU memory; a forward streams them through two
   GPU staging buffers. Timeline of one forward, layer i using staging buffer i % 2:
@@ -109,9 +111,16 @@ class StaticKVLayer:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = k.shape[2]
-        index = self.owner.pos + torch.arange(s, device=k.device)  # device positions: no host value
-        self.k.index_copy_(2, index, k.to(self.k.dtype))
-        self.v.index_copy_(2, index, v.to(self.v.dtype))
+        if s == 1 and self.owner.fixed_shape:  # a step that may be graph-captured: device positions only
+            index = self.owner.pos + torch.arange(s, device=k.device)
+            self.k.index_copy_(2, index, k.to(self.k.dtype))
+            self.v.index_copy_(2, index, v.to(self.v.dtype))
+        else:  # the host knows where: a plain slice copy (no index tensor)
+            start = self.owner.length
+            self.k[:, :, start : start + s].copy_(k)
+            self.v[:, :, start : start + s].copy_(v)
+            if start == 0:  # a prompt from the start attends to its own keys: no read back of the cache
+                return k, v
         n = self.owner.num_keys(s)
         return self.k[:, :, :n], self.v[:, :, :n]
 

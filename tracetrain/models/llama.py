@@ -17,7 +17,8 @@ branches on an optimisation: `Transformer.mask_fn` turns document ids into whate
 backend needs (a dense bool mask by default, a FlexAttention BlockMask after `apply_attention`),
 `Attention.attn_core` is the attention kernel behind the projections (SDPA by default; a forward with a
 KV cache uses `attention.cached_attention` instead, whose kernel choice follows the cache's mask), and
-`Attention.rope_fn` applies the rotary embedding to q and k together (a fused kernel can replace it).
+`Attention.rope_fn` applies the rotary embedding to q and k together (a fused kernel can replace it), and
+`TransformerBlock.ffn` is the block's norm + MLP, a per-token function (the tiled MLP runs it tile by tile).
 """
 
 from __future__ import annotations
@@ -275,7 +276,12 @@ class TransformerBlock(nn.Module):
         cache: KVCacheLayer | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(x)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward half without its residual: norm, then MLP, token by token (memory/tiled_mlp.py
+        runs it over sequence tiles)."""
+        return self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):

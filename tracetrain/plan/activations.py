@@ -58,6 +58,10 @@ Speed paths (`PlanInput.compile`, `fused_kernels`, `attention`):
                  (and their autocast input casts) stay eager.
   flex           FlexAttention keeps what flash SDPA keeps (q, k, v, output, logsumexp).
 
+Tiled norm + MLP (`PlanInput.tiled_mlp_tokens`, memory/tiled_mlp.py): the items of the feed-forward half
+(post-attention norm, gate/up input, SwiGLU, down input) are held for one tile of `tiled_mlp_tokens`
+tokens at a time, a constant; the block keeps its mid residual (the tiles' input) instead.
+
 Recomputation (tracetrain.memory, planned): "full" keeps only each checkpointed block's input (x*d),
 "selective" keeps the block input plus the outputs of every matmul and of SDPA (c*(3d + 2kv + 2f) +
 c*d + 4h, all else recomputed); either way one block's full set is live again while it is recomputed.
@@ -154,6 +158,7 @@ class Item:
     per_token: float
     split: Split = "rep"
     per_token_seq: float = 0.0
+    mlp: bool = False  # of the feed-forward half (post-attention norm + MLP): what the tiled MLP tiles
 
     def at(self, seq: float) -> float:
         return self.per_token + self.per_token_seq * seq
@@ -219,29 +224,39 @@ def block_items(
     if path == "compile" and backend != "math":
         return compiled_block_items(args, nm, moe_factor)
     d, f = args.dim, args.ffn_dim
-    per_block = 4 if args.family.startswith("gemma") else 2  # Gemma norms before and after both sub-layers
-    norms = per_block - 1 if first_lora_block else per_block
-    if path == "kernels":  # the fused RMSNorm keeps its input (as is) and rstd
-        items = [Item("norm: input + rstd (fused)", norms * (nm.x * d + 4), "sp")]
-    else:
-        items = [Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp")]
-        if nm.full:
-            items.append(Item("norm: normalised (weight grad)", per_block * nm.x * d, "sp"))
+    half = 2 if args.family.startswith("gemma") else 1  # norms per sub-layer: Gemma's before and after each
+    items = []
+    for mlp_half in (False, True):
+        norms = half - (1 if first_lora_block and not mlp_half else 0)  # block 0 of LoRA: its first norm keeps nothing
+        if path == "kernels":  # the fused RMSNorm keeps its input (as is) and rstd
+            items.append(Item("norm: input + rstd (fused)", norms * (nm.x * d + 4), "sp", mlp=mlp_half))
+        else:
+            items.append(Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp", mlp=mlp_half))
+            if nm.full:
+                items.append(Item("norm: normalised (weight grad)", half * nm.x * d, "sp", mlp=mlp_half))
     items.append(Item("q/k/v input", _input_copies(nm, QKV, d)))
     items += _attention_items(args, nm, backend)
     if "o_proj" in nm.targets and nm.a != nm.c:
         items.append(Item("o_proj adapter input copy", nm.a * d, "tp"))
     swiglu = 2 if path == "kernels" else 3  # the fused SwiGLU recomputes silu in backward
     items += [
-        Item("gate/up input", _input_copies(nm, GATE_UP, d)),
-        Item("SwiGLU gate, silu, up", swiglu * nm.c * f * moe_factor, "tp"),
+        Item("gate/up input", _input_copies(nm, GATE_UP, d), mlp=True),
+        Item("SwiGLU gate, silu, up", swiglu * nm.c * f * moe_factor, "tp", mlp=True),
     ]
     if nm.full or "down_proj" in nm.targets:
-        items.append(Item("down input", (nm.c if nm.full else nm.a) * f * moe_factor, "tp"))
+        items.append(Item("down input", (nm.c if nm.full else nm.a) * f * moe_factor, "tp", mlp=True))
     if nm.targets:
         items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
     items += dora_items(args, nm)
     return [i for i in items if i.per_token or i.per_token_seq]
+
+
+def tiled_block_items(items: list[Item], args: ModelArgs, nm: Numerics) -> tuple[list[Item], list[Item]]:
+    """A block with the tiled norm + MLP (memory/tiled_mlp.py): (what it keeps per token of the whole
+    sequence, what one tile keeps per token of the tile). The feed-forward half keeps only its input, a
+    view of the mid residual; its own items exist for one tile at a time, in its backward."""
+    kept = [i for i in items if not i.mlp] + [Item("tile inputs (mid residual)", nm.x * args.dim, "sp")]
+    return kept, [i for i in items if i.mlp]
 
 
 def compiled_block_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:

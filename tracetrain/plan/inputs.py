@@ -155,6 +155,7 @@ class PlanInput:
     recompute_every: int = 1
     activation_offload: ActOffload = "none"
     activation_offload_fraction: float = 1.0  # streamed: share of blocks offloaded, the first ones
+    tiled_mlp_tokens: int = 0  # memory.tiled_mlp: norm + MLP over tiles of this many tokens (0 = off)
     optimizer_offload: bool = False
     unified_memory: Literal["none", "optimizer", "model"] = "none"
     expandable_segments: bool = True

@@ -48,6 +48,8 @@ None), which is why a single-micro-batch step peaks at backward start with no gr
 
 Pipeline stages hold micro-batches in flight: GPipe all m, 1F1B pp - stage, interleaved (Megatron)
 2(pp - 1 - stage) + (v - 1)pp + 1 model chunks of L/(pp v) blocks. The plan reports the worst stage.
+The tiled norm + MLP (memory/tiled_mlp.py) holds the feed-forward half's items for one tile at a time
+(a constant in the recompute working set); its blocks keep their mid residual instead (activations.py).
 Activation offload (tracetrain.memory.activation_offload) moves block activations and the autocast
 weight copies they keep to pinned host memory: "streamed" keeps two blocks on the GPU (the last block,
 never offloaded, and one in transfer), "save_on_cpu" one block, and also copies the saved parameters
@@ -185,12 +187,18 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
     first, last = stage == 0, stage == inp.pp - 1
     moe = float(inp.top_k) if inp.num_experts else 1.0
     backend, path = act.attention_backend(args, nm, inp.attention), act.block_path(inp)
-    blk_none = act.shard(act.block_items(args, nm, moe_factor=moe, backend=backend, path=path), tp, sp_on)
-    blk_first = act.shard(
-        act.block_items(args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe, backend=backend, path=path),
-        tp,
-        sp_on,
+    items = act.block_items(args, nm, moe_factor=moe, backend=backend, path=path)
+    first_items = act.block_items(
+        args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe, backend=backend, path=path
     )
+    tile = Affine()  # the tiled norm + MLP: one tile's feed-forward items, a constant
+    if inp.tiled_mlp_tokens > 0:
+        items, tile_items = act.tiled_block_items(items, args, nm)
+        first_items, _ = act.tiled_block_items(first_items, args, nm)
+        tile_tokens = min(inp.tiled_mlp_tokens, tokens_per_microbatch(inp) / inp.cp)
+        tile = Affine(act.shard(tile_items, tp, sp_on).per_token * tile_tokens)
+    blk_none = act.shard(items, tp, sp_on)
+    blk_first = act.shard(first_items, tp, sp_on)
     kept = {
         "none": blk_none,
         "selective": act.shard(act.selective_items(args, nm, moe), tp, sp_on),
@@ -211,7 +219,10 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
         on_gpu = biggest * resident_blocks(inp, n)
         cpu["offloaded activations"] = (blocks - on_gpu) * (1 / inp.cp)
         blocks = on_gpu
-    return {"activations": (blocks + outside * k) * (1 / inp.cp), "recompute working set": blk_none * (1 / inp.cp)}
+    return {
+        "activations": (blocks + outside * k) * (1 / inp.cp),
+        "recompute working set": blk_none * (1 / inp.cp) + tile,
+    }
 
 
 def stage_model(inp: PlanInput, stage: int) -> MemoryModel:

@@ -234,10 +234,13 @@ def microbatch_time(inp: PlanInput, hw: Hardware, nm: Numerics, stage: int) -> M
     n = sp.num_blocks
     n_ckpt = math.ceil(n / inp.recompute_every) if inp.recompute == "full" else 0
     peak = block_gemm_peak(inp, hw)
+    tiled = inp.tiled_mlp_tokens > 0 and inp.tiled_mlp_tokens < tokens  # memory/tiled_mlp.py
     for g in block_gemms(inp, tokens):
         fwd, bwd, _ = gemm_time(g, hw, nm.c, peak)
         _add(t.forward, "GEMM", fwd * n)
-        _add(t.backward, "GEMM", bwd * n + fwd * n_ckpt)
+        # A tiled MLP's tile runs its forward once more, in its own backward.
+        mlp_again = fwd * n if tiled and g.name.split(".")[0] in ("gate_proj", "up_proj", "down_proj") else 0.0
+        _add(t.backward, "GEMM", bwd * n + fwd * n_ckpt + mlp_again)
     if last:
         head = Gemm("lm_head", tokens, a.vocab_size / inp.tp, a.dim, inp.mode == "full")
         fwd, bwd, _ = gemm_time(head, hw, nm.c, hw.bf16_flops if inp.precision == "fp8" else None)

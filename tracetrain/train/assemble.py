@@ -151,7 +151,13 @@ def _fused_kernels(a: Assembly) -> None:
 def _fused_ce(a: Assembly) -> None:
     from tracetrain.kernels.fused_ce import apply_fused_ce
 
-    apply_fused_ce(a.plain(), a.spec.fused_ce_chunk)
+    apply_fused_ce(a.plain(), a.spec.fused_ce_chunk, adaptive=a.spec.fused_ce_adaptive)
+
+
+def _tiled_mlp(a: Assembly) -> None:
+    from tracetrain.memory.tiled_mlp import apply_tiled_mlp
+
+    apply_tiled_mlp(a.plain(), a.spec.tiled_mlp_tokens)
 
 
 def _fp8(a: Assembly) -> None:
@@ -349,6 +355,13 @@ TRANSFORMS: tuple[Transform, ...] = (
         _fp8,
         "after LoRA (frozen bases are quantised once, adapters stay); before TP, recompute and compile, "
         "which must see the FP8 matmuls",
+    ),
+    Transform(
+        "tiled_mlp",
+        lambda s: s.tiled_mlp_tokens > 0,
+        _tiled_mlp,
+        "after LoRA, fused kernels and FP8 (each tile reruns the final norm + MLP); before the layout rows "
+        "and recompute, whose recomputed block then reruns its tiles (checkpoints nest)",
     ),
     Transform(
         "pipeline_split",

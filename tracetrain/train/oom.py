@@ -64,7 +64,8 @@ def _plan_peak(cfg: Config, gpu: str, world_size: int = 1, **memory_changes: obj
 
 
 def preflight(spec: RunSpec, note: Callable[[str], None]) -> None:
-    """Before the first step: warn when the planner predicts the run (its spec, as resolved) will not fit."""
+    """Before the model is built: one line when the planner predicts the run (its spec, as resolved) will
+    not fit (`preflight_line`)."""
     if spec.device.type != "cuda":
         return
     from tracetrain.plan import plan, plan_input_from_spec
@@ -73,14 +74,30 @@ def preflight(spec: RunSpec, note: Callable[[str], None]) -> None:
     try:
         p = plan(plan_input_from_spec(spec, gpu))
         need, have = p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30
+        if need > have:
+            note(preflight_line(cfg, gpu, need, have, spec.world_size))
     except Exception as e:  # the planner must never stop a run; say why it could not help
         note(f"memory pre-flight skipped: the planner could not model this run ({e})")
-        return
-    if need > have:
-        note(
-            f"the planner predicts {need:.1f} GiB per GPU but the device has {have:.1f} GiB; "
-            f"this run will likely run out of memory. {suggestions(cfg, gpu)}"
-        )
+
+
+def preflight_line(cfg: Config, gpu: str, need_gib: float, have_gib: float, world_size: int = 1) -> str:
+    """The pre-flight warning: the planned and available memory, the longest data.seq_len these settings
+    fit, and the first long-context switches under which this length fits (plan/longest.py), else the
+    general remedies (`suggestions`)."""
+    from tracetrain.plan.longest import fitting_remedy, longest_context
+
+    seq, mbs, host = cfg.data.seq_len, cfg.train.micro_batch_size, _host_available_gib()
+    line = (
+        f"data.seq_len = {seq:,} x micro-batch {mbs} will likely not fit: the planner predicts {need_gib:.1f} GiB "
+        f"per GPU, {gpu} has {have_gib:.1f} GiB"
+    )
+    longest = longest_context(cfg, gpu, world_size, host_memory_gib=host).seq_len
+    line += f"; the longest data.seq_len these settings fit is {longest:,}." if longest else "."
+    remedy = fitting_remedy(cfg, seq, gpu, world_size, host_memory_gib=host)
+    if remedy is None:
+        return f"{line} {suggestions(cfg, gpu, world_size)}"
+    switches, p = remedy
+    return f"{line} It fits with {' '.join(switches)} (planned {p.memory.required_bytes / 2**30:.1f} GiB)."
 
 
 _FALLBACK = "Lower train.micro_batch_size (now {mbs}) or data.seq_len, or use more GPUs."
@@ -103,6 +120,15 @@ def suggestions(cfg: Config, gpu: str, world_size: int = 1) -> str:
     return (
         "Would fit: " + "; ".join(found[:3]) + f"; or lower train.micro_batch_size (now {cfg.train.micro_batch_size})."
     )
+
+
+def _host_available_gib() -> float | None:
+    """This machine's available host memory (what offloaded activations may take), None if unknown."""
+    try:
+        found = re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text())
+    except OSError:
+        return None
+    return int(found.group(1)) / 2**20 if found else None
 
 
 def is_out_of_memory(error: BaseException) -> bool:

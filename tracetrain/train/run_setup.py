@@ -140,6 +140,8 @@ class RunSetup:
         self.precision = self.spec.precision
         self.args = self.spec.model_args
         check_vocab(self.tokenizer, self.args.vocab_size)  # before a large model is materialised
+        if self.rank0:  # before building or loading: a run that will not fit says so, and what would
+            preflight(self.spec, self.reporter.note)
         # LoRA checkpoints hold only the adapters when the frozen base can be reloaded from its source;
         # a randomly initialised base (benchmarks, tests) is saved whole.
         self.adapters_only = self.spec.adapters_only
@@ -295,7 +297,6 @@ class RunSetup:
 
     def announce(self) -> None:
         self.reporter.model_summary(self.args, self.model, self.cfg, self.device_name, self.precision, self.flops.model)
-        preflight(self.spec, self.reporter.note)
 
 
 def _as_dict(stats: Any) -> dict[str, Any]:
