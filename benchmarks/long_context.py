@@ -284,8 +284,11 @@ def depth_fit(runner: Runner, system: str, seq: int, caps: dict) -> dict:
         extra = {"offload_fraction": (FULL_DEPTH - 1 - resident) / FULL_DEPTH, "blocks_kept_on_gpu": 1 + resident}
     fits = gpu <= caps["gpu_gib"] and host <= caps["host_gib"]
     why = "fits" if fits else ("GPU memory" if gpu > caps["gpu_gib"] else "host memory")
+    # A deeper probe that steps faster than a shallower one (its one step held less warm-up) gives no
+    # per-block step time: the extrapolated tokens/s is then left out, not reported negative.
+    speed = {"step_s_32": round(step_s, 3), "tokens_per_s_32": round(seq / step_s, 1)} if step_s > 0 else {}
     return {**out, "fits": fits, "why": why, "gpu_gib_32": round(gpu, 2), "host_gib_32": round(host, 2),
-            "step_s_32": round(step_s, 3), "tokens_per_s_32": round(seq / step_s, 1), **extra}
+            **speed, **extra}
 
 
 def seed_length(points: list[dict], caps: dict, pooled: bool) -> int | None:
@@ -424,11 +427,16 @@ def render(result: dict) -> str:
         at = sr.get("at_longest") or {}
         planner = (r.get("planner") or {}).get("seq", "-")
         lines.append(f"{s:<16} {r['base']:<20} " + " ".join(cells)
-                     + f" {sr.get('longest') or '-':>9} {at.get('tokens_per_s_32', '-'):>12} {planner:>9}  "
+                     + f" {sr.get('longest') or '-':>9} {_positive(at.get('tokens_per_s_32')):>12} {planner:>9}  "
                      + f"{sr.get('how', '')}; first failing {sr.get('first_failing')}")
     lines.append(f"tok/s at the longest: extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-block probes; GiB: peak reserved, full depth; "
                  "* tracetrain with the memory settings the planner predicts fastest (the row's `memory`)")
     return "\n".join(lines)
+
+
+def _positive(value: object) -> object:
+    """An extrapolated tokens/s, or 'n/a' where the probes' step times gave none (<= 0 or missing)."""
+    return value if isinstance(value, (int, float)) and value > 0 else "n/a"
 
 
 def plot(result: dict, png: Path) -> None:
@@ -445,9 +453,10 @@ def plot(result: dict, png: Path) -> None:
         bottom.plot([t["seq"] for t in ok], [t["reserved_gib"] for t in ok], "o-", color=line.get_color())
         at = (r.get("search") or {}).get("at_longest")
         if at:
-            top.plot([at["seq"]], [at["tokens_per_s_32"]], "o", mfc="none", color=line.get_color())
             bottom.plot([at["seq"]], [at["gpu_gib_32"]], "o", mfc="none", color=line.get_color())
-            top.annotate(f"{at['seq'] // 1024}k", (at["seq"], at["tokens_per_s_32"]), fontsize=8)
+            bottom.annotate(f"{at['seq'] // 1024}k", (at["seq"], at["gpu_gib_32"]), fontsize=8)
+        if at and (at.get("tokens_per_s_32") or 0) > 0:  # results of older calls may hold a negative one
+            top.plot([at["seq"]], [at["tokens_per_s_32"]], "o", mfc="none", color=line.get_color())
     top.set_ylabel("tokens/s")
     bottom.set_ylabel("peak GPU GiB (reserved)")
     bottom.set_xlabel("sequence length (tokens, batch 1)")
