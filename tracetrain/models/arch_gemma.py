@@ -118,7 +118,7 @@ class GemmaAttention(Attention):
         if self.softcap:
             out = softcapped_attention(q, k, v, mask, self.softcap)  # type: ignore[arg-type]  # Gemma's masks are dense bool (layer_masks)
         elif cache is not None:
-            out = cached_attention(q, k, v, mask)  # type: ignore[arg-type]  # dense bool here
+            out = cached_attention(q, k, v, mask)  # type: ignore[arg-type]  # Gemma's masks are dense bool (layer_masks)
         else:
             out = self.attn_core(q, k, v, mask)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -229,8 +229,8 @@ class GemmaTransformer(Transformer):
         if position_ids is None:
             start = cache.length if cache is not None else 0
             position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
-        rope_full = self._rope_with(self.rope_inv_freq, position_ids)  # type: ignore[arg-type]  # registered buffers
-        rope_local = self._rope_with(self.rope_inv_freq_local, position_ids)  # type: ignore[arg-type]  # registered buffers
+        rope_full = self._rope_with(self.rope_inv_freq, position_ids)  # type: ignore[arg-type]  # a registered buffer; nn.Module attributes are typed Tensor | Module in torch's stubs
+        rope_local = self._rope_with(self.rope_inv_freq_local, position_ids)  # type: ignore[arg-type]  # a registered buffer; nn.Module attributes are typed Tensor | Module in torch's stubs
         mask_full, mask_local = self.layer_masks(s, document_ids, cache, tokens.device)
         h = self.embed_tokens(tokens)  # (batch, seq, dim)
         h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype)  # HF rounds the scale to the dtype first
