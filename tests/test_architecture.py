@@ -3,6 +3,7 @@ transform is a row of the one table, one definition of shared constants, no test
 
 import ast
 import re
+import tokenize
 from collections import defaultdict
 from pathlib import Path
 
@@ -181,3 +182,44 @@ def test_tune_sits_above_train_plan_and_profile():
     importers = sorted(src for src, dsts in edges.items() if "tune" in dsts)
     assert importers == ["cli_commands"], importers
     assert {"plan", "train", "profile"} <= set(edges["tune"]), dict(edges["tune"])
+
+
+# A `type: ignore` names the error codes it silences and says, after two spaces and `#`, why the checker
+# is wrong there (`# type: ignore[arg-type]  # torch's stubs type X as Y`); a bare one hides every error.
+_IGNORE = re.compile(r"#\s*type:\s*ignore\b")
+_IGNORE_WITH_REASON = re.compile(r"# type: ignore\[[a-z-]+(, [a-z-]+)*\]  # (?P<reason>\S.*)")
+_GENERIC_REASONS = {"filled before use", "buffer", "see above", "mypy", "false positive", "todo", "fixme"}
+
+
+def _ignore_problem(comment: str) -> str | None:
+    """Why the comment's `type: ignore` breaks the rule above, or None when it follows it."""
+    if not _IGNORE.search(comment):
+        return None
+    match = _IGNORE_WITH_REASON.search(comment)
+    if match is None:
+        return "needs an error code and a reason: '# type: ignore[code]  # why'"
+    reason = match["reason"].strip()
+    if reason.lower().rstrip(".") in _GENERIC_REASONS or len(reason.split()) < 3:
+        return f"reason {reason!r} is too generic: say why the checker is wrong here"
+    return None
+
+
+def test_type_ignore_rule_can_fail():
+    assert _ignore_problem("# type: ignore") is not None
+    assert _ignore_problem("# type: ignore[arg-type]") is not None
+    assert _ignore_problem("# type: ignore[arg-type] # one space") is not None
+    assert _ignore_problem("# type: ignore[arg-type]  # buffer") is not None
+    assert _ignore_problem("# type: ignore[arg-type]  # filled before use") is not None
+    assert _ignore_problem("# type: ignore[arg-type, union-attr]  # torch's stubs type it as Module") is None
+    assert _ignore_problem("# noqa: E501") is None
+
+
+def test_every_type_ignore_names_its_code_and_reason():
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        with path.open() as f:
+            for tok in tokenize.generate_tokens(f.readline):
+                problem = _ignore_problem(tok.string) if tok.type == tokenize.COMMENT else None
+                if problem:
+                    bad.append(f"{path.relative_to(PKG.parent)}:{tok.start[0]}: {problem}")
+    assert not bad, "\n".join(bad)

@@ -160,7 +160,7 @@ def _check_value(key: str, f: dataclasses.Field, value: Any, owner: type | None 
     return value
 
 
-_SECTION_OWNER: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+_SECTION_OWNER: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]  # every Config field is a section built by its default_factory (a class), never MISSING
 
 
 # What other tools (Hugging Face Trainer, PEFT, torchtitan) call some keys: `--optim.learning_rate` is met
@@ -608,9 +608,9 @@ def reference_markdown() -> str:
     out: list[str] = []
     for sf in dataclasses.fields(Config):
         out += [f"### [{sf.name}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(sf.default_factory()):  # type: ignore[operator]  # sections have factories
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]  # list fields
-            allowed = _allowed_text(sf.default_factory, f)  # type: ignore[arg-type]  # a section class
+        for f in dataclasses.fields(sf.default_factory()):  # type: ignore[operator]  # every Config field is a section with a default_factory, never MISSING
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]  # a field without a default has a default_factory (the list fields)
+            allowed = _allowed_text(sf.default_factory, f)  # type: ignore[arg-type]  # a section's default_factory is its class, typed as a factory callable
             shown = f"({f.metadata.get('unset', 'preset')})" if default is None else f"`{_toml_value(default)}`"
             out.append(f"| `{f.name}` | {shown} | {allowed} | {f.metadata['doc']} |")
             table = table_type(typing.get_type_hints(sf.default_factory)[f.name])

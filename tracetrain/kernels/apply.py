@@ -1,8 +1,10 @@
 """Speed transforms over the plain model: fused kernels in, and regional compilation.
 
-Order (build.py): LoRA -> attention backend -> fused kernels -> recomputation -> compile. Kernels and
-the attention core are swapped before recomputation and compile so that both see the final modules
-(a recomputed block reruns the fused ops; a compiled block captures them as opaque custom ops).
+Order (rows of the transform table, `train/assemble.py` TRANSFORMS, which says why each sits where it
+does): LoRA -> attention backend -> fused kernels -> fused cross-entropy -> FP8 -> the layout rows ->
+recomputation -> compile. Kernels and the attention core are swapped before recomputation and compile so
+that both see the final modules (a recomputed block reruns the fused ops; a compiled block captures them
+as opaque custom ops).
 
 Under `apply_compile`, Inductor already fuses RMSNorm, RoPE, SwiGLU, the residual adds and the LoRA
 scale-and-add of each block into a few generated kernels, so the hand-written block kernels matter

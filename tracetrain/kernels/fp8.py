@@ -230,7 +230,7 @@ def to_float8_frozen(linear: nn.Linear, recipe: Recipe) -> Float8FrozenLinear:
         # bf16 (assigning `.data` keeps the Parameter object, its name and the state dict's keys).
         linear.weight.data = linear.weight.data.to("cpu")
     linear._fp8_source = (linear.weight._version, linear.weight.data_ptr())  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
-    return linear  # type: ignore[return-value]
+    return linear  # type: ignore[return-value]  # __class__ was swapped to Float8FrozenLinear above; mypy keeps the nn.Linear type
 
 
 def fp8_compatible(linear: nn.Linear) -> bool:

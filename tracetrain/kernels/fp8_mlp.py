@@ -228,7 +228,7 @@ def to_float8_frozen_mlp(mlp: FeedForward, recipe: Recipe) -> Float8FrozenFeedFo
     """Swap an eligible `mlp`'s class to `Float8FrozenFeedForward` in place and quantise its weights."""
     assert fp8_mlp_eligible(mlp), "only a FeedForward of plain frozen linears is fused"
     mlp.__class__ = Float8FrozenFeedForward
-    fused: Float8FrozenFeedForward = mlp  # type: ignore[assignment]
+    fused: Float8FrozenFeedForward = mlp  # type: ignore[assignment]  # __class__ was swapped on the line above; mypy keeps the FeedForward type
     fused.fp8_recipe = recipe
     for name, value in fused.quantized_weights().items():
         fused.register_buffer(name, value, persistent=False)

@@ -227,8 +227,8 @@ def _check_mlp(device: str | torch.device, tokens: int, dim: int, ffn: int, reci
     base = FeedForward(ModelArgs(dim=dim, ffn_dim=ffn)).to(device, torch.bfloat16).requires_grad_(False)
     unfused = copy.deepcopy(base)
     for linear in (unfused.gate_proj, unfused.up_proj, unfused.down_proj):
-        to_float8_frozen(linear, recipe)  # type: ignore[arg-type]
-    fused = to_float8_frozen_mlp(copy.deepcopy(base), recipe)  # type: ignore[arg-type]
+        to_float8_frozen(linear, recipe)  # type: ignore[arg-type]  # recipe is 'rowwise' or 'tensorwise' (the loop in the caller), inferred as str
+    fused = to_float8_frozen_mlp(copy.deepcopy(base), recipe)  # type: ignore[arg-type]  # recipe is 'rowwise' or 'tensorwise' (the loop in the caller), inferred as str
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
 

@@ -118,7 +118,7 @@ class GemmaAttention(Attention):
         if self.softcap:
             out = softcapped_attention(q, k, v, mask, self.softcap)  # type: ignore[arg-type]  # Gemma's masks are dense bool (layer_masks)
         elif cache is not None:
-            out = cached_attention(q, k, v, mask)  # type: ignore[arg-type]  # dense bool here
+            out = cached_attention(q, k, v, mask)  # type: ignore[arg-type]  # Gemma's masks are dense bool (layer_masks)
         else:
             out = self.attn_core(q, k, v, mask)  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -170,6 +170,8 @@ def window_band(q_pos: torch.Tensor, num_keys: int, window: int) -> torch.Tensor
 
 class GemmaTransformer(Transformer):
     """The Gemma 2 / Gemma 3 decoder (see the module docstring); same interface as `Transformer`."""
+
+    rope_inv_freq_local: torch.Tensor  # registered buffer, the sliding layers' (rotary_dim / 2,)
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
@@ -233,8 +235,8 @@ class GemmaTransformer(Transformer):
         if position_ids is None:
             start = cache.length if cache is not None else 0
             position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
-        rope_full = self._rope_with(self.rope_inv_freq, position_ids)  # type: ignore[arg-type]  # registered buffers
-        rope_local = self._rope_with(self.rope_inv_freq_local, position_ids)  # type: ignore[arg-type]  # registered buffers
+        rope_full = self._rope_with(self.rope_inv_freq, position_ids)
+        rope_local = self._rope_with(self.rope_inv_freq_local, position_ids)
         mask_full, mask_local = self.layer_masks(s, document_ids, cache, tokens.device)
         h = self.embed_tokens(tokens)  # (batch, seq, dim)
         h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype)  # HF rounds the scale to the dtype first

@@ -65,6 +65,8 @@ def longrope_attention_factor(factor: float, original_max_len: int) -> float:
 class PhiTransformer(Transformer):
     """Llama's decoder with Phi's rotary embedding (module docstring); same interface as `Transformer`."""
 
+    rope_inv_freq_long: torch.Tensor  # registered buffer, longrope only (rotary_dim / 2,)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
         for name, value in phi_rope_buffers(args).items():
@@ -81,11 +83,11 @@ class PhiTransformer(Transformer):
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, seq) positions -> cos, sin (batch, seq, rotary_dim), float32 (longrope: module docstring)."""
-        inv_freq: torch.Tensor = self.rope_inv_freq  # type: ignore[assignment]  # a registered buffer
+        inv_freq: torch.Tensor = self.rope_inv_freq
         scale = 1.0
         if self.args.rope_long_factor:
             beyond = position_ids.max() + 1 > self.args.rope_original_max_len  # a device scalar: no sync
-            inv_freq = torch.where(beyond, self.rope_inv_freq_long, inv_freq)  # type: ignore[arg-type]  # buffer
+            inv_freq = torch.where(beyond, self.rope_inv_freq_long, inv_freq)
             scale = self.args.rope_attention_factor
         freqs = position_ids.float().unsqueeze(-1) * inv_freq  # (batch, seq, rotary_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -138,7 +140,7 @@ def fused_adapters(
     for fused, held in parts.items():
         parent, _, kind = fused.rpartition(".")
         names = [p for p in FUSED_PARTS[kind] if p in held]
-        rows = {p: fused_rows(args, f"{parent}.{p}.weight")[1] for p in FUSED_PARTS[kind]}  # type: ignore[index]  # fused parts
+        rows = {p: fused_rows(args, f"{parent}.{p}.weight")[1] for p in FUSED_PARTS[kind]}  # type: ignore[index]  # every name in FUSED_PARTS is fused, so fused_rows never returns None
         total = rows[FUSED_PARTS[kind][-1]] + (
             args.ffn_dim if kind == "gate_up_proj" else args.n_kv_heads * args.head_dim
         )

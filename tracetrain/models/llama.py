@@ -287,6 +287,9 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """The decoder. `forward(tokens, position_ids, document_ids) -> logits (batch, seq, vocab)`."""
 
+    # Registered buffers, declared so the checker knows their type (nn.Module types attributes Tensor | Module).
+    rope_inv_freq: torch.Tensor  # (head_dim / 2,) float32
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         args.validate()
@@ -314,7 +317,7 @@ class Transformer(nn.Module):
         Called after `to_empty` when the model was built on the meta device.
         """
         std = self.args.init_std
-        self.rope_inv_freq.copy_(rope_inv_freq(self.args))  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        self.rope_inv_freq.copy_(rope_inv_freq(self.args))
         nn.init.normal_(self.embed_tokens.weight, std=std)
         for block in self.layers:
             for name, mod in block.named_modules():
@@ -333,7 +336,7 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, seq) positions -> cos, sin of shape (batch, seq, head_dim), float32."""
-        freqs = position_ids.float().unsqueeze(-1) * self.rope_inv_freq  # type: ignore[operator]  # a registered buffer (typed Tensor | Module); (batch, seq, head_dim / 2)
+        freqs = position_ids.float().unsqueeze(-1) * self.rope_inv_freq  # (batch, seq, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 

@@ -3,8 +3,12 @@
 The layout itself (pipeline split, expert, tensor and context parallelism, recomputation, compile,
 FSDP / HSDP / replicate, pipeline schedule) is applied by rows of the one transform table
 (`tracetrain.train.assemble.TRANSFORMS`), which says why each sits where it does. Its last layout row
-builds the ParallelModel. For a single process every hook is a no-op, so `train_step` calls them
-unconditionally (no `if tp:` anywhere).
+builds the ParallelModel, for several ranks only: a single process has none (`StepContext.par` is None),
+and the step checks `par is not None` before each hook (batch sharding and the target count, the
+per-micro-batch gradient sync, the loss reduction, the fp16 found_inf agreement, the gradient norm over
+the shards, evaluation's batch sharding) and takes the pipeline schedule when `par.pipeline` is set. It
+never branches on a single axis (no `if tp:` in the step or the model): what tp, cp, ep, pp and FSDP
+need happens inside the hooks.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class ShardedExperts(GroupedExperts):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(
-            w.to_local() if isinstance(w, DTensor) else w  # type: ignore[return-value]
+            w.to_local() if isinstance(w, DTensor) else w  # type: ignore[return-value]  # tuple() of a generator is typed tuple[Tensor, ...]; it holds the three weights
             for w in (self.gate_proj, self.up_proj, self.down_proj)
         )
 

@@ -59,7 +59,7 @@ class PipelineStageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
-        self.register_buffer("rope_inv_freq", model.rope_inv_freq.clone(), persistent=False)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        self.register_buffer("rope_inv_freq", model.rope_inv_freq.clone(), persistent=False)
         self.mask_fn = model.mask_fn
 
     def forward(

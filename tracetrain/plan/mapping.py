@@ -236,8 +236,8 @@ def plan_input_from_spec(spec: RunSpec, gpu: str | None = None, num_gpus: int | 
         model=dense_shape(spec.model_args),
         num_gpus=math.prod(layout.values()),
         gpu=gpu or _visible_gpu() or "h100-sxm",
-        **layout,  # type: ignore[arg-type]  # the five integer axes
-        **_batch(spec.cfg),  # type: ignore[arg-type]  # the three integer counts
+        **layout,  # type: ignore[arg-type]  # the five integer axes; a dict[str, int] is checked against every field
+        **_batch(spec.cfg),  # type: ignore[arg-type]  # the three integer counts; a dict[str, int] is checked against every field
         **values,  # type: ignore[arg-type]  # FIELDS' values, of the fields' types
     )
 

@@ -163,7 +163,7 @@ def _tiled_mlp(a: Assembly) -> None:
 def _fp8(a: Assembly) -> None:
     from tracetrain.kernels.fp8 import apply_fp8
 
-    apply_fp8(a.plain(), a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none' here
+    apply_fp8(a.plain(), a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none': the row runs only when fp8 is set (its predicate in TRANSFORMS)
 
 
 def _pipeline_split(a: Assembly) -> None:
@@ -205,7 +205,7 @@ def _recompute(a: Assembly) -> None:
 
     mem = a.spec.cfg.memory
     for part in a.parts:
-        apply_recompute(_blocks(part), mem.recompute, mem.recompute_every)  # type: ignore[arg-type]
+        apply_recompute(_blocks(part), mem.recompute, mem.recompute_every)  # type: ignore[arg-type]  # apply_recompute reads only `.layers`, which the namespace carries
 
 
 def _compile(a: Assembly) -> None:
@@ -280,7 +280,7 @@ def _unified_memory(a: Assembly) -> None:
     mem = a.spec.cfg.memory
     target = a.module if mem.unified_memory == "model" else a.optimizer
     assert target is not None
-    apply_unified_memory(target, mem.unified_memory, coherent_memory=mem.coherent_memory)  # type: ignore[arg-type]
+    apply_unified_memory(target, mem.unified_memory, coherent_memory=mem.coherent_memory)  # type: ignore[arg-type]  # not 'none': the row runs only when unified_memory is set (its predicate in TRANSFORMS)
 
 
 def _activation_offload(a: Assembly) -> None:

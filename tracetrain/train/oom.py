@@ -58,7 +58,7 @@ def _plan_peak(cfg: Config, gpu: str, world_size: int = 1, **memory_changes: obj
     from tracetrain.plan import plan, plan_input_from_config
 
     # Unvalidated on purpose: the alternatives are what-ifs for the planner, never run.
-    changed = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **memory_changes))  # type: ignore[arg-type]  # values from _REMEDIES
+    changed = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **memory_changes))  # type: ignore[arg-type]  # values from _REMEDIES (typed object), each of its memory field's type
     p = plan(plan_input_from_config(changed, world_size, gpu))
     return p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30
 

@@ -172,7 +172,7 @@ def data_fingerprint(dataset: object) -> str:
             h.update(f"{key}{array.shape}{array.dtype}".encode())
             h.update(array.tobytes())
     else:  # OnTheFlyDataset: (prompt, response) pairs
-        for prompt, response in dataset.examples:  # type: ignore[attr-defined]
+        for prompt, response in dataset.examples:  # type: ignore[attr-defined]  # no rows: an OnTheFlyDataset, which keeps its (prompt, response) examples
             h.update(json.dumps([prompt, response]).encode())
     return h.hexdigest()
 

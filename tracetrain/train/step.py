@@ -223,8 +223,9 @@ def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx:
                 par.agree_on_found_inf(scaler, optimizer)
         # One device with the fused kernel: the clip factor is handed to AdamW as its gradient divisor
         # (`grad_scale`), so clipping costs no separate pass over the gradients (for llama3.2-1b on an
-        # H100 that pass read and wrote 5 GB, 2.5% of the step; folded, the step runs 0.9% faster, the
-        # kernel still writing the clipped gradients back).
+        # H100 that pass read and wrote 5 GB, 2.5% of the step; folded into torch's fused kernel, which
+        # still writes the clipped gradients back, the step ran 0.9% faster). tracetrain's Triton AdamW
+        # (train/optim.py `AdamW`, float32 CUDA parameters) skips that write too: zero_grad frees them.
         fold_clip = par is None and scaler is None and ctx.fused_skip and max_norm != float("inf")
         if par is not None:  # norm over every shard, mesh axis and stage
             grad_norm = par.clip_grad_norm_(max_norm)
@@ -245,8 +246,9 @@ def optimizer_update(optimizer: torch.optim.Optimizer, total: torch.Tensor, ctx:
         elif ctx.fused_skip:
             # Fused AdamW skips the update on the device when found_inf is non-zero: no host sync.
             optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]  # read by the fused kernel
-            # The kernel divides each gradient by grad_scale (and stores the clipped gradient back, as
-            # clip_grad_norm_ would leave it): max(1, norm / max_norm), clip_grad_norm_'s factor inverted.
+            # The kernel divides each gradient by grad_scale: max(1, norm / max_norm), clip_grad_norm_'s
+            # factor inverted. torch's fused kernel stores the divided gradient back, as clip_grad_norm_
+            # would leave it; the Triton AdamW (train/optim.py) does not, as nothing reads it before zero_grad.
             optimizer.grad_scale = clip_divisor(grad_norm, max_norm) if fold_clip else None  # type: ignore[attr-defined]  # read by the fused kernel
             optimizer.step()
             diverged = ~finite

@@ -99,12 +99,13 @@ def _gain_chart(trials: list[Trial]) -> str:
 
 def _row(i: int, t: Trial, gpu: bool) -> str:
     c, o, m = t.candidate, t.outcome, t.outcome.measurement
-    ok = o.status == "ok" and m is not None
+    done = m if o.status == "ok" else None  # the measurement of a trial that ran to the end
+    ok = done is not None
     error = None
     if not gpu:  # the planner plans a GPU: on the CPU only its ratios (the predicted gain) apply
         c = replace(c, predicted_tokens_per_s=None, predicted_peak_gib=None)
-    if ok and c.predicted_tokens_per_s:
-        error = c.predicted_tokens_per_s / m.tokens_per_s - 1  # type: ignore[union-attr]
+    if done is not None and c.predicted_tokens_per_s:
+        error = c.predicted_tokens_per_s / done.tokens_per_s - 1
     changes = ", ".join(f"{k} = {v}" for k, v in c.changes) or "(none)"
     status = o.status + (f": {o.message}" if o.message else "") + (" (recorded earlier)" if t.resumed else "")
     cells = [
@@ -113,9 +114,11 @@ def _row(i: int, t: Trial, gpu: bool) -> str:
         f"{esc(c.reason)}<br><span class='small'>{esc(c.source)}</span>",
         esc(_pct(c.predicted_gain) if t.role != "baseline" else ""),
         esc(_pct(t.gain) if t.role != "baseline" else ""),
-        esc(_num(c.predicted_tokens_per_s)) + " / " + esc(_num(m.tokens_per_s if ok else None)),  # type: ignore[union-attr]
+        esc(_num(c.predicted_tokens_per_s)) + " / " + esc(_num(done.tokens_per_s if done is not None else None)),
         esc(_pct(error)),
-        esc(_num(c.predicted_peak_gib, "{:.2f}")) + " / " + esc(_num(m.peak_gib if ok else None, "{:.2f}")),  # type: ignore[union-attr]
+        esc(_num(c.predicted_peak_gib, "{:.2f}"))
+        + " / "
+        + esc(_num(done.peak_gib if done is not None else None, "{:.2f}")),
         esc(_num(m.loss if m else None, "{:.4f}"))
         + (f"<br><span class='small'>{esc(t.guard)}</span>" if t.guard else ""),
         esc(status + (" - kept" if t.kept else "")),

@@ -330,7 +330,7 @@ def layout_changes(planner: Planner, top: int = 3) -> list[Candidate]:
 
 
 def _pairs(lines: list[str]) -> list[tuple[str, str]]:
-    return [tuple(line[2:].split("=", 1)) for line in lines if line.startswith("--")]  # type: ignore[misc]
+    return [tuple(line[2:].split("=", 1)) for line in lines if line.startswith("--")]  # type: ignore[misc]  # override lines are --key=value, so split('=', 1) gives the two parts
 
 
 def _typed(cfg: Config, changes: dict[str, str]) -> dict[str, Any]:

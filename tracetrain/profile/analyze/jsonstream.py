@@ -34,7 +34,7 @@ from typing import Any, TextIO
 try:
     import orjson
 except ImportError:  # optional: the standard decoder gives the same events, slower
-    orjson = None  # type: ignore[assignment]
+    orjson = None  # type: ignore[assignment]  # None marks orjson as not installed; the reader checks it before use
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
@@ -82,7 +82,7 @@ class _Stream:
     def peek(self) -> str:
         """The next non-whitespace character, not consumed; "" at end of file."""
         while True:
-            self.pos = _WHITESPACE.match(self.buf, self.pos).end()  # type: ignore[union-attr]
+            self.pos = _WHITESPACE.match(self.buf, self.pos).end()  # type: ignore[union-attr]  # _WHITESPACE matches the empty string, so match() never returns None
             if self.pos < len(self.buf):
                 return self.buf[self.pos]
             if not self._fill():
