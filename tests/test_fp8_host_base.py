@@ -5,7 +5,8 @@ copies, and merge, re-quantisation after a load and the state dict work from the
 import pytest
 import torch
 
-from tracetrain.kernels.fp8 import Float8FrozenLinear, apply_fp8
+from tracetrain.kernels.fp8 import Float8FrozenLinear
+from tracetrain.kernels.fp8_apply import apply_fp8
 from tracetrain.models.llama import ModelArgs, Transformer
 from tracetrain.models.lora import LoRALinear, apply_lora, merge_lora
 

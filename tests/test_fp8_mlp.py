@@ -2,7 +2,7 @@
 against the same MLP of three `Float8FrozenLinear`s and against float32, the `apply_fp8` swap on a tiny
 LoRA model, re-quantisation after a weight change, and a compiled block. The GEMM tests need float8
 `torch._scaled_mm` on the CPU (as test_fp8.py's). The Triton twins of the row ops are checked on a GPU by
-`tracetrain.kernels.fp8_triton.check_against_reference` (Triton is not installed on the test machines)."""
+benchmarks/fp8_triton_check.py (Triton is not installed on the test machines)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from torch import nn
 from torch.library import opcheck
 
 from tracetrain.kernels.apply import apply_compile
-from tracetrain.kernels.fp8 import E4M3, E5M2, RECIPES, Float8FrozenLinear, apply_fp8, to_float8_frozen
+from tracetrain.kernels.fp8 import E4M3, E5M2, RECIPES, Float8FrozenLinear, to_float8_frozen
+from tracetrain.kernels.fp8_apply import apply_fp8
 from tracetrain.kernels.fp8_mlp import (Float8FrozenFeedForward, fp8_mlp_eligible, swiglu_bwd_quant, swiglu_quant,
                                         to_float8_frozen_mlp)
 from tracetrain.models.llama import FeedForward, ModelArgs, Transformer

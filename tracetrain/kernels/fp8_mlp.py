@@ -16,7 +16,7 @@ backward + quantise-dY kernel measured 500 us per layer on an H100 where one pas
 W13 = cat(gate.weight, up.weight) (2 ffn, dim). Only gu is saved for backward (x and h are not): one
 (tokens, 2 ffn) activation where the eager MLP saves gate, up and silu(gate). The two row kernels are
 custom ops (opaque to torch.compile) with a pure-PyTorch default, the reference, and Triton kernels for
-CUDA (fp8_triton.py, checked against these twins by `fp8_triton.check_against_reference`).
+CUDA (fp8_triton.py, checked against these twins by benchmarks/fp8_triton_check.py).
 
 Scaling is as fp8.py's: rowwise = one power-of-two scale per row, E4M3 both ways; tensorwise = one scale
 per tensor, E5M2 gradients (a tensor-wide amax needs a second pass, so tensorwise h and dgu are not single-

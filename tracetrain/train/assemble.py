@@ -161,7 +161,7 @@ def _tiled_mlp(a: Assembly) -> None:
 
 
 def _fp8(a: Assembly) -> None:
-    from tracetrain.kernels.fp8 import apply_fp8
+    from tracetrain.kernels.fp8_apply import apply_fp8
 
     apply_fp8(a.plain(), a.spec.fp8, fused_mlp=a.spec.fp8_fused_mlp)  # type: ignore[arg-type]  # not 'none': the row runs only when fp8 is set (its predicate in TRANSFORMS)
 
