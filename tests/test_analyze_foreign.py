@@ -22,7 +22,7 @@ from rich.console import Console
 
 from tracetrain.profile.analyze import analyze, parse_trace, render_terminal
 from tracetrain.profile.analyze.categories import MEMORY_CATEGORIES, kernel_category
-from tracetrain.profile.analyze.trace import ANNOTATION, OP
+from tracetrain.profile.analyze.columns import ANNOTATION, OP
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_621_500_000_000_000.0  # µs, a 2021 wall clock like the old profiler's

@@ -19,7 +19,8 @@ from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze import analyze, parse_trace, render_json
 from tracetrain.profile.analyze import nsys as nsys_reader
 from tracetrain.profile.analyze.report import RankReport
-from tracetrain.profile.analyze.trace import ANNOTATION, read_traces
+from tracetrain.profile.analyze.columns import ANNOTATION
+from tracetrain.profile.analyze.reader import read_traces
 
 REAL = Path(__file__).parent / "data" / "traces"
 # What an export cannot carry: operator shapes (FLOP/s), allocator events, the rank's distributedInfo;

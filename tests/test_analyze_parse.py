@@ -16,7 +16,7 @@ import traces_gen as gen
 
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze import analyze, jsonstream, parse_trace
-from tracetrain.profile.analyze.trace import ANNOTATION, KERNEL, MEMCPY, OP, RUNTIME
+from tracetrain.profile.analyze.columns import ANNOTATION, KERNEL, MEMCPY, OP, RUNTIME
 
 
 def _read(text: str) -> tuple[list, dict]:

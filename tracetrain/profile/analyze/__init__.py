@@ -2,7 +2,8 @@
 
 A facade over stateless analyzers. `analyze` parses one PyTorch-profiler (Kineto) trace per rank, or
 an Nsight Systems SQLite export (nsys.py; one rank per process in it), and runs each analyzer, every
-one answering one question with a table:
+one answering one question with a table. `parse_trace` / `read_traces` (reader.py) pick the reader,
+trace.py (Kineto JSON) or nsys.py (Nsight Systems SQLite), by the file's header.
 
 | module          | question                                                                 |
 |-----------------|--------------------------------------------------------------------------|
@@ -25,10 +26,11 @@ self-contained page with inline SVG charts).
 
 from tracetrain.profile.analyze.advice import Advice
 from tracetrain.profile.analyze.compare import CompareReport, compare
+from tracetrain.profile.analyze.reader import parse_trace, read_traces
 from tracetrain.profile.analyze.render import render_json, render_terminal
 from tracetrain.profile.analyze.report import RankReport, Report, analyze
 from tracetrain.profile.analyze.report_html import render_html
-from tracetrain.profile.analyze.trace import Trace, parse_trace
+from tracetrain.profile.analyze.trace import Trace
 
 __all__ = [
     "Advice",
@@ -39,6 +41,7 @@ __all__ = [
     "analyze",
     "compare",
     "parse_trace",
+    "read_traces",
     "render_html",
     "render_json",
     "render_terminal",

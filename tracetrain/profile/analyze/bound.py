@@ -26,8 +26,9 @@ import numpy as np
 
 from tracetrain.devices import DeviceSpec
 from tracetrain.profile.analyze.categories import CATEGORIES, MEMORY_CATEGORIES
+from tracetrain.profile.analyze.columns import KERNEL
 from tracetrain.profile.analyze.select import gpu_categories, main_device, on_device
-from tracetrain.profile.analyze.trace import KERNEL, Trace
+from tracetrain.profile.analyze.trace import Trace
 from tracetrain.profile.analyze.utilisation import Utilisation
 
 SHORT_KERNEL_US: Final = 10.0

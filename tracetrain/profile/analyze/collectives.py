@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tracetrain.profile.analyze.categories import CATEGORIES, collective_of
+from tracetrain.profile.analyze.columns import OP, RUNTIME
 from tracetrain.profile.analyze.intervals import complement, measure_between, union
 from tracetrain.profile.analyze.select import gpu_categories, gpu_spans, main_device, step_rows
-from tracetrain.profile.analyze.trace import OP, RUNTIME
 
 if TYPE_CHECKING:
     from tracetrain.profile.analyze.report import RankReport

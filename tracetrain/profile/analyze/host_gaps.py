@@ -38,10 +38,11 @@ from tracetrain.profile.analyze.categories import (
     is_sync_runtime,
     phase_of,
 )
+from tracetrain.profile.analyze.columns import ANNOTATION, MEMCPY, OP, RUNTIME
 from tracetrain.profile.analyze.intervals import EMPTY, Spans, intersect, measure_between, subtract, union
 from tracetrain.profile.analyze.overhead import events_in
 from tracetrain.profile.analyze.select import host_rows, name_mask
-from tracetrain.profile.analyze.trace import ANNOTATION, MEMCPY, OP, RUNTIME, Trace
+from tracetrain.profile.analyze.trace import Trace
 
 ACTIVITIES: Final = (
     "data_loader",

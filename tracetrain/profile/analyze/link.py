@@ -11,16 +11,11 @@ bytes), and the innermost matmul-like op on the stack gives the GEMM the kernel 
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tracetrain.profile.analyze.categories import GEMM_OPS
-
-if TYPE_CHECKING:
-    from tracetrain.profile.analyze.trace import Columns
-
-_OP, _RUNTIME = 0, 2  # trace.OP, trace.RUNTIME (imported by value to avoid an import cycle)
+from tracetrain.profile.analyze.columns import OP, RUNTIME, Columns
 
 
 def _lookup(keys: np.ndarray, values: list[np.ndarray], queries: np.ndarray, fills: list[float]) -> list[np.ndarray]:
@@ -36,7 +31,7 @@ def _lookup(keys: np.ndarray, values: list[np.ndarray], queries: np.ndarray, fil
 
 def _launch_points(host: Columns, gpu: Columns, flows: Columns) -> tuple[np.ndarray, np.ndarray]:
     """Host time and thread of each GPU event's launch (NaN / -1 when unknown)."""
-    runtime = (host.kind == _RUNTIME) & (host.corr >= 0)
+    runtime = (host.kind == RUNTIME) & (host.corr >= 0)
     ts, thread = _lookup(host.corr[runtime], [host.ts[runtime], host.thread[runtime]], gpu.corr, [np.nan, -1])
     missing = np.isnan(ts) & (gpu.corr >= 0)
     if missing.any() and len(flows):
@@ -88,7 +83,7 @@ def _innermost(
 def link_launches(host: Columns, gpu: Columns, flows: Columns, names: list[str]) -> dict[str, np.ndarray]:
     """Columns to add to the GPU table: launch_ts, op and gemm_op (host row indices, -1 if none)."""
     launch_ts, launch_thread = _launch_points(host, gpu, flows)
-    op_rows = np.flatnonzero(host.kind == _OP)
+    op_rows = np.flatnonzero(host.kind == OP)
     gemm_names = np.asarray([name in GEMM_OPS for name in names], dtype=bool)
     op_is_gemm = gemm_names[host.name[op_rows]] if len(names) else np.zeros(len(op_rows), bool)
     known = np.flatnonzero(np.isfinite(launch_ts))

@@ -65,8 +65,9 @@ from tracetrain.profile.analyze.trace import (
     _Rows,
     _to_numpy,
     _window,
-    is_sqlite,
 )
+
+SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database (Nsight Systems export)
 
 NS_PER_US = 1000.0
 _CHUNK_ROWS = 8192
@@ -405,6 +406,12 @@ def _open(path: Path) -> sqlite3.Connection:
     # Read-only and immutable (an export is a finished file): SQLite takes no locks, so an export on a
     # read-only or lock-less (network) file system reads too.
     return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+
+
+def is_sqlite(path: str | Path) -> bool:
+    """Whether the file starts with SQLite's header (whatever its name)."""
+    with open(path, "rb") as raw:
+        return raw.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
 def read_nsys(path: str | Path, *, rank: int = 0, device_name: str | None = None) -> Iterator[Trace]:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tracetrain.profile.analyze.categories import STEP_ANNOTATION
-from tracetrain.profile.analyze.trace import ANNOTATION, OP, Trace
+from tracetrain.profile.analyze.columns import ANNOTATION, OP
+from tracetrain.profile.analyze.trace import Trace
 
 MAX_OPERATORS = 15
 

@@ -30,9 +30,10 @@ from typing import Final, Literal
 
 import numpy as np
 
+from tracetrain.profile.analyze.columns import OP, RUNTIME
 from tracetrain.profile.analyze.intervals import Spans, complement
 from tracetrain.profile.analyze.select import gpu_spans, main_device, step_rows
-from tracetrain.profile.analyze.trace import OP, RUNTIME, Trace
+from tracetrain.profile.analyze.trace import Trace
 
 # Idle causes set by the host's pace, which the profiler's per-event cost stretches.
 HOST_PACED: Final = ("data_loader", "sync", "host")

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tracetrain.profile.analyze.categories import PHASES, phase_of
+from tracetrain.profile.analyze.columns import ANNOTATION
 from tracetrain.profile.analyze.intervals import Spans, contains, union
 from tracetrain.profile.analyze.select import host_rows, main_device, on_device
-from tracetrain.profile.analyze.trace import ANNOTATION, Trace
+from tracetrain.profile.analyze.trace import Trace
 
 NO_PHASE = "(no phase)"
 TRACETRAIN_PREFIX = "tracetrain/"  # profile/capture.py names every phase range `tracetrain/<phase>`

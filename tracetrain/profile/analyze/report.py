@@ -37,8 +37,9 @@ from tracetrain.profile.analyze.overhead import (
     steps_span_us,
 )
 from tracetrain.profile.analyze.phases import PhaseRow, phases
+from tracetrain.profile.analyze.reader import read_traces
 from tracetrain.profile.analyze.select import main_device
-from tracetrain.profile.analyze.trace import Trace, read_traces
+from tracetrain.profile.analyze.trace import Trace
 from tracetrain.profile.analyze.utilisation import Utilisation, idle_by_cause, utilisation
 
 TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".sqlite3")

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import numpy as np
 
 from tracetrain.profile.analyze.categories import CATEGORIES, STEP_ANNOTATION, kernel_category
+from tracetrain.profile.analyze.columns import ANNOTATION, GPU_KIND_NAMES
 from tracetrain.profile.analyze.intervals import Spans, union
-from tracetrain.profile.analyze.trace import ANNOTATION, GPU_KIND_NAMES, Trace
+from tracetrain.profile.analyze.trace import Trace
 
 
 def name_mask(trace: Trace, predicate: Callable[[str], bool]) -> np.ndarray:

@@ -26,8 +26,8 @@ and counted in a note, never measured. Each event
 becomes one row of typed numpy columns; names and recorded shapes are interned, so a trace of N
 events costs about 60 bytes per kept event, not the size of its JSON.
 
-An Nsight Systems SQLite export (told by its header, not its name) is read by `nsys.py` into the same
-`Trace`; `read_traces` dispatches between the two readers.
+An Nsight Systems SQLite export is read by `nsys.py` into the same `Trace`; reader.py picks the reader
+by the file's header, not its name.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import json
 import re
 import zlib
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,13 +48,9 @@ import numpy as np
 
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze.categories import is_range_name
+from tracetrain.profile.analyze.columns import ANNOTATION, KERNEL, MEMCPY, MEMSET, OP, RUNTIME, Columns
 from tracetrain.profile.analyze.jsonstream import orjson, read_trace_document
 from tracetrain.profile.analyze.link import link_launches
-
-# Host event kinds and GPU event kinds (the `kind` column).
-OP, ANNOTATION, RUNTIME = 0, 1, 2
-KERNEL, MEMCPY, MEMSET = 0, 1, 2
-GPU_KIND_NAMES = ("kernel", "memcpy", "memset")
 
 _HOST_CATS = {
     "cpu_op": OP,
@@ -71,8 +67,6 @@ _CATEGORIES = {
     **{cat: ("host", kind) for cat, kind in _HOST_CATS.items()},
     **{cat: ("gpu", kind) for cat, kind in _GPU_CATS.items()},
 }
-SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database (Nsight Systems export)
-_SQLITE_SUFFIXES = (".sqlite", ".sqlite3")
 _UNIFIED_NAME = re.compile(r"unified memory|page ?fault", re.I)
 PROFILER_RANGE_CAT = "cuda_profiler_range"
 _UNIFIED_CAT = re.compile(r"uvm|unified", re.I)
@@ -99,24 +93,6 @@ _FLOW_COLUMNS = {"corr": "q", "ts": "d", "thread": "l"}
 _COMM_COLUMNS = {"row": "q", "group": "l", "collective": "l", "nelems": "q"}
 _MEMORY_COLUMNS = {"ts": "d", "allocated": "q", "reserved": "q", "device": "l"}
 _UNIFIED_COLUMNS = {"ts": "d", "dur": "d", "bytes": "q"}
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Named equal-length numpy columns, one row per event."""
-
-    data: dict[str, np.ndarray]
-
-    def __getattr__(self, key: str) -> np.ndarray:
-        if key.startswith("__") or key == "data":  # copy/pickle probe before `data` exists
-            raise AttributeError(key)
-        try:
-            return self.data[key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-    def __len__(self) -> int:
-        return len(next(iter(self.data.values())))
 
 
 @dataclass(frozen=True)
@@ -434,44 +410,15 @@ def _window(host: Columns, gpu: Columns) -> tuple[float, float]:
     return float(starts[finite].min()), float(ends[finite].max())
 
 
-def read_traces(path: str | Path, *, rank: int = 0, device_name: str | None = None) -> Iterator[Trace]:
-    """Every rank's `Trace` in one file, parsed one at a time: a Kineto JSON trace holds one rank; an
-    Nsight Systems SQLite export (told by its header, not its name) holds one per GPU process."""
-    path = Path(path)
-    if not path.is_file():
-        raise TracetrainError(f"trace file not found: {path}")
-    if is_sqlite(path) or path.suffix in _SQLITE_SUFFIXES:
-        # Imported here: nsys.py builds on this module's columns. It raises, naming the file, for a
-        # `.sqlite` name without SQLite's header.
-        from tracetrain.profile.analyze.nsys import read_nsys
-
-        yield from read_nsys(path, rank=rank, device_name=device_name)
-    else:
-        yield parse_trace(path, rank=rank, device_name=device_name)
-
-
-def is_sqlite(path: str | Path) -> bool:
-    """Whether the file starts with SQLite's header (whatever its name)."""
-    with open(path, "rb") as raw:
-        return raw.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
-
-
-def parse_trace(path: str | Path, *, rank: int = 0, device_name: str | None = None) -> Trace:
-    """Stream one trace file into a `Trace`. `rank` is used when the trace has no distributedInfo.
+def parse_kineto(path: str | Path, *, rank: int = 0, device_name: str | None = None) -> Trace:
+    """Stream one Kineto JSON trace file into a `Trace`. `rank` is used when the trace has no distributedInfo.
 
     Raises TracetrainError naming the file when it is missing, not JSON, has no `traceEvents`, or has
     no host or GPU events at all. A CPU-only trace (no GPU events) parses, with a note; so does a CUPTI
-    range-profiler trace, with a note saying what its counter ranges hold and what they cannot give. An
-    Nsight Systems SQLite export of one GPU process parses too (`read_traces` reads one of several).
+    range-profiler trace, with a note saying what its counter ranges hold and what they cannot give.
+    `reader.parse_trace` picks this reader or nsys.py's by the file's header.
     """
     path = Path(path)
-    if path.is_file() and (is_sqlite(path) or path.suffix in _SQLITE_SUFFIXES):
-        traces = list(read_traces(path, rank=rank, device_name=device_name))
-        if len(traces) > 1:
-            raise TracetrainError(
-                f"{path}: {len(traces)} GPU processes in one export; read them with read_traces() or analyze()"
-            )
-        return traces[0]
     builder, others = _read(path)
     host, gpu = _to_numpy(builder.host), _to_numpy(builder.gpu)
     ranges = _counter_ranges(builder)

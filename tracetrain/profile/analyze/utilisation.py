@@ -32,6 +32,7 @@ from typing import Final
 import numpy as np
 
 from tracetrain.profile.analyze.categories import CATEGORIES, is_comm_range, is_data_range, is_sync_op, is_sync_runtime
+from tracetrain.profile.analyze.columns import ANNOTATION, KERNEL, OP, RUNTIME
 from tracetrain.profile.analyze.intervals import (
     Spans,
     complement,
@@ -44,7 +45,7 @@ from tracetrain.profile.analyze.intervals import (
     union,
 )
 from tracetrain.profile.analyze.select import gpu_categories, gpu_spans, host_spans, main_device, on_device, step_rows
-from tracetrain.profile.analyze.trace import ANNOTATION, KERNEL, OP, RUNTIME, Trace
+from tracetrain.profile.analyze.trace import Trace
 
 IDLE_CAUSES: Final = ("data_loader", "sync", "communication", "host", "outside_steps")
 _COMM = CATEGORIES.index("communication")
