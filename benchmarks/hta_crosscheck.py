@@ -37,8 +37,8 @@ from common import environment, write_result  # noqa: E402
 from tracetrain.profile.analyze import analyze  # noqa: E402
 from tracetrain.profile.analyze.categories import CATEGORIES, MEMCPY_CATEGORIES, short_kernel_name  # noqa: E402
 from tracetrain.profile.analyze.intervals import intersect, union  # noqa: E402
-from tracetrain.profile.analyze.select import gpu_categories, gpu_spans  # noqa: E402
 from tracetrain.profile.analyze.reader import parse_trace  # noqa: E402
+from tracetrain.profile.analyze.select import gpu_categories, gpu_spans  # noqa: E402
 
 TRACES_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "traces"
 CASES: dict[str, list[Path]] = {

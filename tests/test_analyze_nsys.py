@@ -18,9 +18,9 @@ from tracetrain.cli import main
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze import analyze, parse_trace, render_json
 from tracetrain.profile.analyze import nsys as nsys_reader
-from tracetrain.profile.analyze.report import RankReport
 from tracetrain.profile.analyze.columns import ANNOTATION
 from tracetrain.profile.analyze.reader import read_traces
+from tracetrain.profile.analyze.report import RankReport
 
 REAL = Path(__file__).parent / "data" / "traces"
 # What an export cannot carry: operator shapes (FLOP/s), allocator events, the rank's distributedInfo;
