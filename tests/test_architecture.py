@@ -223,3 +223,73 @@ def test_every_type_ignore_names_its_code_and_reason():
                 if problem:
                     bad.append(f"{path.relative_to(PKG.parent)}:{tok.start[0]}: {problem}")
     assert not bad, "\n".join(bad)
+
+
+def _runtime_imports(node: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that runs: at module level, in functions and classes; not the type-only
+    ones under `if TYPE_CHECKING:`, which never execute."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [node]
+    if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+        return [i for child in node.orelse for i in _runtime_imports(child)]
+    return [i for child in ast.iter_child_nodes(node) for i in _runtime_imports(child)]
+
+
+def _module_graph(folder: str) -> dict[str, set[str]]:
+    """module -> the modules of the same folder it imports, e.g. {"fp8_mlp": {"fp8", "fp8_triton"}}."""
+    root = PKG / folder
+    package = "tracetrain." + folder.replace("/", ".")
+    modules = {p.relative_to(root).with_suffix("").as_posix().replace("/", "."): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        names = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif node.module and node.level == 0:  # `from pkg import sub` imports the submodule `sub`
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        inside = {n.removeprefix(package + ".") for n in names if n.startswith(package + ".")}
+        graph[module] = {m for m in inside if m in modules and m != module}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as [a, b, ..., a], or None."""
+    colour: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in colour and (found := visit(nxt)):
+                return found
+        stack.pop()
+        colour[node] = 2
+        return None
+
+    return next((c for start in sorted(graph) if start not in colour and (c := visit(start))), None)
+
+
+def test_no_import_cycle_between_modules_of_kernels_and_analyze():
+    """Inside kernels/ and profile/analyze/ modules import one way, function-level imports included
+    (a benchmark self-check in a kernel module, or a reader dispatch in a reader, tied them in loops)."""
+    for folder in ("kernels", "profile/analyze"):
+        cycle = _cycle(_module_graph(folder))
+        assert cycle is None, f"import cycle in tracetrain/{folder}: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_sees_a_function_level_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle(graph) == ["a", "b", "c", "a"] and _cycle({"a": {"b"}, "b": set()}) is None
+    tree = ast.parse("if TYPE_CHECKING:\n    import x\ndef f():\n    import y\n")
+    assert [n.names[0].name for n in _runtime_imports(tree)] == ["y"]
+
+
+def test_models_do_not_import_data():
+    """models/ holds plain modules and their generation; reading prompts, chat templates and tokenizer files
+    belongs to data/ or the caller, which pass plain values in."""
+    edges = _imports()
+    assert "data" not in edges["models"], f"models/ imports data/: {sorted(edges['models']['data'])}"

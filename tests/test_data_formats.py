@@ -148,7 +148,7 @@ def test_partial_drops_are_counted_with_their_lengths(tmp_path: Path) -> None:
 
 def test_generation_prompt_rows_read_the_alpaca_input() -> None:
     """A prompts file in the training data's format is templated as training templated it."""
-    from tracetrain.models.generate import prompt_record
+    from tracetrain.data.prompts import prompt_record
 
     row = {"instruction": "Add the numbers.", "input": "2 and 3"}
     assert prompt_record(row, data(path="x.jsonl"))["text"] == format_prompt("alpaca", "Add the numbers.", "2 and 3")

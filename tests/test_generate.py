@@ -9,6 +9,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from tracetrain.config import DataSection
 from tracetrain.data import ByteTokenizer
+from tracetrain.data.prompts import read_prompts_jsonl
 from tracetrain.models.attention import cached_attention, lower_right_causal_mask
 from tracetrain.models.generate import (
     GenerationRequest,
@@ -17,7 +18,6 @@ from tracetrain.models.generate import (
     generate_jsonl,
     left_pad,
     make_cache,
-    read_prompts_jsonl,
 )
 from tracetrain.models.kv_cache import causal_valid_mask
 from tracetrain.models.llama import ModelArgs, Transformer
@@ -245,7 +245,7 @@ def test_generate_jsonl_fields_order_and_templates(tmp_path):
     records = read_prompts_jsonl(src, data)
     assert records[1]["text"].endswith("### Instruction:\nq?\n\n### Response:\n") and records[2]["stop"] == ["\n"]
     assert read_prompts_jsonl(src, data, raw=True)[0]["text"] == "a longer prompt than the others"
-    summary = generate_jsonl(model, tok, data, src, tmp_path / "out.jsonl", max_new_tokens=6, batch_size=3)
+    summary = generate_jsonl(model, tok, records, tmp_path / "out.jsonl", max_new_tokens=6, batch_size=3)
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [o["prompt"] for o in out] == ["a longer prompt than the others", "q?", "hi", "p"]
     assert set(out[0]) == {"prompt", "completion", "finish_reason", "tokens"}

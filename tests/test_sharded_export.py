@@ -44,13 +44,15 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_streamed_export_equals_the_gathered_one(sharded_run: Path, tmp_path: Path) -> None:
+    from tracetrain.data.chat import resolve_chat_template
     from tracetrain.inference import load_trained
     from tracetrain.models.export import export_run_hf
 
     streamed, gathered = tmp_path / "streamed", tmp_path / "gathered"
     cli_here("export", str(sharded_run), "--hf", str(streamed), "--dtype=fp32", "--max-shard-size=20KB")
     loaded = load_trained(sharded_run, "cpu")  # the one-process path: the whole model, DCP-gathered
-    export_run_hf(loaded, gathered, torch.float32, max_shard_bytes=10**9)
+    template = resolve_chat_template(loaded.cfg.data, loaded.tokenizer)
+    export_run_hf(loaded, gathered, torch.float32, max_shard_bytes=10**9, chat_template=template)
     index = json.loads((streamed / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2  # sharded, with an index
     a, b = _tensors(streamed), _tensors(gathered)

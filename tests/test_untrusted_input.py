@@ -379,8 +379,8 @@ def test_data_rows_with_lone_surrogates_or_huge_numbers(tmp_path, name, text, fr
 )
 def test_prompt_files_are_read_or_refused_in_one_line(tmp_path, content, fragment):
     from tracetrain.config import DataSection
+    from tracetrain.data.prompts import read_prompts_jsonl
     from tracetrain.errors import DataError
-    from tracetrain.models.generate import read_prompts_jsonl
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(content)

@@ -81,8 +81,9 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from tracetrain.data.prompts import prompt_record, read_prompts_jsonl
     from tracetrain.inference import load_trained
-    from tracetrain.models.generate import bad_generation_option, generate_records, prompt_record, read_prompts_jsonl
+    from tracetrain.models.generate import bad_generation_option, generate_records
 
     if bool(a.prompt) == bool(a.prompts_file):
         raise TracetrainError("generate needs --prompt TEXT (repeatable) or --prompts-file FILE.jsonl, not both")
@@ -126,16 +127,11 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
         "gpu_window": a.gpu_window,
     }
     if a.chat:  # the run's chat template around each --prompt (and --system), answered until end-of-turn
+        from tracetrain.data.chat import chat_messages, chat_prompt_ids
         from tracetrain.models.chat import generate_chat
 
-        lines, summary = generate_chat(
-            loaded.model,
-            loaded.tokenizer,
-            loaded.cfg,
-            a.prompt,
-            a.system,
-            **sampling,
-        )
+        ids = [chat_prompt_ids(data, loaded.tokenizer, chat_messages(p, a.system)) for p in a.prompt]
+        lines, summary = generate_chat(loaded.model, loaded.tokenizer, a.prompt, ids, **sampling)
     else:
         records = (
             read_prompts_jsonl(a.prompts_file, data, a.raw)
@@ -192,9 +188,14 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
     loaded = load_trained(a.path, "cpu", overrides)
     if a.peft and loaded.cfg.train.mode != "lora":
         raise TracetrainError(f"{loaded.checkpoint} is a full fine-tune; --peft needs a LoRA run")
+    from tracetrain.data.chat import resolve_chat_template
+
+    # Written beside the weights: HF tokenizer files hold it, and a GGUF file names it for any tokenizer.
+    tok = loaded.tokenizer
+    template = resolve_chat_template(loaded.cfg.data, tok) if tok.has_hf_form or a.gguf else None
     notes: list[str] = []
     if a.peft:
-        notes += export_run_peft(loaded, a.peft, a.overwrite)
+        notes += export_run_peft(loaded, a.peft, a.overwrite, chat_template=template)
         print(f"PEFT adapter written to {a.peft}")
     if a.hf:
         from rich.console import Console
@@ -202,14 +203,18 @@ def cmd_export(a: argparse.Namespace, overrides: list[str]) -> int:
         from tracetrain.progress import live_progress
 
         with live_progress(Console(stderr=True)) as progress:  # a bar on a terminal, nothing in a pipe
-            notes += export_run_hf(loaded, a.hf, dtype, a.overwrite, max_shard_bytes, progress)
+            notes += export_run_hf(loaded, a.hf, dtype, a.overwrite, max_shard_bytes, progress, chat_template=template)
         print(f"Hugging Face model (adapters merged) written to {a.hf}")
     if a.gguf:
         from tracetrain.models.export import run_weights_dtype
         from tracetrain.models.gguf_export import export_run_gguf
 
         notes += export_run_gguf(
-            loaded, a.gguf, EXPORT_DTYPES.get(a.dtype) or run_weights_dtype(loaded)[0], a.overwrite
+            loaded,
+            a.gguf,
+            EXPORT_DTYPES.get(a.dtype) or run_weights_dtype(loaded)[0],
+            a.overwrite,
+            chat_template=template,
         )
         print(f"GGUF file (llama architecture, adapters merged) written to {a.gguf}")
     for note in dict.fromkeys(notes):

@@ -43,7 +43,7 @@ from tracetrain.data.files import ReadPosition, iter_rows
 from tracetrain.data.instruction import held_out_split
 from tracetrain.data.packing import DataStats, Document, Documents, TokenizedExample, compact_document
 from tracetrain.data.tokenizer import Tokenizer
-from tracetrain.errors import DataError
+from tracetrain.errors import DataError, TracetrainError
 
 SHAREGPT_FIELD = "conversations"
 SHAREGPT_ROLES = {
@@ -316,6 +316,24 @@ def render_generation_prompt(template: str, tok: Tokenizer, messages: list[dict[
     if tok.add_bos and not (bos_text and text.startswith(bos_text)):
         ids = [tok.bos_id] + ids
     return ids
+
+
+def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """[system (when given), user] messages for one prompt."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def chat_prompt_ids(data: DataSection, tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The ids a run's model answers `messages` from (`generate --chat`): its chat template with the
+    generation prompt."""
+    template = resolve_chat_template(data, tok)
+    if template is None:
+        raise TracetrainError(
+            f"--chat needs a chat template: the run's tokenizer {tok.name} has none and "
+            f"data.chat_template = {data.chat_template!r}; pass "
+            "--data.chat_template=NAME_OR_FILE.jinja, or drop --chat"
+        )
+    return render_generation_prompt(template, tok, messages)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ class Tokenizer(ABC):
     stop_ids: tuple[int, ...]  # ids that end a generated answer: EOS plus end-of-turn ids
     chat_template: str | None  # the tokenizer's own Jinja chat template
     source_dir: Path | None  # the Hugging Face tokenizer folder it came from
+    # Whether it has a Hugging Face form (tokenizer.json) that export can write; only HFTokenizer does.
+    # A flag, not an isinstance check, so that models/ (export) needs no import of data/.
+    has_hf_form: bool = False
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -226,6 +229,8 @@ class HFTokenizer(Tokenizer):
 
     `piece_chars`: a corpus document longer than this is encoded a piece at a time (module docstring).
     """
+
+    has_hf_form = True
 
     def __init__(self, path: str | Path, piece_chars: int = PIECE_CHARS) -> None:
         if piece_chars < 1:

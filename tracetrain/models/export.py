@@ -283,25 +283,19 @@ def generation_config_dict(tok: Any, init_from: str = "") -> dict[str, Any]:
     return gen
 
 
-def write_tokenizer_files(cfg: Any, tok: Any, out_dir: Path) -> list[str]:
+def write_tokenizer_files(tok: Any, chat_template: str | None, out_dir: Path) -> list[str]:
     """Tokenizer files with the run's chat template into `out_dir`; returns notes for the user."""
-    from tracetrain.data.tokenizer import HFTokenizer
-
-    if not isinstance(tok, HFTokenizer):
+    if not tok.has_hf_form:
         return [
             f"note: the {tok.name} tokenizer has no Hugging Face form; no tokenizer files were written "
             f"(ids: bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id})"
         ]
-    from tracetrain.data.chat import resolve_chat_template
-
-    tok.save_hf_files(out_dir, resolve_chat_template(cfg.data, tok))
+    tok.save_hf_files(out_dir, chat_template)
     return []
 
 
 def _tokenizer_note(tok: Any) -> str:
-    from tracetrain.data.tokenizer import HFTokenizer
-
-    return f"`{tok.name}`" if isinstance(tok, HFTokenizer) else f"{tok.name} (no Hugging Face form; none written)"
+    return f"`{tok.name}`" if tok.has_hf_form else f"{tok.name} (no Hugging Face form; none written)"
 
 
 def _checkpoint_step(ckpt: Path) -> int | None:
@@ -367,6 +361,7 @@ def export_run_hf(
     max_shard_bytes: int = 5 * 10**9,
     progress: Progress | None = None,
     *,
+    chat_template: str | None,
     args: ModelArgs | None = None,
     write_weights: Callable[[Path, torch.dtype], None] | None = None,
 ) -> list[str]:
@@ -389,7 +384,7 @@ def export_run_hf(
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(args, dtype, **ids), indent=2))
         gen = generation_config_dict(tok, cfg.model.init_from)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        notes += write_tokenizer_files(cfg, tok, tmp)
+        notes += write_tokenizer_files(tok, chat_template, tmp)
         if write_weights is not None:
             write_weights(tmp, dtype)
         else:
@@ -398,8 +393,11 @@ def export_run_hf(
     return notes
 
 
-def export_run_peft(loaded: Any, out_dir: str | Path, overwrite: bool = False) -> list[str]:
-    """A LoRA run's adapters as a PEFT adapter folder with the tokenizer files; returns notes for the user."""
+def export_run_peft(
+    loaded: Any, out_dir: str | Path, overwrite: bool = False, *, chat_template: str | None
+) -> list[str]:
+    """A LoRA run's adapters as a PEFT adapter folder with the tokenizer files (`chat_template`: the run's,
+    data/chat.py `resolve_chat_template`); returns notes for the user."""
     cfg, tok, lc = loaded.cfg, loaded.tokenizer, loaded.cfg.lora
     base = str(Path(cfg.model.init_from).resolve()) if cfg.model.init_from else ""
     notes = (
@@ -412,7 +410,7 @@ def export_run_peft(loaded: Any, out_dir: str | Path, overwrite: bool = False) -
     )
     with export_folder(Path(out_dir), "peft", overwrite, loaded.checkpoint) as tmp:
         write_peft_adapter(loaded.model, tmp, lc.rank, lc.alpha, lc.dropout, lc.targets, base)
-        notes += write_tokenizer_files(cfg, tok, tmp)
+        notes += write_tokenizer_files(tok, chat_template, tmp)
         dtype = next(iter(lora_state_dict(loaded.model).values())).dtype
         (tmp / "README.md").write_text(model_card(cfg, loaded.checkpoint, dtype, "peft", _tokenizer_note(tok)))
     return notes

@@ -82,10 +82,8 @@ def _write_params(w: Any, gguf: Any, args: ModelArgs, name: str, file_type: int)
 
 def _write_tokenizer(w: Any, gguf: Any, tok: Any, vocab_size: int, chat_template: str | None) -> list[str]:
     """The tokenizer's metadata; returns notes for the user."""
-    from tracetrain.data.tokenizer import HFTokenizer
-
     ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
-    if not isinstance(tok, HFTokenizer) or tok.tokenizer_json().get("model", {}).get("type") != "BPE":
+    if not tok.has_hf_form or tok.tokenizer_json().get("model", {}).get("type") != "BPE":
         w.add_tokenizer_model("none")
         notes = [f"note: the {tok.name} tokenizer has no GGUF form; the file names none (ids: {ids})"]
     else:
@@ -149,11 +147,12 @@ def check_gguf_target(out: Path, overwrite: bool) -> None:
         raise CheckpointError(f"--gguf {out}: folder {out.parent} does not exist; create it first")
 
 
-def export_run_gguf(loaded: Any, out_file: str | Path, dtype: torch.dtype, overwrite: bool = False) -> list[str]:
-    """A trained run (`inference.load_trained`) as a llama-architecture GGUF file; returns notes for the user."""
+def export_run_gguf(
+    loaded: Any, out_file: str | Path, dtype: torch.dtype, overwrite: bool = False, *, chat_template: str | None
+) -> list[str]:
+    """A trained run (`inference.load_trained`) as a llama-architecture GGUF file, with `chat_template` (the
+    run's, data/chat.py `resolve_chat_template`); returns notes for the user."""
     gguf = _gguf()
-    from tracetrain.data.chat import resolve_chat_template
-
     out = Path(out_file)
     check_gguf_target(out, overwrite)
     args: ModelArgs = loaded.model.args
@@ -173,9 +172,7 @@ def export_run_gguf(loaded: Any, out_file: str | Path, dtype: torch.dtype, overw
     tmp = out.with_name(f".{out.name}.tmp")
     writer = gguf.GGUFWriter(tmp, "llama")
     _write_params(writer, gguf, args, loaded.checkpoint.parent.parent.name, file_type)
-    notes = _write_tokenizer(
-        writer, gguf, loaded.tokenizer, args.vocab_size, resolve_chat_template(loaded.cfg.data, loaded.tokenizer)
-    )
+    notes = _write_tokenizer(writer, gguf, loaded.tokenizer, args.vocab_size, chat_template)
     factors = rope_freq_factors(args)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))

@@ -171,6 +171,7 @@ def export_sharded_run_hf(
     """`export_run_hf` of a sharded checkpoint folder, streamed: the model is never built or gathered."""
     from tracetrain.config import load_config
     from tracetrain.data import load_tokenizer
+    from tracetrain.data.chat import resolve_chat_template
     from tracetrain.models.build import model_args_from_config
     from tracetrain.models.export import EXPORT_DTYPES, export_run_hf
     from tracetrain.models.lora import is_lora_key
@@ -178,7 +179,8 @@ def export_sharded_run_hf(
     cfg = load_config(ckpt / "config.toml", overrides)
     args = model_args_from_config(cfg)
     scaling = cfg.lora.alpha / cfg.lora.rank if cfg.train.mode == "lora" else None
-    run = SimpleNamespace(cfg=cfg, tokenizer=load_tokenizer(cfg.data.tokenizer, cfg.model.init_from), checkpoint=ckpt)
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
+    run = SimpleNamespace(cfg=cfg, tokenizer=tok, checkpoint=ckpt)
     run.model = None
     notes = []
     if dtype is None:  # --dtype auto: as the checkpoint stores the weights (models/export.py run_weights_dtype)
@@ -190,5 +192,15 @@ def export_sharded_run_hf(
     def weights(folder: Path, out_dtype: torch.dtype) -> None:
         write_hf_from_dcp(ckpt, args, scaling, folder, out_dtype, max_shard_bytes, progress)
 
-    written = export_run_hf(run, out_dir, dtype, overwrite, max_shard_bytes, progress, args=args, write_weights=weights)
+    written = export_run_hf(
+        run,
+        out_dir,
+        dtype,
+        overwrite,
+        max_shard_bytes,
+        progress,
+        chat_template=resolve_chat_template(cfg.data, tok) if tok.has_hf_form else None,
+        args=args,
+        write_weights=weights,
+    )
     return notes + written
