@@ -62,4 +62,4 @@ def free_device_bytes(device: object) -> int:
     import torch
 
     free, _ = torch.cuda.mem_get_info(device)  # type: ignore[arg-type]  # a torch.device or an index
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # type: ignore[arg-type]  # as above
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # type: ignore[arg-type]  # a torch.device or an index, as mem_get_info takes

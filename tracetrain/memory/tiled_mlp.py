@@ -56,7 +56,7 @@ class _TiledBlock(nn.Module):
         seq = x.shape[1]  # x: (batch, seq, dim)
         if seq <= self._tile_tokens:
             return super().ffn(x)  # type: ignore[misc]  # the block class behind this mixin defines ffn
-        run = super().ffn  # type: ignore[misc]  # as above
+        run = super().ffn  # type: ignore[misc]  # the block class behind this mixin defines ffn (mypy sees the mixin alone)
         if torch.is_grad_enabled():  # without grad (evaluation) nothing is saved: plain tiles
             run = functools.partial(checkpoint, run, use_reentrant=False)
         # cat's backward only slices the gradient; the tiles' outputs are freed once joined.
@@ -86,5 +86,5 @@ def apply_tiled_mlp(model: Transformer, tile_tokens: int = DEFAULT_TILE_TOKENS) 
         if is_tiled(block):
             raise ValueError("model blocks are already tiled")
         block.__class__ = _tiled_class(type(block))  # type: ignore[arg-type, assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
-        block._tile_tokens = tile_tokens  # type: ignore[assignment]  # as above
+        block._tile_tokens = tile_tokens  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs; an int here
     return len(model.layers)
