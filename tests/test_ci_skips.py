@@ -80,7 +80,7 @@ def test_every_optional_extra_is_known_to_the_skip_check_and_the_bare_ci_step() 
     from conftest import EXTRA_SKIP
 
     pyproject = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())
-    tools = {"pytest", "hypothesis", "ruff", "mypy"}  # test and lint tools, installed in both CI steps
+    tools = {"pytest", "pytest-xdist", "hypothesis", "ruff", "mypy"}  # test and lint tools, installed in both CI steps
     names = {
         re.split(r"[<>=\[ ]", req)[0].removesuffix("-skinny")
         for reqs in pyproject["project"]["optional-dependencies"].values()

@@ -178,8 +178,11 @@ def table_cell(model: str, training: str, column: str) -> str:
 
 
 def plan_verdict(stdout: str) -> tuple[bool, float, int]:
-    """(fits, required GiB, tokens/s) from `tracetrain plan` without --search."""
-    head = stdout.splitlines()[0]
+    """(fits, required GiB, tokens/s) from `tracetrain plan` without --search: its headline follows the
+    block of the spec's decisions ("decided (on a CUDA GPU):" and one indented line each)."""
+    lines = stdout.splitlines()
+    assert lines[0].startswith("decided ("), lines[0]
+    head = next(line for line in lines[1:] if not line.startswith("  "))
     fits = ": fits" in head
     assert fits or "does NOT fit" in head, head
     tokens = int(re.search(r"([\d,]+) tokens/s", head).group(1).replace(",", ""))

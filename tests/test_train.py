@@ -14,6 +14,7 @@ from tracetrain.config import OptimSection, load_config
 from tracetrain.errors import TracetrainError
 from tracetrain.train.assemble import build_model
 from tracetrain.train.metrics import MetricsLogger
+from tracetrain.spec import resolve
 from tracetrain.train.optim import build_optimizer, lr_factor
 from tracetrain.train.step import StepContext, train_step
 
@@ -25,7 +26,7 @@ def _model_and_opt(seed: int = 0, sgd: bool = False):
     model = build_model(cfg, torch.device("cpu"))
     if sgd:  # update = gradient: parameters after one step compare the gradients themselves
         return model, torch.optim.SGD(model.parameters(), lr=1.0)
-    return model, build_optimizer(model, cfg.optim, fused=False)
+    return model, build_optimizer(model, cfg.optim, fused=resolve(cfg, torch.device("cpu")).optimizer_fused)
 
 
 def _rows(n: int, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -75,7 +76,7 @@ def test_non_finite_step_is_skipped_and_counted():
 def _fused_opt_model(seed: int = 0):
     cfg = load_config(None, ["--model.n_layers=2", f"--train.seed={seed}", "--optim.fused=on"])
     model = build_model(cfg, torch.device("cpu"))
-    return model, build_optimizer(model, cfg.optim, fused=False)
+    return model, build_optimizer(model, cfg.optim, fused=resolve(cfg, torch.device("cpu")).optimizer_fused)
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9])

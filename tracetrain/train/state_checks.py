@@ -48,7 +48,7 @@ def check_like(saved: Any, current: Any, where: Path | str, key: str, loose: Col
         if len(saved) != len(current):
             raise CheckpointError(f"{where}: '{key}' holds {len(saved)} values, this run has {len(current)}")
         for i, (s, c) in enumerate(zip(saved, current, strict=True)):
-            check_like(s, c, where, f"{key}[{i}]")
+            check_like(s, c, where, f"{key}[{i}]", loose)
     if isinstance(saved, dict):
         missing = [k for k in current if k not in saved and k not in loose]
         extra = [k for k in saved if k not in current and k not in loose]
@@ -66,7 +66,9 @@ def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, where: P
     current = optimizer.state_dict()
     if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
         raise CheckpointError(f"{where}: not an optimizer state (a dict of 'state' and 'param_groups')")
-    check_like(saved["param_groups"], current["param_groups"], where, "param_groups")
+    # 'initial_lr' is written into each group by an LR scheduler: a scheduled run's checkpoint loads into an
+    # optimizer that has none yet (the API's load_checkpoint, a scheduler built after the load).
+    check_like(saved["param_groups"], current["param_groups"], where, "param_groups", loose=("initial_lr",))
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ids = [i for group in saved["param_groups"] for i in group["params"]]
     if sorted(ids) != list(range(len(params))):
