@@ -17,7 +17,7 @@ from tracetrain.models.hf import export_hf, export_peft_adapter, load_hf_config,
 from tracetrain.models.llama import Transformer
 from tracetrain.models.lora import apply_lora, merge_lora, trainable_parameters
 
-peft = pytest.importorskip("peft", reason="DoRA is checked against PEFT (the dev extra)")
+peft = pytest.importorskip("peft", reason="DoRA is checked against PEFT: pip install peft (in the dev extra)")
 transformers = pytest.importorskip("transformers", reason="DoRA is checked against PEFT on a transformers model")
 
 TINY_HF = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
