@@ -27,15 +27,10 @@ pytestmark = pytest.mark.skipif(
     not TRUTH.is_file(), reason="no advice-truth corpus: run benchmarks/advice_truth.py on a 2-GPU machine"
 )
 # (case, check) the analyzer does not meet, and why (docs/profiling.md, "Advice against measured
-# truth"). item_per_param is an eager loop, host-paced even without its problem (its fixed twin gets
-# launch_bound): host/launch-bound advice rightly ranks first. In its re-recorded trace (call of
-# 2026-11-28 14:19, 76 syncs a step, realized 8.6%) the profiler-overhead correction removes about half
-# of the sync-charged idle, so sync_stalls falls under its 5% threshold and does not fire at all.
-HOST_PACED_TWIN = "the loop is host-paced without its problem too: host/launch-bound advice rightly comes first"
-KNOWN_MISSES = {
-    ("item_per_param", "rule"): HOST_PACED_TWIN,
-    ("item_per_param", "gain"): "the overhead correction removes half the sync-charged idle: sync_stalls does not fire",
-}
+# truth"). None at present: item_per_param, the last, passes since a sync's round trip is kept through
+# the profiler-overhead correction and a sync whose part of its refill is the larger ranks before the
+# host's pace (overhead.py, advice.rank_advice).
+KNOWN_MISSES: dict[tuple[str, str], str] = {}
 
 
 def _cases() -> dict:

@@ -69,6 +69,8 @@ class Advice:
     rank: int | None = None
     gain_ms: float | None = None  # per step
     gain_range: tuple[float, float] | None = None  # (low, high) fractions of the step
+    # Rules this one is listed before when both fire, whatever their gains (`rank_advice`).
+    ahead_of: tuple[str, ...] = ()
 
 
 def gain_text(advice: Advice) -> str:
@@ -418,11 +420,26 @@ def small_gemm(report: RankReport) -> Advice | None:
     )
 
 
+def _refill_share(report: RankReport) -> float:
+    """Of the idle in sync refills (from a sync's start until the GPU runs from its queue again), each
+    part corrected for the profiler as its cause is, the share charged to the syncs; the rest is the
+    host's pace after them, which host_bound/launch_bound charge."""
+    util = report.utilisation
+    host_literal = util.idle_us["host"]
+    host_rate = report.real_idle_us("host") / host_literal if host_literal > 0 else 0.0
+    host_part = max(util.sync_refill_us - util.idle_us["sync"], 0.0) * host_rate
+    sync_part = report.real_idle_us("sync")
+    return sync_part / (sync_part + host_part) if sync_part + host_part > 0 else 0.0
+
+
 def sync_stalls(report: RankReport) -> Advice | None:
     util = report.utilisation
     share, low, high = _host_paced(report, "sync")
     if share < 0.05:
         return None
+    # The syncs and the host's pace charge parts of the same refill; where the syncs' part is the
+    # larger, removing them is the first thing to do, and the host's pace is read again after.
+    ahead = ("host_bound", "launch_bound") if _refill_share(report) > 0.5 else ()
     many = util.syncs_per_step >= 16
     per_item = (
         " That many syncs a step is one per tensor (a `.item()` per parameter or per logged value): "
@@ -430,7 +447,7 @@ def sync_stalls(report: RankReport) -> Advice | None:
         if many
         else ""
     )
-    return _advice(
+    advice = _advice(
         report,
         "sync_stalls",
         "Host synchronisations drain the GPU queue",
@@ -451,6 +468,7 @@ def sync_stalls(report: RankReport) -> Advice | None:
         low,
         high,
     )
+    return replace(advice, ahead_of=ahead)
 
 
 def memory_headroom(report: RankReport) -> Advice | None:
@@ -532,10 +550,20 @@ def _by_gain(advice: Advice) -> float:
     return -(advice.gain if advice.gain is not None else -1.0)
 
 
+def rank_advice(found: list[Advice]) -> list[Advice]:
+    """Largest predicted gain first, except that an advice goes before the rules in its `ahead_of`."""
+    ordered = sorted(found, key=_by_gain)
+    for advice in [a for a in ordered if a.ahead_of]:
+        behind = [i for i, a in enumerate(ordered) if a.rule in advice.ahead_of]
+        if behind and min(behind) < ordered.index(advice):
+            ordered.remove(advice)
+            ordered.insert(min(behind), advice)
+    return ordered
+
+
 def advise(report: RankReport) -> list[Advice]:
-    """Every rule that fires for this rank, largest predicted gain first."""
-    found = [replace(a, rank=report.rank) for rule in RULES if (a := rule(report)) is not None]
-    return sorted(found, key=_by_gain)
+    """Every rule that fires for this rank, ranked (`rank_advice`)."""
+    return rank_advice([replace(a, rank=report.rank) for rule in RULES if (a := rule(report)) is not None])
 
 
 def merge_advice(per_rank: list[list[Advice]]) -> list[Advice]:
@@ -545,4 +573,4 @@ def merge_advice(per_rank: list[list[Advice]]) -> list[Advice]:
         current = best.get(advice.rule)
         if current is None or _by_gain(advice) < _by_gain(current):
             best[advice.rule] = advice
-    return sorted(best.values(), key=_by_gain)
+    return rank_advice(list(best.values()))

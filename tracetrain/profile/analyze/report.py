@@ -13,7 +13,7 @@ from typing import Any
 
 from tracetrain.devices import DeviceSpec, lookup_device
 from tracetrain.errors import TracetrainError
-from tracetrain.profile.analyze.advice import Advice, advise, merge_advice
+from tracetrain.profile.analyze.advice import Advice, advise, merge_advice, rank_advice
 from tracetrain.profile.analyze.bound import BoundAnalysis, bound
 from tracetrain.profile.analyze.collectives import RankCollectives, peer_waits, rank_collectives, transfer_fraction
 from tracetrain.profile.analyze.comm_memory import (
@@ -236,7 +236,7 @@ def _across_ranks(ranks: list[RankReport]) -> tuple[list[RankReport], list[Advic
             continue
         extra = grad_sync_per_microbatch(r)
         found = advise(r) + ([replace(extra, rank=r.rank)] if extra else [])
-        redone.append(replace(r, advice=sorted(found, key=lambda a: -(a.gain if a.gain is not None else -1.0))))
+        redone.append(replace(r, advice=rank_advice(found)))
     late = waiting_for_peer(redone, waits)
     late_rank = next((w.late_rank for w in waits if late is not None and w.rank == late.rank), None)
     if late_rank is not None:

@@ -91,6 +91,9 @@ class Utilisation:
     syncs_per_step: float  # host syncs (merged when nested, as `.item()` around its stream sync) per step
     has_step_ranges: bool
     timeline: list[TimelineBin]
+    # Sync and host idle from a sync's start until the GPU runs from its queue again (refill_windows):
+    # the stretch whose first part `idle_us["sync"]` charges to the sync, and the rest to the host.
+    sync_refill_us: float = 0.0
 
 
 def _step_spans(trace: Trace) -> Spans:
@@ -129,6 +132,15 @@ def _first_launch_latency(trace: Trace, device: int, times: np.ndarray) -> np.nd
     rows = rows[np.argsort(trace.gpu.launch_ts[rows], kind="stable")]
     latency = np.append(np.maximum(trace.gpu.ts[rows] - trace.gpu.launch_ts[rows], 0.0), 0.0)
     return latency[np.searchsorted(trace.gpu.launch_ts[rows], times, side="left")]
+
+
+def refill_windows(trace: Trace, device: int) -> Spans:
+    """From each host sync's start until the GPU runs from its queue again, whatever the host did
+    meanwhile (other syncs included): the drain and refill a sync starts, uncapped."""
+    syncs = _sync_spans(trace)
+    fed = _fed_starts(trace, device)
+    fed_after = np.append(fed, np.inf)[np.searchsorted(fed, syncs.ends, side="right")]
+    return union(syncs.starts, np.minimum(fed_after, trace.window[1]))
 
 
 def sync_refill(trace: Trace, device: int, idle: Spans) -> Spans:
@@ -222,6 +234,7 @@ def utilisation(trace: Trace, num_bins: int = 240, causes: dict[str, Spans] | No
     steps = _step_table(trace, busy, causes, device)
     step_spans = _step_spans(trace)
     window_us = hi - lo
+    refill = refill_windows(trace, device)
     return Utilisation(
         device=device,
         window_us=window_us,
@@ -236,4 +249,5 @@ def utilisation(trace: Trace, num_bins: int = 240, causes: dict[str, Spans] | No
         syncs_per_step=float(contains(step_spans, _sync_spans(trace).starts).sum()) / max(len(steps), 1),
         has_step_ranges=bool(steps),
         timeline=busy_timeline(trace, busy, causes, num_bins),
+        sync_refill_us=sum(intersect(causes[c], refill).total() for c in ("sync", "host")),
     )
