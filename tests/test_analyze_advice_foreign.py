@@ -249,3 +249,58 @@ def test_real_traces_charge_the_cause_with_the_idle_its_removal_removed(name, wi
     assert charged == pytest.approx(removed, rel=0.2)
     rule = {"sync": "sync_stalls", "host": "host_bound"}[cause]
     assert rule in {a.rule for a in rank.advice}
+
+
+def item_chain_then_host_bound(steps: int = 3, items: int = 20) -> dict[str, Any]:
+    """Steps of 5 320 µs. A chain of `items` per-parameter reads, block at c = s + 40 k: a norm op
+    launches a 2 µs kernel [c + 10, c + 12), then `.item()` [c + 14, c + 34) copies [c + 20, c + 22) and
+    syncs [c + 18, c + 24). Each sync costs its 20 µs plus the next launch's 8 µs of latency: 28 of the
+    36 idle µs of its block are sync idle, the 8 others the host's, inside the refill. Then 5 GEMMs
+    queue from s + 800 (the GPU runs from its queue again), and from s + 1 320 ten 100 µs GEMMs with
+    300 µs of Python between them: 3 000 µs of host idle outside every refill."""
+    b = gen.KinetoTraceBuilder()
+    step = 5_320.0
+    for i in range(steps):
+        s = i * step
+        b.annotation(f"ProfilerStep#{i}", s, step)
+        for k in range(items):
+            c = s + 40 * k
+            b.op("aten::linalg_vector_norm", c, 8, [[1024, 1024]], ["c10::BFloat16"])
+            b.gpu("reduce_kernel", c + 2, c + 10, 2)
+            _item(b, c + 14, c + 34, copy_at=c + 20, sync_start=c + 18)
+        gen.gemm_ops(b, s + 800, s + 810, 5, 100, dims=[[2048, 2048], [2048, 2048]])
+        for j in range(10):
+            gen.gemm_ops(b, s + 1_320 + 400 * j, s + 1_330 + 400 * j, 1, 100, dims=[[2048, 2048], [2048, 2048]])
+    return b.document()
+
+
+def test_a_sync_with_the_larger_part_of_its_refill_is_listed_before_the_hosts_pace(tmp_path):
+    rank = _rank(tmp_path, item_chain_then_host_bound())
+    middle = rank.utilisation.steps[1]
+    assert middle.idle_us["sync"] == pytest.approx(20 * 28)
+    rules = [a.rule for a in rank.advice]
+    gains = {a.rule: a.gain for a in rank.advice}
+    # host_bound predicts more (its 3 000 µs are elsewhere), but of the refill the syncs charge 28 of 36.
+    assert gains["host_bound"] > gains["sync_stalls"]
+    assert rules.index("sync_stalls") < rules.index("host_bound")
+
+
+def test_a_sync_with_the_smaller_part_of_its_refill_is_not(tmp_path):
+    """host_bound_item: each sync charges 38 µs of a refill of 236 (the Python after it): by gain."""
+    rank = _rank(tmp_path, host_bound_item(steps=3, blocks=10))
+    assert [a.rule for a in rank.advice] == ["host_bound", "sync_stalls"]
+    assert next(a for a in rank.advice if a.rule == "sync_stalls").ahead_of == ()
+
+
+def test_the_overhead_correction_keeps_a_syncs_round_trip(tmp_path):
+    """host_bound_item with an unprofiled step of 0.5 ms against 3 ms profiled: more to remove than all
+    the host-paced idle. Each sync's 38 µs are 8 µs of the copy's launch latency [b + 102, b + 110), 8
+    in cudaStreamSynchronize after the copy [b + 112, b + 120) (the round trip: kept), and 22 of host
+    time; the host's own idle goes entirely."""
+    path = gen.write(host_bound_item(steps=3, blocks=10), tmp_path / "rank0.json.gz")
+    (tmp_path / "rank0.timing.json").write_text('{"real_step_ms": 0.5}')
+    rank = analyze([path]).ranks[0]
+    assert rank.overhead is not None and rank.overhead.method == "measured"
+    assert rank.overhead.protected_us["sync"] == pytest.approx(3 * 10 * 16)
+    assert rank.real_idle_us("sync") == pytest.approx(3 * 10 * 16)
+    assert rank.real_idle_us("host") == pytest.approx(0, abs=1e-6)
