@@ -28,6 +28,8 @@ activity's rule, not to host_bound/launch_bound.
 | small_gemm      | GEMMs with m < 1024 below 30% of peak: >= half of GEMM time and     | half their time |
 |                 | >= 10% of step time                                                 |                 |
 | sync_stalls     | GPU idle charged to host syncs (`.item()`, ...) >= 5% of step time  | that idle time  |
+|                 | (its round trip is never corrected away, overhead.py; listed before | (round trip     |
+|                 | host/launch_bound when it holds most of its refill, syncs.py)       | kept)           |
 | memory_headroom | peak reserved memory leaves >= 40% of the GPU's memory unused       | None            |
 | exposed_comm    | NCCL transfer time not overlapped by compute, while compute the     | half that time  |
 |                 | host had already launched waited for it, >= 5% of step time         | (overlapping    |
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING, Final
 from tracetrain.profile.analyze.bound import SHORT_KERNEL_US
 from tracetrain.profile.analyze.host_gaps import activity
 from tracetrain.profile.analyze.kernels import MemcpyRow
+from tracetrain.profile.analyze.syncs import refill_share, sync_remedy
 
 if TYPE_CHECKING:
     from tracetrain.profile.analyze.report import RankReport
@@ -420,18 +423,6 @@ def small_gemm(report: RankReport) -> Advice | None:
     )
 
 
-def _refill_share(report: RankReport) -> float:
-    """Of the idle in sync refills (from a sync's start until the GPU runs from its queue again), each
-    part corrected for the profiler as its cause is, the share charged to the syncs; the rest is the
-    host's pace after them, which host_bound/launch_bound charge."""
-    util = report.utilisation
-    host_literal = util.idle_us["host"]
-    host_rate = report.real_idle_us("host") / host_literal if host_literal > 0 else 0.0
-    host_part = max(util.sync_refill_us - util.idle_us["sync"], 0.0) * host_rate
-    sync_part = report.real_idle_us("sync")
-    return sync_part / (sync_part + host_part) if sync_part + host_part > 0 else 0.0
-
-
 def sync_stalls(report: RankReport) -> Advice | None:
     util = report.utilisation
     share, low, high = _host_paced(report, "sync")
@@ -439,7 +430,7 @@ def sync_stalls(report: RankReport) -> Advice | None:
         return None
     # The syncs and the host's pace charge parts of the same refill; where the syncs' part is the
     # larger, removing them is the first thing to do, and the host's pace is read again after.
-    ahead = ("host_bound", "launch_bound") if _refill_share(report) > 0.5 else ()
+    ahead = ("host_bound", "launch_bound") if refill_share(report) > 0.5 else ()
     many = util.syncs_per_step >= 16
     per_item = (
         " That many syncs a step is one per tensor (a `.item()` per parameter or per logged value): "
@@ -455,10 +446,7 @@ def sync_stalls(report: RankReport) -> Advice | None:
             report,
             "Raise `logging.log_interval` (metrics are read back, one host sync, once per interval); "
             "look for `.item()`, `.cpu()` or `print(tensor)` in model code run inside the step.",
-            "Remove `.item()`, `.cpu()`, `.tolist()`, `print(tensor)` and `torch.cuda.synchronize()` "
-            "from the step: accumulate metrics on the GPU and read them back every N steps (for per-parameter "
-            "values, `torch.stack([...]).tolist()` once); avoid data-dependent shapes (`nonzero`, "
-            "boolean-mask indexing) in the step.",
+            sync_remedy(report),
         )
         + per_item,
         f"GPU idle {_per_step(report, report.real_idle_us('sync'))} ({share:.0%} of step time) while the host "
@@ -562,7 +550,7 @@ def rank_advice(found: list[Advice]) -> list[Advice]:
 
 
 def advise(report: RankReport) -> list[Advice]:
-    """Every rule that fires for this rank, ranked (`rank_advice`)."""
+    """Every rule that fires for this rank, largest predicted gain first but for `ahead_of`."""
     return rank_advice([replace(a, rank=report.rank) for rule in RULES if (a := rule(report)) is not None])
 
 

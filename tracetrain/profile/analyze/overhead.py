@@ -8,7 +8,8 @@ time hides behind the queue. So the unprofiled run differs from the trace in its
 - **measured**: `tracetrain profile` times unprofiled steps on both sides of the profiled window
   (`rank{R}.timing.json` beside the trace). The difference `profiled - real` per step is removed from
   the host-side idle, shared between the causes in proportion to their estimated overhead (below),
-  never more than a cause's idle;
+  never more than a cause's idle less its round trip (below; what a cause cannot take goes to the
+  others);
 - **estimated** (any other program's trace): the recording cost per event is twice the 10th
   percentile of the gaps between back-to-back top-level operators on the busiest host thread (what
   an empty gap costs: one op's end and the next one's start, both recorded; none when that floor is
@@ -222,9 +223,7 @@ def profiler_overhead(
         f"(estimated from the gaps between back-to-back operators), {events_per_step:.0f} events per step; "
         f"{total / num_steps / 1e3:.2f} ms of idle per step removed"
     )
-    return Overhead(
-        "estimated", cost, events_per_step, profiled, profiled - total / num_steps, estimated, note, kept
-    )
+    return Overhead("estimated", cost, events_per_step, profiled, profiled - total / num_steps, estimated, note, kept)
 
 
 def _measured(
