@@ -304,3 +304,43 @@ def test_the_overhead_correction_keeps_a_syncs_round_trip(tmp_path):
     assert rank.overhead.protected_us["sync"] == pytest.approx(3 * 10 * 16)
     assert rank.real_idle_us("sync") == pytest.approx(3 * 10 * 16)
     assert rank.real_idle_us("host") == pytest.approx(0, abs=1e-6)
+
+
+def drain_then_wait(steps: int = 3, op: str | None = "aten::item") -> dict[str, Any]:
+    """sync_heavy's step (10 GEMMs queued, a sync waiting for them, then 4 900 µs of host work before
+    4 more GEMMs) with the sync inside `op` (`.item()`, `nonzero`), or a bare cudaStreamSynchronize
+    (`torch.cuda.synchronize()` written out) when `op` is None."""
+    b = gen.KinetoTraceBuilder()
+    for i in range(steps):
+        s = i * 20_000.0
+        b.annotation(f"ProfilerStep#{i}", s, 20_000)
+        gen.gemm_ops(b, s, s + 100, 10, 1000)
+        if op is not None:
+            b.op(op, s + 100, 10_010)
+        b.gpu(
+            "Memcpy DtoH (Device -> Pinned)",
+            s + 105,
+            s + 10_100,
+            2,
+            cat="gpu_memcpy",
+            nbytes=4,
+            launch="cudaMemcpyAsync",
+        )
+        b.runtime("cudaStreamSynchronize", s + 110, 9_995)
+        gen.gemm_ops(b, s + 15_000, s + 15_010, 4, 1000)
+    return b.document()
+
+
+REMEDIES = {
+    "aten::item": "Read values back",
+    "aten::nonzero": "data-dependent shapes",
+    None: "torch.cuda.synchronize()",
+}
+
+
+@pytest.mark.parametrize("op", list(REMEDIES), ids=["item", "nonzero", "synchronize"])
+def test_sync_advice_names_only_the_remedy_for_the_syncs_seen(tmp_path, op):
+    advice = {a.rule: a for a in _rank(tmp_path, drain_then_wait(op=op)).advice}
+    action = advice["sync_stalls"].action
+    assert REMEDIES[op] in action
+    assert not [text for key, text in REMEDIES.items() if key != op and text in action], action
