@@ -324,7 +324,9 @@ _SAME_KNOB = {
 
 
 def _knobs(changes: dict[str, Any]) -> set[str]:
-    return {_SAME_KNOB.get(key, key) for key in changes}
+    """The knobs `changes` turn. Every `parallel.*` key is one knob, the layout: two layouts that won
+    are alternatives (DDP's `dp_replicate` and ZeRO-2's `zero_stage` merged would be a third layout)."""
+    return {"parallel" if key.startswith("parallel.") else _SAME_KNOB.get(key, key) for key in changes}
 
 
 def _mmss(seconds: float) -> str:
