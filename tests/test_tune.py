@@ -211,3 +211,5 @@ def test_layout_candidates_are_distinct_layouts_and_never_combined():
     first = build_candidates(planner, [], cuda=False, allow=())
     assert [c.source for c in first[: len(layout_changes(planner, cuda=False))]] == ["layout"] * min(3, len(layouts))
     assert _knobs(layouts[0].change_dict) & _knobs(layouts[1].change_dict)  # alternatives: never merged
+    planned = planner.predict(layouts[0].change_dict)[1]  # the planner plans both GPUs; a trial measures one
+    assert planned is not None and layouts[0].predicted_tokens_per_s == pytest.approx(planned.tokens_per_s / 2)

@@ -43,6 +43,7 @@ class Candidate:
     """One change to measure: config keys and values, why, and what the planner or the profile predicted.
 
     `predicted_gain`: tokens/s ratio minus 1 (+0.10 = 10% faster); None when nothing predicts it.
+    `predicted_tokens_per_s`: per GPU, as the trials measure it (the planner's figure is for all GPUs).
     `numerics`: the --allow word under which a numerics change is accepted ('' = none expected).
     """
 
@@ -260,11 +261,16 @@ def make_candidate(
         reason=reason,
         source=source,
         predicted_gain=gain if gain is not None else planned_gain,
-        predicted_tokens_per_s=p.tokens_per_s if p is not None else None,
+        predicted_tokens_per_s=per_gpu_tokens_per_s(p) if p is not None else None,
         predicted_peak_gib=p.memory.peak_bytes / GIB if p is not None else None,
         fits=p.fits if p is not None else None,
         numerics=numerics,
     )
+
+
+def per_gpu_tokens_per_s(p: Plan) -> float:
+    """The planner's tokens/s (all GPUs of the plan) per GPU: what a trial's metrics.jsonl records."""
+    return p.tokens_per_s / p.input.num_gpus
 
 
 def advice_gain(share: float | None) -> float | None:
