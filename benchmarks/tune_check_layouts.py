@@ -102,7 +102,7 @@ def _reference(session: Session, tuned: Config) -> tuple[list[dict[str, Any]], s
                 fits=True,
             )
         )
-    match = [c for c in cands if session.cfg.replace(c.change_dict) == tuned]
+    match = [c for c in cands if _config(session.cfg, c.change_dict) == tuned]
     picked = match[0].label if match else "tune's pick"
     if not match:  # a layout plus other changes (a combination): measured first, it is what is judged
         changes = _changes(session.cfg, tuned)
@@ -138,6 +138,16 @@ def _reference(session: Session, tuned: Config) -> tuple[list[dict[str, Any]], s
         if trial.tokens_per_s and cand.predicted_tokens_per_s:  # the planner's error on this layout
             row["planner_error"] = cand.predicted_tokens_per_s / trial.tokens_per_s - 1
     return rows, picked
+
+
+def _config(cfg: Config, changes: dict[str, Any]) -> Config | None:
+    """`cfg` with `changes`, or None where the config refuses them (the trial then records why)."""
+    from tracetrain.errors import TracetrainError
+
+    try:
+        return cfg.replace(changes)
+    except TracetrainError:
+        return None
 
 
 def _changes(cfg: Config, tuned: Config) -> dict[str, Any]:
