@@ -1,4 +1,5 @@
-"""`tracetrain tune` on one GPU against the best hand-tuned tokens/s we know (issue #31, point 5).
+"""`tracetrain tune` on one GPU against the best hand-tuned tokens/s we know, and on 2 GPUs against every
+layout measured (issue #31, point 5).
 
 Each case starts from tracetrain's default switches (compile, attention, fused loss, no recomputation, no
 offload: what `tracetrain train` resolves), with the model, the batch and 2048-token packed rows of the
@@ -19,6 +20,19 @@ script under 8 minutes on one H200. Writes `tune_check_<gpu>.json` (benchmarks/r
 to $OUT/tune_check/<case>/.
 
     PYTHONPATH=. python3 benchmarks/tune_check.py [--cases 7b-lora,1b-full] [--budget-scale 1.0]
+
+With `--gpus 2` (tune_check_layouts.py): does tune pick a layout within 5% of the best measured one? The
+case `2gpu-1b-full` (llama3.2-1b full, 2 x 2048 per rank, default switches) runs `tracetrain tune --gpus 2`
+for 3.0 minutes (the planner's top three layouts are its first candidates), then measures every
+distinct layout the planner lists for 2 GPUs (DDP, FSDP, ZeRO-1, ZeRO-2, tp2, cp2), each in its own
+torchrun process with tune's trial window and a fresh ledger, for at most 4.7 minutes, and reports tune's
+pick against the best of them (ratio, trials, minutes) in `tune_check_2gpu_<gpu>.json`. About 8 minutes
+in all; on a 2 x H200 machine:
+
+    CUDA_VISIBLE_DEVICES=0,1 TRACETRAIN_COMMIT=<sha> PYTHONPATH=. python3 benchmarks/tune_check.py --gpus 2
+
+(`--cases 2rank-cpu` runs the same check on the CPU with gloo and the built-in tiny run: the script's
+smoke test.)
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_result  # noqa: E402
+from common import environment, write_result
 
 COMMON = ["--data.seq_len=2048", "--data.kind=synthetic", "--data.tokenizer=byte", "--data.pack=true"]
 # case -> (overrides, --max-memory, best hand-tuned tok/s, where that figure comes from, budget minutes)
@@ -64,6 +78,16 @@ CASES: dict[str, tuple[list[str], float | None, float | None, str, float]] = {
         "a config that fits in 80 GiB (docs/performance.md: 6,744 tok/s with optimizer offload, H200)",
         2.1,
     ),
+}
+
+
+# The 2-GPU cases (tune_check_layouts.py): case -> (overrides, tune budget, reference budget, minutes).
+# llama3.2-1b full, 2 x 2048 per rank: its six layouts (DDP, FSDP, ZeRO-1, ZeRO-2, tp2, cp2; tied
+# embeddings rule out a pipeline) fit, and each trial is short enough that all six fit the reference budget.
+# "2rank-cpu" is the same check on the CPU with the built-in tiny run (gloo): a smoke test of the script.
+LAYOUT_CASES: dict[str, tuple[list[str], float, float]] = {
+    "2gpu-1b-full": (COMMON + ["--model.preset=llama3.2-1b", "--train.micro_batch_size=2"], 3.0, 4.7),
+    "2rank-cpu": (["--data.synthetic_examples=300", "--train.micro_batch_size=4"], 1.5, 2.5),
 }
 
 
@@ -136,14 +160,17 @@ def _trial(t) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", help=f"default: {','.join(CASES)}; with --gpus 2: 2gpu-1b-full")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiplies each case's budget (minutes)")
     ap.add_argument("--work", default="/tmp/tune_check", help="tune folders (trials, runs)")
+    ap.add_argument("--gpus", type=int, default=1, help="2: the layout cases (default cases: 2gpu-1b-full)")
     a = ap.parse_args()
     out_env = os.environ.get("OUT")
     work = Path(a.work)
+    if a.gpus > 1:
+        return main_layouts(a, work, out_env)
     rows = []
-    for name in a.cases.split(","):
+    for name in (a.cases or ",".join(CASES)).split(","):
         print(f"--- {name}", flush=True)
         rows.append(run_case(name, a.budget_scale, work))
         if out_env:
@@ -169,6 +196,33 @@ def main() -> None:
             f"{f(r['best_known_tokens_per_s'])} | {f(r['ratio_to_best_known'], '{:.3f}')} | "
             f"{f(r['tuned_peak_gib'], '{:.1f}')} | {r['num_trials']} | {r['minutes']:.1f} | {r['changes']} |"
         )
+    print(f"wrote {path}")
+
+
+def main_layouts(a: argparse.Namespace, work: Path, out_env: str | None) -> None:
+    """The 2-GPU cases: tune's layout pick against every layout measured (tune_check_layouts.py)."""
+    from tune_check_layouts import run_layout_case, table
+
+    rows = []
+    for name in (a.cases or "2gpu-1b-full").split(","):
+        overrides, budget, ref_budget = LAYOUT_CASES[name]
+        print(f"--- {name}", flush=True)
+        try:
+            row = run_layout_case(name, overrides, budget * a.budget_scale, ref_budget * a.budget_scale, a.gpus, work)
+        except Exception as e:  # one failed case must not lose the others' results
+            row = {"case": name, "error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+        if out_env:
+            for f in ("tuned.toml", "tune/report.html"):
+                if (work / name / f).is_file():
+                    dst = Path(out_env) / "tune_check" / name / Path(f).name
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(work / name / f, dst)
+    env = environment()  # after the cases: it opens a CUDA context, and the GPU's memory is the trials'
+    payload = {**env, "gpus": a.gpus, "budget_scale": a.budget_scale, "cases": rows}
+    gpu = env["device"].replace(" ", "-")
+    path = write_result(f"tune_check_{a.gpus}gpu_{gpu}.json", payload, Path(out_env) if out_env else None)
+    print("\n" + table(rows))
     print(f"wrote {path}")
 
 

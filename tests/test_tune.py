@@ -171,3 +171,45 @@ def test_bad_tune_flags_are_one_line_errors(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(words)):
             tracetrain.tune(out_dir=tmp_path, **kwargs)
     assert not (tmp_path / "tune").exists()  # refused before anything was written
+
+
+def test_two_ranks_measure_the_planners_layouts_under_torchrun(tmp_path):
+    """`--gpus 2` on the CPU: every trial runs as 2 gloo ranks (torchrun), the baseline shards the data
+    over them (FSDP), the next candidate is another of the planner's layouts, and both files are written."""
+    out = tmp_path / "two"
+    proc = _tune(out, "--gpus", "2", "--max-trials", "1", budget=3.0)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = _ledger(out)
+    assert [r["status"] for r in records] == ["ok", "ok"], records
+    assert records[1]["label"].startswith("layout ") and records[1]["label"] != "layout fsdp2"
+    runs = out / "tune" / "runs"
+    for rec in records:
+        assert json.loads((runs / rec["key"] / "spec.json").read_text())["world_size"] == 2
+    base = load_config(runs / records[0]["key"] / "config.toml").parallel
+    tried = load_config(runs / records[1]["key"] / "config.toml").parallel
+    assert (base.dp_shard, base.dp_replicate) == (2, 1)
+    assert (tried.dp_replicate, tried.dp_shard, tried.zero_stage, tried.tp, tried.cp) != (1, 2, 3, 1, 1)
+    assert records[1]["label"] in (out / "tune" / "report.html").read_text()
+    tuned = load_config(out / "tuned.toml").parallel  # a config for the 2 GPUs it was measured on
+    assert tuned.dp_replicate * tuned.dp_shard * tuned.tp * tuned.pp * tuned.cp == 2
+
+
+def test_layout_candidates_are_distinct_layouts_and_never_combined():
+    from tracetrain.config import from_dict
+    from tracetrain.tune.session import _knobs
+    from tracetrain.tune.space import Planner, build_candidates, layout_changes
+
+    cfg = from_dict({"parallel": {"dp_shard": 2}})
+    planner = Planner.of(cfg, "h100-sxm", 2, None)
+    assert planner.base is not None and planner.base.layout() == "fsdp2"
+    layouts = layout_changes(planner, cuda=False, top=10)
+    labels = [c.label for c in layouts]
+    assert len(layouts) >= 2 and len(set(labels)) == len(labels) and "layout fsdp2" not in labels
+    for c in layouts:  # the CPU offloading to itself is not a candidate
+        assert c.change_dict.get("memory.activation_offload", "none") == "none"
+        assert not c.change_dict.get("parallel.fsdp_cpu_offload", False)
+    first = build_candidates(planner, [], cuda=False, allow=())
+    assert [c.source for c in first[: len(layout_changes(planner, cuda=False))]] == ["layout"] * min(3, len(layouts))
+    assert _knobs(layouts[0].change_dict) & _knobs(layouts[1].change_dict)  # alternatives: never merged
+    planned = planner.predict(layouts[0].change_dict)[1]  # the planner plans both GPUs; a trial measures one
+    assert planned is not None and layouts[0].predicted_tokens_per_s == pytest.approx(planned.tokens_per_s / 2)

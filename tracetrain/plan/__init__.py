@@ -8,6 +8,7 @@ Pure functions over the same config the trainer reads (STYLE.md rule 5: counts c
     p.memory.breakdown      # bytes per item at the peak phase; p.fits, p.advice
     p.time.breakdown        # seconds per kind; p.tokens_per_s, p.mfu
     rows = search(base, gpus=8, top=10)   # fitting layouts ranked by tokens/s, each with a reason
+    rows = search_layouts(base, gpus=8)   # the best row of each distinct layout
 
 Modules, in the order data flows: inputs (PlanInput, GPU and link tables), activations (saved tensors
 per token, derived from models/llama.py), params (what each GPU holds), memory (phases and peak),
@@ -22,7 +23,7 @@ from tracetrain.plan.inference import GenerationPlan, plan_generation
 from tracetrain.plan.inputs import GPU_NAMES, LINKS, Links, PlanInput
 from tracetrain.plan.mapping import plan_input_from_config, plan_input_from_spec, plan_spec, plan_to_config_overrides
 from tracetrain.plan.report import render_json, render_terminal
-from tracetrain.plan.search import search
+from tracetrain.plan.search import search, search_layouts
 
 __all__ = [
     "GPU_NAMES",
@@ -43,4 +44,5 @@ __all__ = [
     "render_json",
     "render_terminal",
     "search",
+    "search_layouts",
 ]

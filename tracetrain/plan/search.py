@@ -1,4 +1,5 @@
-"""`search(base, gpus, top)`: enumerate layouts and memory settings, keep what fits, rank by tokens/s.
+"""`search(base, gpus, top)`: enumerate layouts and memory settings, keep what fits, rank by tokens/s
+(`search_layouts`: the best row of each distinct layout).
 
 Enumerated: every factorisation gpus = dp x tp x pp x cp with tp <= 8 dividing n_heads and n_kv_heads
 (and staying inside a node), pp <= n_layers (uneven splits as parallel/pipeline.py makes them), cp
@@ -115,6 +116,21 @@ def search(base: PlanInput, gpus: int, top: int = 10) -> list[Plan]:
     """Fitting plans ranked by tokens/s (best first), at most `top`, each with a one-line `reason`.
     PlanInputError when `gpus` < 1 or `base` itself cannot be planned (an unknown GPU, FP8 on a GPU
     without it): every candidate would be dropped, and "nothing fits" would be the wrong answer."""
+    return _explained(_ranked(base, gpus)[:top], base)
+
+
+def search_layouts(base: PlanInput, gpus: int, top: int | None = None) -> list[Plan]:
+    """The best fitting row of each distinct layout (`Plan.layout()`: DDP, each FSDP/ZeRO flavour, tp,
+    pp with its schedule, cp), ranked as `search` ranks them, at most `top`; each row keeps the memory
+    settings (micro-batch, recomputation, offload) the search chose for its layout."""
+    best: dict[str, Plan] = {}
+    for row in _ranked(base, gpus):
+        best.setdefault(row.layout(), row)
+    return _explained(list(best.values())[:top], base)
+
+
+def _ranked(base: PlanInput, gpus: int) -> list[Plan]:
+    """Every fitting candidate, planned without advice, in `_rank_key` order."""
     if gpus < 1:
         raise PlanInputError(f"gpus = {gpus}: must be at least 1")
     one = {"num_gpus": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
@@ -131,7 +147,11 @@ def search(base: PlanInput, gpus: int, top: int = 10) -> list[Plan]:
             row.reason_batch_changed = inp.global_batch != base.global_batch
             rows.append(row)
     rows.sort(key=_rank_key)
-    best = [plan(p.input) for p in rows[:top]]  # advice only for the rows shown
+    return rows
+
+
+def _explained(rows: list[Plan], base: PlanInput) -> list[Plan]:
+    best = [plan(p.input) for p in rows]  # advice only for the rows shown
     for p in best:
         p.reason = reason(p, base)
     return best

@@ -133,6 +133,8 @@ def _finish(session: Session, raw: dict[str, dict[str, Any]], out: Path, title: 
     best = session.best()
     base = session.baseline
     changes = {**session.start, **(best.candidate.change_dict if best else {})}
+    # A key the winner set back to your value (`dp_shard` 1 under DDP, after --gpus sharded it) is no change.
+    changes = {k: v for k, v in changes.items() if _was(session.cfg, k) != repr(v)}
     comments = _comments(session, best, changes)
     tuned = session.cfg.replace(changes) if changes else session.cfg
     result = TuneResult(
@@ -169,13 +171,13 @@ def _comments(session: Session, best: Any, changes: dict[str, Any]) -> dict[str,
     out: dict[str, str] = {}
     base = session.baseline
     for key in changes:
-        if key in session.implicit:
-            out[key] = f"tune: --gpus {session.opts.gpus}: the data sharded over them; was {_was(session.cfg, key)}"
-        elif best is not None and base is not None and key in best.candidate.change_dict:
+        if best is not None and base is not None and key in best.candidate.change_dict:
             out[key] = (
                 f"tune: {best.candidate.label} measured {best.gain:+.1%} tokens/s "
                 f"({best.tokens_per_s:,.0f} against {base.tokens_per_s:,.0f}); was {_was(session.cfg, key)}"
             )
+        elif key in session.implicit:
+            out[key] = f"tune: --gpus {session.opts.gpus}: the data sharded over them; was {_was(session.cfg, key)}"
         else:
             measured = f"measured {base.tokens_per_s:,.0f} tokens/s" if base and base.tokens_per_s else "not measured"
             out[key] = f"tune: needed to fit (the planner's pick; {measured}); was {_was(session.cfg, key)}"

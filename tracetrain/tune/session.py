@@ -25,7 +25,15 @@ from typing import Any
 
 from tracetrain.config import Config, to_toml
 from tracetrain.tune.ledger import Ledger, trial_key
-from tracetrain.tune.space import Candidate, Planner, build_candidates, fitting_start, make_candidate, override
+from tracetrain.tune.space import (
+    Candidate,
+    Planner,
+    build_candidates,
+    fitting_start,
+    make_candidate,
+    override,
+    per_gpu_tokens_per_s,
+)
 from tracetrain.tune.trial import TrialOutcome, Window, command, run_trial
 
 MIN_GAIN = 0.02  # a change must be this much faster to be kept: below it, run-to-run noise decides
@@ -223,7 +231,7 @@ class Session:
             "your config",
             "baseline",
             predicted_gain=0.0 if p else None,
-            predicted_tokens_per_s=p.tokens_per_s if p else None,
+            predicted_tokens_per_s=per_gpu_tokens_per_s(p) if p else None,
             predicted_peak_gib=p.peak_gib if p else None,
             fits=p.fits if p else None,
         )
@@ -324,7 +332,9 @@ _SAME_KNOB = {
 
 
 def _knobs(changes: dict[str, Any]) -> set[str]:
-    return {_SAME_KNOB.get(key, key) for key in changes}
+    """The knobs `changes` turn. Every `parallel.*` key is one knob, the layout: two layouts that won
+    are alternatives (DDP's `dp_replicate` and ZeRO-2's `zero_stage` merged would be a third layout)."""
+    return {"parallel" if key.startswith("parallel.") else _SAME_KNOB.get(key, key) for key in changes}
 
 
 def _mmss(seconds: float) -> str:

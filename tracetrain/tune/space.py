@@ -7,7 +7,8 @@ Candidates come from three places, in the order they are tried (largest predicte
 2. the planner's what-ifs (plan/): one knob of the resolved spec changed at a time (`knob_changes`),
    planned next to the baseline; the planner's tokens/s ratio is the prediction, and its memory model
    prunes what cannot fit (the GPU's memory, or --max-memory);
-3. with several GPUs, the planner's top layouts (`layout_changes`).
+3. with several GPUs, the planner's top layouts (`layout_changes`): the best row of each of the
+   fastest distinct layouts, tried before the what-ifs.
 
 Knobs that change numerics (FP8, fp16) are offered only when the user allows them (`--allow`); every
 candidate still faces the numerics guard (tune/session.py) after it is measured.
@@ -22,7 +23,7 @@ from typing import Any
 
 from tracetrain.config import Config
 from tracetrain.errors import TracetrainError
-from tracetrain.plan import Plan, plan, plan_input_from_config, plan_to_config_overrides, search
+from tracetrain.plan import Plan, plan, plan_input_from_config, plan_to_config_overrides, search, search_layouts
 from tracetrain.plan.mapping import FIELDS, LAYOUT_FIELDS
 from tracetrain.plan.memory import GIB
 
@@ -42,6 +43,7 @@ class Candidate:
     """One change to measure: config keys and values, why, and what the planner or the profile predicted.
 
     `predicted_gain`: tokens/s ratio minus 1 (+0.10 = 10% faster); None when nothing predicts it.
+    `predicted_tokens_per_s`: per GPU, as the trials measure it (the planner's figure is for all GPUs).
     `numerics`: the --allow word under which a numerics change is accepted ('' = none expected).
     """
 
@@ -259,11 +261,16 @@ def make_candidate(
         reason=reason,
         source=source,
         predicted_gain=gain if gain is not None else planned_gain,
-        predicted_tokens_per_s=p.tokens_per_s if p is not None else None,
+        predicted_tokens_per_s=per_gpu_tokens_per_s(p) if p is not None else None,
         predicted_peak_gib=p.memory.peak_bytes / GIB if p is not None else None,
         fits=p.fits if p is not None else None,
         numerics=numerics,
     )
+
+
+def per_gpu_tokens_per_s(p: Plan) -> float:
+    """The planner's tokens/s (all GPUs of the plan) per GPU: what a trial's metrics.jsonl records."""
+    return p.tokens_per_s / p.input.num_gpus
 
 
 def advice_gain(share: float | None) -> float | None:
@@ -281,8 +288,8 @@ def build_candidates(
     tries: Sequence[dict[str, Any]] = (),
 ) -> list[Candidate]:
     """Every candidate, deduplicated by its changes, in the order to try them: the user's --try first,
-    then advice (largest predicted gain first), then the planner's what-ifs and, with several GPUs, its
-    top layouts (largest predicted gain first; unpredicted ones last)."""
+    then advice (largest predicted gain first), then, with several GPUs, the planner's top layouts, then
+    its what-ifs (each group largest predicted gain first; unpredicted ones last)."""
     found: list[Candidate] = []
     for changes in tries:
         label = ", ".join(f"{k}={v}" for k, v in changes.items())
@@ -297,12 +304,14 @@ def build_candidates(
             if c is not None:
                 from_advice.append(c)
     found += sorted(from_advice, key=_order)
+    # With several GPUs the top layouts come before the what-ifs: the layout is the largest decision,
+    # and the what-ifs are planned (and measured) on the baseline's layout, which a layout may replace.
+    if planner.gpus > 1:
+        found += sorted(layout_changes(planner, cuda), key=_order)
     planned = [
         make_candidate(planner, label, ch, f"planner what-if: {why}", "planner")
         for label, ch, why in knob_changes(planner.cfg, cuda, allow)
     ]
-    if planner.gpus > 1:  # the top layouts compete with the what-ifs on predicted gain
-        planned += layout_changes(planner)
     found += sorted((c for c in planned if c is not None), key=_order)
     unique: dict[tuple, Candidate] = {}
     for c in found:
@@ -314,18 +323,37 @@ def _order(c: Candidate) -> tuple[bool, float]:
     return (c.predicted_gain is None, -(c.predicted_gain or 0.0))
 
 
-def layout_changes(planner: Planner, top: int = 3) -> list[Candidate]:
-    """The planner's top layouts for `planner.gpus` GPUs, as changes of the baseline's config."""
+def row_changes(planner: Planner, row: Plan) -> dict[str, Any]:
+    """The config changes that turn the baseline into `row` (empty: the row is the baseline's settings)."""
+    assert planner.base is not None
+    base_overrides = dict(_pairs(plan_to_config_overrides(planner.base)))
+    changes = {k: v for k, v in _pairs(plan_to_config_overrides(row)) if base_overrides.get(k) != v}
+    typed = _typed(planner.cfg, changes)
+    return {k: v for k, v in typed.items() if _get(planner.cfg, k) != v}
+
+
+# Switches of a layout's row that move data to the host: GPU-only, as in `_gpu_knobs`.
+_HOST_OFFLOAD = {"memory.activation_offload", "memory.optimizer_offload", "parallel.fsdp_cpu_offload"}
+
+
+def layout_changes(planner: Planner, cuda: bool = True, top: int = 3) -> list[Candidate]:
+    """The planner's top `top` layouts for `planner.gpus` GPUs other than the baseline's own (each the
+    best row of its layout), as changes of the baseline's config. On the CPU, rows that offload to the
+    host are passed over (the CPU offloading to itself measures nothing)."""
     if planner.base is None:
         return []
-    rows = search(planner.base.input, planner.gpus, top)
-    base_overrides = dict(_pairs(plan_to_config_overrides(planner.base)))
     out = []
-    for row in rows:
-        changes = {k: v for k, v in _pairs(plan_to_config_overrides(row)) if base_overrides.get(k) != v}
-        c = make_candidate(planner, f"layout {row.layout()}", _typed(planner.cfg, changes), row.reason, "layout")
+    for row in search_layouts(planner.base.input, planner.gpus):
+        if row.layout() == planner.base.layout():
+            continue  # the baseline's layout: its memory settings are the what-ifs' business
+        changes = row_changes(planner, row)
+        if not cuda and any(k in _HOST_OFFLOAD and v not in (False, "none") for k, v in changes.items()):
+            continue
+        c = make_candidate(planner, f"layout {row.layout()}", changes, row.reason, "layout")
         if c is not None:
             out.append(c)
+        if len(out) == top:
+            break
     return out
 
 
