@@ -62,9 +62,17 @@ Tiled norm + MLP (`PlanInput.tiled_mlp_tokens`, memory/tiled_mlp.py): the items 
 (post-attention norm, gate/up input, SwiGLU, down input) are held for one tile of `tiled_mlp_tokens`
 tokens at a time, a constant; the block keeps its mid residual (the tiles' input) instead.
 
+A block's backward (`attention_backward_items`, `mlp_backward_items`): besides the saved tensors, the
+residual-stream gradient (x*d), at the SwiGLU backward its output's gradient and gate's and up's (3*c*f),
+at the attention backward the output's gradient, dq/dk/dv and the kernel's own buffers (flash: a float32
+dq accumulator 4*q_dim and, with GQA, dk/dv for every query head 2*c*q_dim). For Llama 3.1 8B that is
+61,568 bytes per token at the attention backward, which a bf16 LoRA step's allocator peak shows exactly
+(benchmarks/results/long_context_peak_NVIDIA-H200.json: 131k to 1M tokens).
+
 Recomputation (tracetrain.memory, planned): "full" keeps only each checkpointed block's input (x*d),
 "selective" keeps the block input plus the outputs of every matmul and of SDPA (c*(3d + 2kv + 2f) +
-c*d + 4h, all else recomputed); either way one block's full set is live again while it is recomputed.
+c*d + 4h, all else recomputed); either way one block's full set is live again while it is recomputed
+(less what is the kept input itself: `block_input_alias`).
 Each item carries how tensor parallelism divides it: "tp" (heads / ffn sharded), "sp" (sequence-sharded
 only with sequence parallelism) or "rep" (whole on every rank: a column-parallel linear keeps its
 all-gathered input under DTensor SP, where Megatron keeps the shard and gathers again in backward).
@@ -159,6 +167,7 @@ class Item:
     split: Split = "rep"
     per_token_seq: float = 0.0
     mlp: bool = False  # of the feed-forward half (post-attention norm + MLP): what the tiled MLP tiles
+    loss_side: bool = False  # outside the blocks, freed by the loss's backward before any block's backward
 
     def at(self, seq: float) -> float:
         return self.per_token + self.per_token_seq * seq
@@ -271,19 +280,72 @@ def compiled_block_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0)
     if nm.full:
         items.append(Item("norm outputs (compute dtype)", 2 * nm.c * d))
     elif any(trains(n) for n in GATE_UP):
-        items.append(Item("gate/up input", width * d))
+        items.append(Item("gate/up input", width * d, mlp=True))
     items += [
         Item("q, k, v after RoPE", nm.c * (d + 2 * kv), "tp"),
         Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
     ]
     if trains("o_proj"):
         items.append(Item("o_proj input (contiguous copy)", width * d, "tp"))
-    items.append(Item("SwiGLU gate, up", 2 * nm.c * f * moe_factor, "tp"))
+    items.append(Item("SwiGLU gate, up", 2 * nm.c * f * moe_factor, "tp", mlp=True))
     if trains("down_proj"):
-        items.append(Item("down input", width * f * moe_factor, "tp"))
+        items.append(Item("down input", width * f * moe_factor, "tp", mlp=True))
     if nm.targets:
         items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
     return items + dora_items(args, nm)
+
+
+def block_input_alias(args: ModelArgs, nm: Numerics, path: Path) -> float:
+    """Bytes per token of a block's saved tensors that are its input itself, not a copy: the fused RMSNorm
+    keeps its input as is, a compiled block saves its input, and the eager RMSNorm's `x.float()` is x
+    when the residual stream is already float32. Under full recomputation that input is the checkpoint's
+    kept tensor, so the recomputed block must not count it twice."""
+    if path in ("kernels", "compile") or (path == "eager" and nm.x == 4):
+        return nm.x * args.dim
+    return 0.0
+
+
+def residual_gradient(args: ModelArgs, nm: Numerics) -> Item:
+    """d loss / d residual stream, alive through a block's whole backward (the residual add hands the
+    same gradient to the branch and to the skip path, summed at the block's input)."""
+    return Item("residual-stream gradient", nm.x * args.dim, "sp")
+
+
+def attention_backward_items(args: ModelArgs, nm: Numerics, backend: Backend) -> list[Item]:
+    """Buffers of one block's attention backward beyond its saved tensors, bytes per token, at the
+    attention kernel's backward (the largest moment of a block whose MLP is tiled or already done).
+
+    Flash (PyTorch's FlashAttention-2 `mha_bwd`): the output's gradient (from o_proj's backward), the
+    gradients dq, dk, dv it returns, its float32 dq accumulator (heads x head_dim per token) and the
+    row statistic softmax_d (float32, per head); with grouped-query attention it computes dk and dv for
+    every query head and sums them per group afterwards (two more query-width buffers). Memory-efficient
+    and FlexAttention: the output's gradient, dq, dk, dv and the row statistic. Math: those and the
+    gradient of the (b, h, s, s) probabilities in float32. Plus the residual-stream gradient."""
+    q, kv, h = args.q_dim, args.n_kv_heads * args.head_dim, args.n_heads
+    items = [
+        residual_gradient(args, nm),
+        Item("attention output gradient", nm.c * q, "tp"),
+        Item("dq, dk, dv", nm.c * (q + 2 * kv), "tp"),
+        Item("softmax_d (float32 row statistic)", 4 * h, "tp"),
+    ]
+    if backend == "flash":
+        items.append(Item("flash dq accumulator (float32)", 4 * q, "tp"))
+        if kv < q:
+            items.append(Item("dk, dv for every query head (GQA)", 2 * nm.c * q, "tp"))
+    if backend == "math":
+        items.append(Item("probabilities gradient (math SDPA)", 0.0, "tp", per_token_seq=4 * h))
+    return items
+
+
+def mlp_backward_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
+    """Buffers of one block's SwiGLU backward beyond its saved tensors, bytes per token: the gradient
+    of its output (down_proj's input gradient) and of gate and up, alive together at the SwiGLU
+    backward (the residual-stream gradient comes on top: `residual_gradient`)."""
+    f = args.ffn_dim * moe_factor
+    return [
+        Item("SwiGLU output gradient", nm.c * f, "tp", mlp=True),
+        Item("gate, up gradients", 2 * nm.c * f, "tp", mlp=True),
+    ]
 
 
 def selective_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
@@ -316,9 +378,9 @@ def outside_items(
     if first_stage and nm.full:
         items.append(Item("token ids", 8))
     if last_stage:
-        items.append(Item("final norm", 4 * d + 4 + (nm.x * d if nm.full else 0), "sp"))
+        items.append(Item("final norm", 4 * d + 4 + (nm.x * d if nm.full else 0), "sp", loss_side=True))
         if nm.full and not fused_ce:
-            items.append(Item("lm_head input", nm.c * d))
+            items.append(Item("lm_head input", nm.c * d, loss_side=True))
     return items
 
 

@@ -36,7 +36,12 @@ Phases (the peak is the largest; every one is affine in T, which the HTML slider
                     + all activations [+ gradients of earlier micro-batches when accumulating]
   loss forward      static + kept copies + activations + logits, fp32 copy, log-probs (c+4+4)V per token
   backward start    static + kept copies + activations + 12V per token (log-probs, two fp32 grads)
-  recompute         (recompute != none) activations + one block rematerialised with its weight copies
+  block backward    two moments of one block's backward (activations.py): its MLP's and its attention's
+                    backward, each with the block's saved tensors (rematerialised when recomputed, with
+                    its weight copies; less the kept input they alias), the residual-stream gradient
+                    and that backward's gradients and kernel buffers; the activations the loss's
+                    backward freed (final norm, eager lm_head input) are gone; with activation offload
+                    every gradient exists (block 0's backward, the last, holds as much as any other)
   backward end      static + all gradients (+ a tied embedding's dense gradient before it is added)
   optimizer step    static + all gradients + optimizer temporaries
 With the fused lm_head + cross-entropy (fused_ce, tp = pp = 1) the two loss phases hold its buffers
@@ -48,8 +53,8 @@ None), which is why a single-micro-batch step peaks at backward start with no gr
 
 Pipeline stages hold micro-batches in flight: GPipe all m, 1F1B pp - stage, interleaved (Megatron)
 2(pp - 1 - stage) + (v - 1)pp + 1 model chunks of L/(pp v) blocks. The plan reports the worst stage.
-The tiled norm + MLP (memory/tiled_mlp.py) holds the feed-forward half's items for one tile at a time
-(a constant in the recompute working set); its blocks keep their mid residual instead (activations.py).
+The tiled norm + MLP (memory/tiled_mlp.py) holds the feed-forward half's items and gradients for one
+tile at a time (a constant in the MLP backward); its blocks keep their mid residual instead (activations.py).
 Activation offload (tracetrain.memory.activation_offload) moves block activations and the autocast
 weight copies they keep to pinned host memory: "streamed" keeps two blocks on the GPU (the last block,
 never offloaded, and one in transfer), "save_on_cpu" one block, and also copies the saved parameters
@@ -89,6 +94,8 @@ NCCL_BUFFERS_BYTES = 0.5 * GIB
 # Reserved / allocated at the peak: blocks the caching allocator holds but cannot reuse. With
 # expandable segments (tracetrain's default) a few percent; with fixed segments ~10-15% is common.
 FRAGMENTATION = {True: 0.04, False: 0.12}
+# Items of the early phases that are gradients already (a block's backward then adds no "gradients").
+GRADIENT_ITEMS = {"gradients", "FSDP unsharded grads (pipeline)", "FSDP unsharded grads (accumulating)"}
 
 
 @dataclass
@@ -182,21 +189,20 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
 
 def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Affine]) -> dict[str, Affine]:
     """Activation items of one GPU: kept block activations x micro-batches in flight, what offload
-    leaves on the GPU, the recompute working set (all per token of the micro-batch, cp-split)."""
+    leaves on the GPU, what stays of them through the blocks' backward, and one block's backward working
+    sets (all per token of the micro-batch, cp-split)."""
     args, tp, sp_on = inp.model, inp.tp, inp.sequence_parallel
     first, last = stage == 0, stage == inp.pp - 1
     moe = float(inp.top_k) if inp.num_experts else 1.0
     backend, path = act.attention_backend(args, nm, inp.attention), act.block_path(inp)
-    items = act.block_items(args, nm, moe_factor=moe, backend=backend, path=path)
+    whole = act.block_items(args, nm, moe_factor=moe, backend=backend, path=path)  # untiled: the backward's
+    items = whole
     first_items = act.block_items(
         args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe, backend=backend, path=path
     )
-    tile = Affine()  # the tiled norm + MLP: one tile's feed-forward items, a constant
     if inp.tiled_mlp_tokens > 0:
-        items, tile_items = act.tiled_block_items(items, args, nm)
+        items, _ = act.tiled_block_items(items, args, nm)
         first_items, _ = act.tiled_block_items(first_items, args, nm)
-        tile_tokens = min(inp.tiled_mlp_tokens, tokens_per_microbatch(inp) / inp.cp)
-        tile = Affine(act.shard(tile_items, tp, sp_on).per_token * tile_tokens)
     blk_none = act.shard(items, tp, sp_on)
     blk_first = act.shard(first_items, tp, sp_on)
     kept = {
@@ -209,9 +215,9 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
     per_mb = kept * n_ckpt + blk_none * (n - n_ckpt)
     if first and n_ckpt == 0 and inp.mode == "lora":
         per_mb += blk_first - blk_none  # block 0 (checkpointed whenever anything is) gets no input grad
-    outside = act.shard(
-        act.outside_items(args, nm, first_stage=first, last_stage=last, fused_ce=inp.fused_ce), tp, sp_on
-    )
+    outside_items = act.outside_items(args, nm, first_stage=first, last_stage=last, fused_ce=inp.fused_ce)
+    outside = act.shard(outside_items, tp, sp_on)
+    loss_side = act.shard([i for i in outside_items if i.loss_side], tp, sp_on)
     k = in_flight(inp, stage)
     blocks = per_mb * k
     if inp.activation_offload != "none" and n * k > 2:
@@ -221,8 +227,45 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
         blocks = on_gpu
     return {
         "activations": (blocks + outside * k) * (1 / inp.cp),
-        "recompute working set": blk_none * (1 / inp.cp) + tile,
+        # the final norm's (and an eager lm_head's) saved input dies in the loss's backward, before any block's
+        "activations (blocks' backward)": (blocks + outside * k - loss_side) * (1 / inp.cp),
+        **_backward_working_sets(inp, nm, whole, moe, backend, recomputed=n_ckpt > 0),
     }
+
+
+def _backward_working_sets(
+    inp: PlanInput, nm: act.Numerics, block: list[act.Item], moe: float, backend: act.Backend, recomputed: bool
+) -> dict[str, Affine]:
+    """One block's backward beyond the kept activations, at its two largest moments (bytes, cp-split).
+
+    A recomputed block first reruns its forward: its saved tensors (`block`, untiled) are all live again,
+    less the block input the checkpoint kept (`block_input_alias`); without recomputation they are in
+    "activations" already. Then, MLP first (backward runs the block in reverse):
+      MLP backward        the saved tensors, the residual-stream gradient and the SwiGLU backward's
+                          gradients (`mlp_backward_items`). Tiled: the feed-forward half's saved tensors
+                          and gradients exist for one tile (a constant); the block keeps the tiles' input
+                          (the mid residual) and holds the residual gradient twice (the incoming one and
+                          the mid residual's, summed from the tiles' slices).
+      attention backward  the attention half's saved tensors (the MLP's are freed) and the attention
+                          kernel's backward buffers (`attention_backward_items`, residual gradient included).
+    """
+    args, tp, sp_on, cp = inp.model, inp.tp, inp.sequence_parallel, inp.cp
+    alias = act.block_input_alias(args, nm, act.block_path(inp)) if inp.recompute == "full" else 0.0
+    unalias = Affine(0.0, -alias)
+    attn_saved = act.shard([i for i in block if not i.mlp], tp, sp_on) + unalias if recomputed else Affine()
+    residual = act.shard([act.residual_gradient(args, nm)], tp, sp_on)
+    mlp_grads = act.mlp_backward_items(args, nm, moe)
+    if inp.tiled_mlp_tokens > 0:
+        tile_tokens = min(inp.tiled_mlp_tokens, tokens_per_microbatch(inp) / cp)
+        tile_items = [i for i in block if i.mlp] + mlp_grads
+        tile = Affine(act.shard(tile_items, tp, sp_on).per_token * tile_tokens * cp)  # a constant (divided below)
+        mid = act.shard([act.Item("tile inputs (mid residual)", nm.x * args.dim, "sp")], tp, sp_on)
+        mlp = attn_saved + (mid if recomputed else Affine()) + residual * 2 + tile
+    else:
+        mlp = (act.shard(block, tp, sp_on) + unalias if recomputed else Affine()) + residual
+        mlp += act.shard(mlp_grads, tp, sp_on)
+    attention = attn_saved + act.shard(act.attention_backward_items(args, nm, backend), tp, sp_on)
+    return {"block backward (MLP)": mlp * (1 / cp), "block backward (attention)": attention * (1 / cp)}
 
 
 def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
@@ -361,8 +404,17 @@ def _phases(inp: PlanInput, last: bool) -> dict[str, list[str]]:
             "activations, one micro-batch done",
             "log-probs in flight",
         ]
-    if inp.recompute != "none":
-        phases["recompute"] = early + fs_bwd + kept + ["autocast copies (1 block)", "recompute working set"]
+    # A block's backward (module docstring); a recomputed block holds its weight copies again. Block i's
+    # backward holds the kept activations of blocks <= i and the gradients of blocks > i. With activation
+    # offload the GPU holds the same resident blocks at every i, so the last block backpropagated (block
+    # 0) is the largest and has every gradient; without it the first (all activations, no block gradients
+    # yet) is counted here and the other end is close to "backward end".
+    in_backward = ["autocast copies (kept)", "activations (blocks' backward)", "log-probs in flight"]
+    offloaded = inp.activation_offload != "none"
+    in_backward += ["gradients"] if offloaded and not set(early) & GRADIENT_ITEMS else []
+    in_backward += ["autocast copies (1 block)"] if inp.recompute != "none" else []
+    for moment in ("block backward (MLP)", "block backward (attention)"):
+        phases[moment] = early + fs_bwd + in_backward + [moment]
     phases["backward end"] = static + fs_end + ["gradients", "embedding grad (dense)"]
     phases["optimizer step"] = static + ["gradients", "AdamW temporaries"]
     return phases
@@ -446,7 +498,9 @@ DISPLAY = {
     "log-probs in flight": "logits / loss",
     "logits + fp32 copy": "logits / loss",
     "loss gradients": "logits / loss",
-    "recompute working set": "activations",
+    "activations (blocks' backward)": "activations",
+    "block backward (MLP)": "activations",
+    "block backward (attention)": "activations",
     "FSDP gathered weights": "FSDP buffers",
     "fused CE (forward)": "logits / loss",
     "fused CE (backward)": "logits / loss",
