@@ -22,11 +22,15 @@ Every probe runs in its own process (an OOM leaves nothing behind; unsloth patch
    settings), as a user following `tracetrain plan` would (marked "*" in the table unless the long-context
    ones; the row's `memory` says which); should that run fail, it runs again with the long-context ones.
 2. Longest: a 32-block step at 300k+ tokens takes minutes (attention is quadratic in the length), so
-   the search probes the same shape with 1 and 2 blocks and extrapolates per block to 32: each block
+   the search probes the same shape with 2 and 3 blocks and extrapolates per block to 32: each block
    adds its weights and its checkpointed input (offloaded to the host by both systems), while the
    embedding, the head and one block's recomputation do not grow with depth (with the streamed offload
-   one block's input stays on the GPU at any depth). value(32) = v2 + 30 (v2 - v1) for GPU reserved
-   bytes, host resident bytes and step seconds alike. A length fits when both probes train and the
+   two block inputs are on the GPU at a block's backward at any depth from 2 on: the last block's, never
+   offloaded, and the one copied back). value(32) = v3 + 29 (v3 - v2) for GPU reserved bytes, host
+   resident bytes and step seconds alike. (Probes of 1 and 2 blocks, before 2026-11-28, counted the
+   second resident input once per block: 53.3 GiB at 64k where 32 blocks hold 24.3, hence the 204,800
+   of long_context_NVIDIA-H200_longest_tracetrain+unsloth.json; benchmarks/long_context_peak.py measured
+   the 32-block peaks directly.) A length fits when both probes train and the
    extrapolated GPU peak (+ 0.6 GiB CUDA context) and host peak are within the device's memory and 92%
    of the host's available memory; for tracetrain, whose probes offload every block input but the last,
    block inputs the host cannot hold are counted on the GPU instead (seq x 4096 x 2 bytes each), as
@@ -40,7 +44,7 @@ Every probe runs in its own process (an OOM leaves nothing behind; unsloth patch
 Budget: a call runs one `--part` (PARTS), and no probe starts after `--budget-s` (default 450 s; each
 probe's timeout is what is left, at most `--probe-timeout-s`); what did not run says "skipped: time
 budget". Expected on one H200 (estimates, not yet measured): speed (32k and 16k, four rows) about 7
-minutes, 64k about 6; longest (1- and 2-block probes at 64k and 128k, then one length near the limit,
+minutes, 64k about 6; longest (2- and 3-block probes at 64k and 128k, then one length near the limit,
 one step each) about 4 minutes per row, so two calls of a tracetrain row and its unsloth row each
 (`--systems tracetrain,unsloth`, `--systems tracetrain:fp8,unsloth:4bit`). The one-step probes' step
 time includes its warm-up (small next to a 300k+ token step).
@@ -76,7 +80,7 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 FULL_DEPTH = 32  # Llama 3.1 8B
 DIM = 4096
-DEPTHS = (1, 2)  # blocks of the search's probes (same offload structure: one block resident)
+DEPTHS = (2, 3)  # blocks of the search's probes (same offload structure: two block inputs resident)
 SEED_MARGIN = 0.95
 CONTEXT_GIB = 0.6  # CUDA context and workspaces outside torch's allocator
 SYSTEMS = {
@@ -501,7 +505,7 @@ def main() -> None:
     ap.add_argument("--lengths", default=None, help="full-depth timed lengths (default: the part's)")
     ap.add_argument("--seed-lengths", default=None, help="lengths probed to seed the search (default: the part's)")
     ap.add_argument("--steps", type=int, default=3, help="steps per full-depth timed length (the first warms up)")
-    ap.add_argument("--probe-steps", type=int, default=1, help="steps per search probe (1- and 2-block models)")
+    ap.add_argument("--probe-steps", type=int, default=1, help="steps per search probe (2- and 3-block models)")
     ap.add_argument("--search-probes", type=int, default=1, help="lengths the search tries after its seeds")
     ap.add_argument("--max-seq", type=int, default=1 << 20)
     ap.add_argument("--confirm", action="store_true", help="run the full model at the found longest too (slow)")
