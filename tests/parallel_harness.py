@@ -1,25 +1,25 @@
 """Test support for the parallel layouts: a tiny model, deterministic global batches, and runs of the
-trainer's own `train_step` (train/step.py) with a layout's `ParallelModel` in its StepContext.
+trainer's own `train_step` (train/step.py) on runs built as the trainer builds them.
 
-The multi-process tests run a layout and a single process on the same global batches and compare
-losses, gradients (gathered to full tensors) and parameters. Layouts are applied by the layout rows of
-the trainer's transform table (`tracetrain.train.assemble.parallelize`).
+Every run here is assembled by the trainer's path: `resolve` (spec.py) and `assemble` (train/assemble.py:
+the model on meta, the layout rows, materialisation of this rank's shards, the MoE weight, the optimizer),
+and steps with `run_step_context`'s StepContext. The multi-process tests run a layout and a single
+process on the same global batches and compare losses, gradients (gathered to full tensors) and
+parameters; the single-process reference is the same config resolved for one rank (`reference_of`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tracetrain.config import Config, load_config
-from tracetrain.models.build import materialize, model_args_from_config
-from tracetrain.parallel.apply import ParallelModel
-from tracetrain.train.optim import build_optimizer
+from tracetrain.train.assemble import Assembly, assemble, run_step_context
 from tracetrain.train.smoke import TINY as SMOKE_TINY
-from tracetrain.train.step import StepContext, StepOutput, train_step
+from tracetrain.train.step import StepOutput, train_step
 
 # The smoke test's tiny fp32 model with AdamW eps = 1 (tracetrain/train/smoke.py explains why), on the CPU.
 TINY = [*SMOKE_TINY, "--train.device=cpu"]
@@ -29,15 +29,24 @@ def tiny_config(overrides: list[str]) -> Config:
     return load_config(None, TINY + overrides)
 
 
-def build_tiny(cfg: Config) -> nn.Module:
-    """The plain model every rank builds identically (seeded), with its experts when configured (the model
-    args carry model.num_experts)."""
-    model = materialize(model_args_from_config(cfg), torch.device("cpu"), cfg.train.seed)
-    if cfg.model.num_experts:
-        from tracetrain.models.moe import set_aux_loss_weight
+def assemble_tiny(cfg: Config, world_size: int = 1, mesh: object = None) -> Assembly:
+    """cfg's run on the CPU as the trainer assembles it: resolved for `world_size` ranks and built by the
+    transform table (on `mesh`, default a new mesh over the ranks when there are several). Every rank
+    gets the same seeded values wherever its shards sit (`materialise`)."""
+    from tracetrain.spec import resolve
 
-        set_aux_loss_weight(model, cfg.model.moe_aux_loss_coef)
-    return model
+    if world_size > 1 and mesh is None:
+        from tracetrain.parallel.mesh import build_mesh
+
+        mesh = build_mesh(cfg.parallel, "cpu")
+    return assemble(resolve(cfg, torch.device("cpu"), world_size), mesh)
+
+
+def reference_of(cfg: Config) -> Assembly:
+    """A layout's single-process reference: the layout's config resolved for one rank, so the layout rows
+    do not run and the spec decides what depends on the layout as it does for the layout (the MoE
+    load-balancing weight counts the layout's forward passes; fused cross-entropy is off under TP)."""
+    return assemble_tiny(cfg, world_size=1)
 
 
 def global_batches(cfg: Config, rows: int, num: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:
@@ -47,34 +56,13 @@ def global_batches(cfg: Config, rows: int, num: int, seed: int = 7) -> list[dict
     return smoke_batches(cfg, rows, seed, num)
 
 
-def step_context(cfg: Config) -> StepContext:
-    return StepContext(
-        device=torch.device("cpu"),
-        autocast_dtype=None,
-        grad_clip=cfg.train.grad_clip,
-        use_document_mask=cfg.data.pack,
-        fused_skip=False,
-    )
-
-
 def run_step(
-    par: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]], ctx: StepContext
+    a: Assembly, micro_batches: list[dict[str, torch.Tensor]], optimizer: object = None
 ) -> StepOutput:
-    """The trainer's `train_step` for the layout `par` (its hooks ride in the StepContext, as in the trainer)."""
-    return train_step(par.module, optimizer, micro_batches, dataclasses.replace(ctx, par=par))
-
-
-def apply_layout(cfg: Config, model: nn.Module, world_size: int, mesh: object = None) -> ParallelModel:
-    """`model` with cfg's layout applied by the transform table's layout rows (on `mesh`, default a new
-    mesh over the `world_size` ranks)."""
-    from tracetrain.parallel.mesh import build_mesh
-    from tracetrain.spec import resolve
-    from tracetrain.train.assemble import parallelize
-
-    mesh = mesh if mesh is not None else build_mesh(cfg.parallel, "cpu")
-    par = parallelize(model, resolve(cfg, torch.device("cpu"), world_size), mesh)  # type: ignore[arg-type]
-    assert par is not None
-    return par
+    """The trainer's `train_step` on the assembled run `a` (its layout's hooks ride in the StepContext, as in
+    the trainer); `optimizer`: a wrapper of a.optimizer that records something around its step."""
+    opt = optimizer if optimizer is not None else a.optimizer
+    return train_step(a.module, opt, micro_batches, run_step_context(a))  # type: ignore[arg-type]
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -115,18 +103,17 @@ class GradCapture(_OptimizerWrapper):
         super().step()
 
 
-def train_and_record(
-    par: ParallelModel, cfg: Config, batches_per_step: list[list[dict[str, torch.Tensor]]]
-) -> dict[str, object]:
-    """Run one step per entry of `batches_per_step`; losses, norms, full grads and final full params."""
-    optimizer = GradCapture(build_optimizer(par.module, cfg.optim, fused=False), par.module)
-    ctx = step_context(cfg)
+def train_and_record(a: Assembly, batches_per_step: list[list[dict[str, torch.Tensor]]]) -> dict[str, object]:
+    """Run one step of the assembled run `a` per entry of `batches_per_step`; losses, norms, full grads and
+    final full params."""
+    assert a.optimizer is not None
+    optimizer = GradCapture(a.optimizer, a.module)
     losses, norms = [], []
     for micro_batches in batches_per_step:
-        out = run_step(par, optimizer, micro_batches, ctx)  # type: ignore[arg-type]
+        out = run_step(a, micro_batches, optimizer)
         losses.append(float(out.loss))
         norms.append(float(out.grad_norm))
-    params = {n: full(p) for n, p in par.module.named_parameters()}
+    params = {n: full(p) for n, p in a.module.named_parameters()}
     return {"losses": losses, "norms": norms, "grads": optimizer.grads, "params": params}
 
 
@@ -141,7 +128,7 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
 # Multi-process layout checks (run in every rank by `launch_local`)
 
 
-def _layout_facts(par: ParallelModel) -> dict[str, object]:
+def _layout_facts(par: Any) -> dict[str, object]:
     """Evidence that the layout is really applied: placements and local shapes of some weights of
     this rank's first block (rank 0), and how many blocks the rank holds."""
     first = min(int(k) for part in par.parts for k in _layer_keys(part))
@@ -163,26 +150,25 @@ def _layer_keys(part: nn.Module) -> list[str]:
     return list(layers.keys()) if isinstance(layers, nn.ModuleDict) else [str(i) for i in range(len(layers))]
 
 
-def _accumulation_probe(
-    par: ParallelModel, cfg: Config, batch: dict[str, torch.Tensor]
-) -> dict[str, dict[str, int]] | None:
+def _accumulation_probe(a: Assembly, batch: dict[str, torch.Tensor]) -> dict[str, dict[str, int]] | None:
     """Collectives issued by a non-final ("first") and the final ("last") micro-batch of a step:
-    {"first": {"allgather_base": 6, ...}, "last": {...}} from the profiler's c10d op names."""
+    {"first": {"allgather_base": 6, ...}, "last": {...}} from the profiler's c10d op names (the step's
+    own micro-batch loss, `micro_batch_loss`)."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
 
+    from tracetrain.train.step import micro_batch_loss
+
+    par = a.par
     if par.pipeline is not None:
         return None
-    ctx = step_context(cfg)
+    ctx = run_step_context(a)
     mb = par.shard_batch(batch)
     counts = {}
     for is_last in (False, True):
         with profile(activities=[ProfilerActivity.CPU]) as prof, par.micro_batch(is_last=is_last):
-            logits = par.module(
-                mb["input_ids"], mb["position_ids"], mb["document_ids"] if ctx.use_document_mask else None
-            )
-            par.cross_entropy_sum(logits, mb["labels"]).backward()
+            micro_batch_loss(par.module, mb, ctx)[0].backward()
         names = [e.name for e in prof.events()]
         tag = "last" if is_last else "first"
         counts[tag] = dict(Counter(n.split("::")[1].strip("_") for n in names if n.startswith("c10d::")))
@@ -195,17 +181,17 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
     """For each layout: 3 optimizer steps with the layout and in one process on the same global
     batches; rank 0 writes {name: {loss, norm, grad, param (max abs diffs over all ranks), facts}}.
 
-    A layout is {"name", "overrides" (config CLI overrides), "accum" (micro-batches per step),
-    "split_reference" (the single-process reference accumulates the global batch row-chunk by
-    row-chunk, one per data-parallel rank: needed where per-micro-batch statistics (MoE load
-    balancing) enter the gradient)}.
+    A layout is {"name", "overrides" (config CLI overrides), "accum" (micro-batches per step: the
+    config's train.grad_accum_steps), "split_reference" (the single-process reference accumulates the
+    global batch row-chunk by row-chunk, one per data-parallel rank: needed where per-micro-batch
+    statistics (MoE load balancing) enter the gradient)}. Both runs are assembled by the trainer's path,
+    so the MoE load-balancing weight is the trainer's (the mean over the step's forward passes).
     """
     import json
 
     import torch.distributed as dist
 
     from tracetrain.models.build import model_args_from_config
-    from tracetrain.models.moe import set_aux_loss_weight
     from tracetrain.parallel import dist as tdist
     from tracetrain.parallel.mesh import build_mesh, validate_parallel
 
@@ -213,9 +199,9 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
     info = tdist.init_distributed(timeout_s, "cpu")
     results: dict[str, object] = {}
     for layout in layouts:
-        cfg = tiny_config(layout["overrides"])
-        validate_parallel(cfg, model_args_from_config(cfg), info.world_size)
         accum = layout.get("accum", 1)
+        cfg = tiny_config([*layout["overrides"], f"--train.grad_accum_steps={accum}"])
+        validate_parallel(cfg, model_args_from_config(cfg), info.world_size)
         steps = [global_batches(cfg, 4, accum, seed=s) for s in range(3)]
         pm = build_mesh(cfg.parallel, "cpu")
         dp = pm.size("dp")
@@ -224,14 +210,10 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
             ref_steps = [
                 [{k: v.chunk(dp)[r] for k, v in mb.items()} for mb in step for r in range(dp)] for step in steps
             ]
-        reference = ParallelModel(parts=[build_tiny(cfg)])
-        # MoE aux-loss weight: the mean over the step's micro-batches and data-parallel ranks.
-        set_aux_loss_weight(reference.module, cfg.model.moe_aux_loss_coef / len(ref_steps[0]))
-        ref = train_and_record(reference, cfg, ref_steps)
-        par = apply_layout(cfg, build_tiny(cfg), info.world_size, pm)
-        set_aux_loss_weight(par.module, cfg.model.moe_aux_loss_coef / (accum * dp))
-        probe = _accumulation_probe(par, cfg, steps[0][0]) if accum > 1 else None
-        got = train_and_record(par, cfg, steps)
+        ref = train_and_record(reference_of(cfg), ref_steps)
+        built = assemble_tiny(cfg, info.world_size, pm)
+        probe = _accumulation_probe(built, steps[0][0]) if accum > 1 else None
+        got = train_and_record(built, steps)
         diffs = torch.tensor(
             [
                 max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
@@ -253,7 +235,7 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
             "num_grads_all_ranks": int(num_grads),
             "num_params": len(ref["params"]),
             "accumulation_probe": probe,
-            "facts": _layout_facts(par),
+            "facts": _layout_facts(built.par),
         }
     if info.rank == 0:
         with open(out_path, "w") as f:
@@ -336,37 +318,36 @@ def dcp_drill(run_dir: str) -> None:
     out = Path(run_dir)
     info = tdist.init_distributed(120, "cpu")
     steps = [global_batches(tiny_config([]), 4, 1, seed=s) for s in range(4)]
-    ctx = step_context(tiny_config([]))
 
-    def setup(overrides: list[str], seed: int) -> tuple[ParallelModel, torch.optim.Optimizer]:
-        cfg = tiny_config(overrides + [f"--train.seed={seed}"])
-        par = apply_layout(cfg, build_tiny(cfg), info.world_size)
-        return par, build_optimizer(par.module, cfg.optim, fused=False)
+    def setup(overrides: list[str], seed: int) -> tuple[Assembly, nn.Module, torch.optim.Optimizer]:
+        built = assemble_tiny(tiny_config(overrides + [f"--train.seed={seed}"]), info.world_size)
+        assert built.optimizer is not None
+        return built, built.module, built.optimizer
 
-    par, opt = setup(["--parallel.dp_shard=4"], seed=0)
+    run, module, opt = setup(["--parallel.dp_shard=4"], seed=0)
     for batches in steps[:2]:
-        run_step(par, opt, batches, ctx)
+        run_step(run, batches)
     reports: list[tuple[int, int | None]] = []  # rank 0's progress, as the console's bar would hear it
     progress = (lambda what, done, total, unit="": reports.append((done, total))) if info.rank == 0 else None
     path = save_sharded(
-        out, 2, par.module, opt, {"step": 2, "rank": info.rank}, "# config\n", keep_last=2, progress=progress
+        out, 2, module, opt, {"step": 2, "rank": info.rank}, "# config\n", keep_last=2, progress=progress
     )
-    saved = full_state(par.module, opt)
+    saved = full_state(module, opt)
     for batches in steps[2:]:
-        run_step(par, opt, batches, ctx)
-    straight = full_state(par.module, opt)
+        run_step(run, batches)
+    straight = full_state(module, opt)
     results: dict[str, float] = {}
     for name, overrides in (
         ("same_layout", ["--parallel.dp_shard=4"]),
         ("fsdp2_tp2", ["--parallel.dp_shard=2", "--parallel.tp=2"]),
         ("pp2_fsdp2", ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"]),
     ):
-        par, opt = setup(overrides, seed=123)  # other initial weights: only the load can make them equal
-        trainer_state = load_sharded(path, par.module, opt)
-        results[f"{name}_loaded_vs_saved"] = _subset_diff(full_state(par.module, opt), saved)
+        run, module, opt = setup(overrides, seed=123)  # other initial weights: only the load can make them equal
+        trainer_state = load_sharded(path, module, opt)
+        results[f"{name}_loaded_vs_saved"] = _subset_diff(full_state(module, opt), saved)
         for batches in steps[2:]:
-            run_step(par, opt, batches, ctx)
-        results[f"{name}_resumed_vs_straight"] = _subset_diff(full_state(par.module, opt), straight)
+            run_step(run, batches)
+        results[f"{name}_resumed_vs_straight"] = _subset_diff(full_state(module, opt), straight)
         results[f"{name}_trainer_state_step"] = trainer_state["step"]
     if info.rank == 0:
         results["save_progress_reports"] = reports
@@ -423,19 +404,19 @@ def _found_inf_step(layout: str, inject: bool, rank: int, world_size: int) -> di
 
     from tracetrain.train.step import forward_backward, optimizer_update
 
-    cfg = tiny_config([layout, "--train.precision=fp16"])
-    par = apply_layout(cfg, build_tiny(cfg), world_size)
-    optimizer = build_optimizer(par.module, cfg.optim, fused=False)
-    scaler = torch.amp.GradScaler("cpu")
-    ctx = dataclasses.replace(step_context(cfg), autocast_dtype=torch.float16, scaler=scaler, par=par)
-    before = {n: full(p) for n, p in par.module.named_parameters()}
-    total = forward_backward(par.module, global_batches(cfg, 4, 1), ctx)
+    built = assemble_tiny(tiny_config([layout, "--train.precision=fp16"]), world_size)
+    assert built.optimizer is not None and built.spec.autocast_dtype == torch.float16
+    scaler = torch.amp.GradScaler("cpu")  # the trainer's fp16 scaler (train/run_setup.py), on the CPU
+    ctx = run_step_context(built, scaler=scaler)
+    module = built.module
+    before = {n: full(p) for n, p in module.named_parameters()}
+    total = forward_backward(module, global_batches(built.spec.cfg, 4, 1), ctx)
     if inject and rank == 1:
-        p = next(p for p in par.module.parameters() if p.grad is not None)
+        p = next(p for p in module.parameters() if p.grad is not None)
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         local.view(-1)[0] = float("inf")
-    out = optimizer_update(optimizer, total, ctx)
-    after = {n: full(p) for n, p in par.module.named_parameters()}
+    out = optimizer_update(built.optimizer, total, ctx)
+    after = {n: full(p) for n, p in module.named_parameters()}
     changed = torch.tensor([float(any(not torch.equal(before[n], after[n]) for n in before))])
     flags = [torch.zeros(2), torch.zeros(2)]
     dist.all_gather(flags, torch.tensor([changed.item(), float(scaler.get_scale())]))
@@ -471,24 +452,24 @@ def _offload_compared(overrides: list[str], world_size: int) -> dict[str, object
     """`activation_offload_drill` for one layout (collective: every rank calls it)."""
     import torch.distributed as dist
 
-    from tracetrain.memory import apply_activation_offload
+    cfg = tiny_config([*overrides, "--memory.activation_offload=streamed", "--memory.activation_offload_fraction=0.5"])
 
-    cfg = tiny_config(overrides)
-
-    def run(par: ParallelModel, steps: list[list[dict[str, torch.Tensor]]]) -> tuple[dict[str, object], object]:
-        offload = apply_activation_offload(par.module, "streamed", min_offload_bytes=1, fraction=0.5)
-        optimizer = GradCapture(build_optimizer(par.module, cfg.optim, fused=False), par.module)
-        ctx = dataclasses.replace(step_context(cfg), activation_offload=offload)
-        losses = [float(run_step(par, optimizer, mbs, ctx).loss) for mbs in steps]  # type: ignore[arg-type]
-        params = {n: full(p) for n, p in par.module.named_parameters()}
-        return {"losses": losses, "grads": optimizer.grads, "params": params}, offload.stats  # type: ignore[union-attr]
+    def run(a: Assembly, steps: list[list[dict[str, torch.Tensor]]]) -> tuple[dict[str, object], object]:
+        offload = a.activation_offload
+        # The table's row offloads saved tensors of 1 MiB and more; the tiny model's are a few KiB.
+        offload.min_offload_bytes = 1
+        assert a.optimizer is not None
+        optimizer = GradCapture(a.optimizer, a.module)
+        losses = [float(run_step(a, mbs, optimizer).loss) for mbs in steps]
+        params = {n: full(p) for n, p in a.module.named_parameters()}
+        return {"losses": losses, "grads": optimizer.grads, "params": params}, offload.stats
 
     steps = [global_batches(cfg, 4, 1, seed=s) for s in range(2)]
-    ref, _ = run(ParallelModel(parts=[build_tiny(cfg)]), steps)
-    par = apply_layout(cfg, build_tiny(cfg), world_size)
-    got, stats = run(par, steps)
-    local_rows = 4 // par.mesh.size("dp")
-    _, local_ref_stats = run(ParallelModel(parts=[build_tiny(cfg)]), [global_batches(cfg, local_rows, 1)])
+    ref, _ = run(reference_of(cfg), steps)
+    built = assemble_tiny(cfg, world_size)
+    got, stats = run(built, steps)
+    local_rows = 4 // built.mesh.size("dp")
+    _, local_ref_stats = run(reference_of(cfg), [global_batches(cfg, local_rows, 1)])
     diffs = torch.tensor(
         [
             max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),  # type: ignore[call-overload]
@@ -591,9 +572,9 @@ def model_states_drill(out_path: str, layouts: list[dict]) -> None:
 
 def _record_model_states(overrides: list[str], world_size: int) -> dict[str, dict[str, dict[str, int]]]:
     """`model_states_drill` for one layout on this rank (collective: every rank calls it)."""
-    cfg = tiny_config(overrides)
-    par = apply_layout(cfg, build_tiny(cfg), world_size)
-    optimizer = StateCapture(build_optimizer(par.module, cfg.optim, fused=False), par.module)
+    built = assemble_tiny(tiny_config(overrides), world_size)
+    assert built.optimizer is not None
+    optimizer = StateCapture(built.optimizer, built.module)
     record: dict[str, dict[str, dict[str, int]]] = {}
     calls = [0]
 
@@ -607,10 +588,9 @@ def _record_model_states(overrides: list[str], world_size: int) -> dict[str, dic
             record["forward_end"] = _model_states(module, optimizer.optimizer)
 
     # Prepended: runs before FSDP's own pre-forward hook (which would gather the root's weights).
-    par.module.register_forward_pre_hook(before_forward, prepend=True)
-    par.module.register_forward_hook(after_forward)
-    ctx = step_context(cfg)
+    built.module.register_forward_pre_hook(before_forward, prepend=True)
+    built.module.register_forward_hook(after_forward)
     for seed in range(2):
-        run_step(par, optimizer, global_batches(cfg, 4, 2, seed=seed), ctx)  # type: ignore[arg-type]
+        run_step(built, global_batches(built.spec.cfg, 4, 2, seed=seed), optimizer)
     record["after_step"] = optimizer.after_step
     return record

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
-from parallel_harness import build_tiny, tiny_config
+from parallel_harness import assemble_tiny, tiny_config
 from safetensors.torch import load_file, save_file
 from test_train import run_cli
 
@@ -30,7 +30,8 @@ from tracetrain.config import load_config, to_toml
 from tracetrain.errors import CheckpointError
 from tracetrain.inference import find_checkpoint, load_trained
 from tracetrain.safe_load import load_pt, read_safetensors
-from tracetrain.train.assemble import build_model
+from tracetrain.spec import resolve
+from tracetrain.train.assemble import assemble, build_model
 from tracetrain.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -41,7 +42,6 @@ from tracetrain.train.checkpoint import (
     trainable_state_dict,
 )
 from tracetrain.train.manifest import remove_stale, verify_checkpoint, write_manifest
-from tracetrain.train.optim import build_optimizer
 from tracetrain.train.sharded_checkpoint import load_sharded, save_sharded
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")
@@ -162,11 +162,7 @@ def test_missing_tensor_is_named_even_when_the_manifest_matches(tmp_path):
 
 
 def test_lora_adapters_only_expects_every_adapter(tmp_path):
-    from tracetrain.models.lora import apply_lora
-
-    cfg = tiny_config([])
-    model = build_tiny(cfg)
-    apply_lora(model, 4, 8.0, 0.0, ["q_proj", "v_proj"])
+    model = build_model(tiny_config(["--train.mode=lora", "--lora.targets=['q_proj', 'v_proj']"]), torch.device("cpu"))
     adapters = {k: v.contiguous() for k, v in trainable_state_dict(model, lora=True).items()}
     dropped = sorted(adapters)[0]
     del adapters[dropped]
@@ -233,7 +229,7 @@ def test_unreadable_safetensors_is_one_line(tmp_path, damage):
 def test_hf_weights_with_a_truncated_file_is_one_line(tmp_path):
     from tracetrain.models.hf import load_hf_weights
 
-    model = build_tiny(tiny_config([]))
+    model = build_model(tiny_config([]), torch.device("cpu"))
     save_file({"model.embed_tokens.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "model.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes()[:20])
     with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file"):
@@ -273,8 +269,8 @@ class _Evil:
 
 def _sharded(run: Path, step: int = 2) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
     cfg = tiny_config([])
-    model = build_tiny(cfg)
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    built = assemble_tiny(cfg)
+    model, opt = built.module, built.optimizer
     path = save_sharded(run, step, model, opt, {"step": step}, "# config\n", keep_last=3)
     return path, model, opt
 
@@ -334,8 +330,8 @@ def test_crafted_dcp_metadata_fails_eval_and_resume_with_one_line(tmp_path):
     run.mkdir()
     cfg = load_config(None, RUN + [f"--train.output_dir={tmp_path}", "--train.run_name=r"])
     (run / "config.toml").write_text(to_toml(cfg))
-    model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    built = assemble(resolve(cfg, torch.device("cpu")))
+    model, opt = built.module, built.optimizer
     path = save_sharded(run, 2, model, opt, {"step": 2}, to_toml(cfg), keep_last=3)
     marker = tmp_path / "marker"
     _plant_evil_metadata(path, marker)
@@ -471,8 +467,8 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("vocab", [4096, 1024], ids=["weights-overflow", "optimizer-overflow"])
 def test_full_disk_on_a_real_tmpfs(small_disk, monkeypatch, vocab):
     cfg = tiny_config([f"--model.vocab_size={vocab}"])
-    model = build_tiny(cfg)
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    built = assemble_tiny(cfg)
+    model, opt = built.module, built.optimizer
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     opt.step()  # AdamW's states exist from the first step on
     root = small_disk / "checkpoints"

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 from conftest import cli_here
-from test_train import SMALL, _model_and_opt, _rows, read_metrics, run_cli
+from test_train import SMALL, _rows, _run, read_metrics, run_cli
 
-from tracetrain.train.step import StepContext, train_step
+from tracetrain.train.assemble import run_step_context
+from tracetrain.train.step import train_step
 
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -143,9 +144,11 @@ def test_profiler_off_adds_nothing(tmp_path):
 
 
 def test_fp16_overflow_is_skipped_and_scale_lowered():
-    model, opt = _model_and_opt()
+    a = _run("--train.precision=fp16", "--train.grad_clip=1.0")
+    model, opt = a.module, a.optimizer
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)  # overflows fp16 (max 65504)
-    ctx = StepContext(torch.device("cpu"), torch.float16, 1.0, True, False, scaler=scaler)
+    ctx = run_step_context(a, scaler=scaler)
+    assert ctx.autocast_dtype == torch.float16
     before = [p.detach().clone() for p in model.parameters()]
     out = train_step(model, opt, [_rows(2)], ctx)
     assert not out.finite.item() and not out.diverged.item()  # an overflow is routine, not divergence

@@ -20,7 +20,10 @@ from tracetrain.kernels.swiglu import FusedFeedForward
 from tracetrain.memory.recompute import apply_recompute
 from tracetrain.models.llama import KVCache, ModelArgs, Transformer, apply_rope_qk, rotate_half
 from tracetrain.models.lora import apply_lora
-from tracetrain.train.step import StepContext, loss_sum
+from tracetrain.config import load_config
+from tracetrain.spec import resolve
+from tracetrain.train.assemble import step_context
+from tracetrain.train.step import loss_sum
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97)
 f64 = dict(dtype=torch.float64)
@@ -156,9 +159,12 @@ def test_fused_linear_cross_entropy_frozen_head_and_no_grad():
 
 
 def _loss_and_grads(model, batch, fused: bool, autocast_dtype=None):
-    # The training step's own loss: fused = its chunked lm_head + cross-entropy path (train.fused_ce).
-    ctx = StepContext(torch.device("cpu"), autocast_dtype, 1.0, use_document_mask=True, fused_skip=False,
-                      fused_ce_chunk=10 if fused else 0)
+    # The training step's own loss: fused = its chunked lm_head + cross-entropy path (train.fused_ce), in
+    # 10-token chunks; the context is the one the spec of such a run gives the step.
+    precision = "bf16" if autocast_dtype == torch.bfloat16 else "fp32"
+    cfg = load_config(None, [f"--train.precision={precision}", f"--train.fused_ce={str(fused).lower()}", "--train.fused_ce_chunk=10"])
+    ctx = step_context(resolve(cfg, torch.device("cpu")))
+    assert ctx.autocast_dtype == autocast_dtype and ctx.fused_ce_chunk == (10 if fused else 0) and ctx.use_document_mask
     if fused:
         apply_fused_ce(model, 10)
     loss = loss_sum(model, batch, ctx)

@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracetrain.parallel.apply import ParallelModel
 from tracetrain.train.sharded_checkpoint import load_sharded
 from tracetrain.parallel.launch import launch_local
-from parallel_harness import (build_tiny, dcp_drill, full_state, global_batches, run_step, state_diff,
-                                         step_context, tiny_config)
-from tracetrain.train.optim import build_optimizer
+from parallel_harness import assemble_tiny, dcp_drill, full_state, global_batches, run_step, state_diff, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +57,12 @@ def test_load_in_one_process(drill: Path) -> None:
     path = Path(ref["checkpoint"])
     assert sorted(p.name for p in path.iterdir()) == ["config.toml", "dcp", "manifest.json",
                                                       *(f"trainer_state_rank{r}.pt" for r in range(4))]
-    cfg = tiny_config(["--train.seed=123"])
-    model = build_tiny(cfg)
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    run = assemble_tiny(tiny_config(["--train.seed=123"]))
+    model, opt = run.module, run.optimizer
+    assert opt is not None
     assert load_sharded(path, model, opt)["step"] == 2
     assert state_diff(full_state(model, opt), ref["saved"]) == 0.0
     steps = [global_batches(tiny_config([]), 4, 1, seed=s) for s in range(4)]
     for batches in steps[2:]:
-        run_step(ParallelModel(parts=[model]), opt, batches, step_context(cfg))
+        run_step(run, batches)
     assert state_diff(full_state(model, opt), ref["straight"]) <= 1e-6

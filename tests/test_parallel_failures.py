@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 from tracetrain.parallel.launch import free_port
-from parallel_harness import build_tiny, global_batches, tiny_config, train_and_record
-from tracetrain.parallel.apply import ParallelModel
+from parallel_harness import global_batches, reference_of, tiny_config, train_and_record
 
 TIMEOUT_S = 5
 MODES = ("raise", "hang", "exit")
@@ -110,7 +109,6 @@ def test_two_torchrun_agents_agree_with_one_process(tmp_path: Path) -> None:
     assert ranks[0]["param_checksum"] == ranks[1]["param_checksum"]
     assert any("ranks agree" in o for o in outputs)
     cfg = tiny_config(["--parallel.dp_shard=2"])
-    single = train_and_record(ParallelModel(parts=[build_tiny(cfg)]), cfg,
-                              [global_batches(cfg, 4, 1, seed=s) for s in range(2)])
+    single = train_and_record(reference_of(cfg), [global_batches(cfg, 4, 1, seed=s) for s in range(2)])
     assert ranks[0]["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["rank0.log", "rank1.log"]

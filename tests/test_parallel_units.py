@@ -14,8 +14,8 @@ from tracetrain.parallel.apply import ParallelModel
 from tracetrain.parallel.context_parallel import CPDocuments, _unzigzag, shard_sequence
 from tracetrain.parallel.mesh import validate_parallel
 from tracetrain.parallel.pipeline import split_layers
-from parallel_harness import build_tiny, global_batches, run_step, step_context, tiny_config
-from tracetrain.train.optim import build_optimizer
+from parallel_harness import assemble_tiny, global_batches, run_step, tiny_config
+from tracetrain.train.assemble import step_context
 from tracetrain.train.step import train_step
 
 
@@ -96,12 +96,14 @@ def test_moe_aux_loss_gradient_is_injected_with_its_weight() -> None:
 def test_single_process_hooks_reproduce_train_step() -> None:
     cfg = tiny_config([])
     batches = global_batches(cfg, 4, 2)
-    ctx = step_context(cfg)
-    plain = build_tiny(cfg)
-    want = train_step(plain, build_optimizer(plain, cfg.optim, fused=False), batches, ctx)
-    par = ParallelModel(parts=[build_tiny(cfg)])
-    got = run_step(par, build_optimizer(par.module, cfg.optim, fused=False), batches, ctx)
+    plain = assemble_tiny(cfg)
+    want = run_step(plain, batches)
+    # The same run with a one-process ParallelModel's hooks in the step (the trainer has none on one process).
+    hooked = assemble_tiny(cfg)
+    par = ParallelModel(parts=[hooked.module])
+    assert plain.par is None and hooked.optimizer is not None
+    got = train_step(par.module, hooked.optimizer, batches, step_context(hooked.spec, optimizer=hooked.optimizer, par=par))
     assert float(got.loss) == pytest.approx(float(want.loss), abs=1e-6)
     assert float(got.grad_norm) == pytest.approx(float(want.grad_norm), rel=1e-6)
-    for (name, p), q in zip(par.module.named_parameters(), plain.parameters()):
+    for (name, p), q in zip(par.module.named_parameters(), plain.module.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=name)

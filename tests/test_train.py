@@ -12,21 +12,27 @@ from conftest import cli_here
 
 from tracetrain.config import OptimSection, load_config
 from tracetrain.errors import TracetrainError
-from tracetrain.train.assemble import build_model
-from tracetrain.train.metrics import MetricsLogger
 from tracetrain.spec import resolve
-from tracetrain.train.optim import build_optimizer, lr_factor
+from tracetrain.train.assemble import Assembly, assemble, run_step_context, step_context
+from tracetrain.train.metrics import MetricsLogger
+from tracetrain.train.optim import lr_factor
 from tracetrain.train.step import StepContext, train_step
 
-CTX = StepContext(torch.device("cpu"), None, grad_clip=0.0, use_document_mask=True, fused_skip=False)
+
+def _run(*overrides: str) -> Assembly:
+    """A tiny two-layer run on the CPU, assembled as the trainer assembles it (spec, transform table)."""
+    cfg = load_config(None, ["--model.n_layers=2", "--train.grad_clip=0", *overrides])
+    return assemble(resolve(cfg, torch.device("cpu")))
 
 
-def _model_and_opt(seed: int = 0, sgd: bool = False):
-    cfg = load_config(None, ["--model.n_layers=2", f"--train.seed={seed}", "--optim.weight_decay=0.0"])
-    model = build_model(cfg, torch.device("cpu"))
+def _model_and_opt(seed: int = 0, sgd: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, StepContext]:
+    """The model, optimizer and the step's context of a run without weight decay and without clipping."""
+    a = _run(f"--train.seed={seed}", "--optim.weight_decay=0.0")
+    assert a.optimizer is not None
     if sgd:  # update = gradient: parameters after one step compare the gradients themselves
-        return model, torch.optim.SGD(model.parameters(), lr=1.0)
-    return model, build_optimizer(model, cfg.optim, fused=resolve(cfg, torch.device("cpu")).optimizer_fused)
+        opt: torch.optim.Optimizer = torch.optim.SGD(a.module.parameters(), lr=1.0)
+        return a.module, opt, step_context(a.spec, optimizer=opt)
+    return a.module, a.optimizer, run_step_context(a)
 
 
 def _rows(n: int, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -44,56 +50,57 @@ def _rows(n: int, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
 def test_accumulation_equals_one_large_batch():
     big = _rows(4)
     halves = [{k: v[:1] for k, v in big.items()}, {k: v[1:] for k, v in big.items()}]
-    m1, o1 = _model_and_opt(sgd=True)
-    m2, o2 = _model_and_opt(sgd=True)
-    out1 = train_step(m1, o1, [big], CTX)
-    out2 = train_step(m2, o2, halves, CTX)
+    m1, o1, ctx = _model_and_opt(sgd=True)
+    m2, o2, _ = _model_and_opt(sgd=True)
+    out1 = train_step(m1, o1, [big], ctx)
+    out2 = train_step(m2, o2, halves, ctx)
     assert out1.loss.item() == pytest.approx(out2.loss.item(), rel=1e-6)
     assert out1.grad_norm.item() == pytest.approx(out2.grad_norm.item(), rel=1e-5)
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         assert torch.allclose(p1, p2, atol=1e-6, rtol=0)
     # And the check can fail: naive per-micro-batch means give a different gradient.
-    m3, _ = _model_and_opt()
+    m3, _, _ = _model_and_opt()
     from tracetrain.train.step import loss_sum
 
     for mb in halves:
-        (loss_sum(m3, mb, CTX) / (mb["labels"] != -100).sum() / 2).backward()
+        (loss_sum(m3, mb, ctx) / (mb["labels"] != -100).sum() / 2).backward()
     naive = torch.nn.utils.clip_grad_norm_(list(m3.parameters()), float("inf"))
     assert naive.item() != pytest.approx(out1.grad_norm.item(), rel=1e-3)
 
 
 def test_non_finite_step_is_skipped_and_counted():
-    model, opt = _model_and_opt()
+    model, opt, ctx = _model_and_opt()
     before = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
-    out = train_step(model, opt, [_rows(2)], CTX)
+    out = train_step(model, opt, [_rows(2)], ctx)
     assert not out.finite.item()
     changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
     assert sum(changed) == 1  # only the weight we poisoned differs; no update was applied
 
 
-def _fused_opt_model(seed: int = 0):
-    cfg = load_config(None, ["--model.n_layers=2", f"--train.seed={seed}", "--optim.fused=on"])
-    model = build_model(cfg, torch.device("cpu"))
-    return model, build_optimizer(model, cfg.optim, fused=resolve(cfg, torch.device("cpu")).optimizer_fused)
+def _fused_run(grad_clip: float = 0.0) -> Assembly:
+    """A run with the fused AdamW (the spec's `optimizer_fused`), clipping at `grad_clip` (0: none)."""
+    a = _run("--optim.fused=on", f"--train.grad_clip={grad_clip}")
+    assert a.spec.optimizer_fused and a.optimizer is not None and a.optimizer.defaults["fused"]
+    return a
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9])
 def test_clip_folded_into_fused_adamw_equals_clip_then_step(max_norm):
     """The fused optimizer divides by the clip factor in its kernel (step.py `fold_clip`); the update
     must equal clip_grad_norm_ followed by the same fused AdamW step, clipped or not."""
-    clip_ctx = StepContext(torch.device("cpu"), None, grad_clip=max_norm, use_document_mask=True, fused_skip=True)
-    m1, o1 = _fused_opt_model()
-    m2, o2 = _fused_opt_model()
-    assert o1.defaults["fused"]
+    a1, a2 = _fused_run(max_norm), _fused_run()
+    clip_ctx, ctx = run_step_context(a1), run_step_context(a2)
+    assert clip_ctx.fused_skip and clip_ctx.grad_clip == max_norm
+    m1, o1, m2, o2 = a1.module, a1.optimizer, a2.module, a2.optimizer
     batches = [_rows(2, seed=s) for s in range(3)]
     for batch in batches:
         out = train_step(m1, o1, [batch], clip_ctx)
         # The reference: the plain path (what optimizer_update does without the fused kernel).
         from tracetrain.train.step import loss_sum
 
-        (loss_sum(m2, batch, CTX) / (batch["labels"] != -100).sum()).backward()
+        (loss_sum(m2, batch, ctx) / (batch["labels"] != -100).sum()).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(list(m2.parameters()), max_norm, foreach=True)
         o2.step()
         o2.zero_grad(set_to_none=True)
@@ -104,18 +111,20 @@ def test_clip_folded_into_fused_adamw_equals_clip_then_step(max_norm):
         torch.testing.assert_close(p1, p2, atol=2e-6, rtol=1e-5)
     # And the check can fail: the unclipped update is far from the clipped one.
     if clipped:
-        m3, o3 = _fused_opt_model()
+        a3 = _fused_run()
         for batch in batches:
-            train_step(m3, o3, [batch], StepContext(torch.device("cpu"), None, 0.0, True, fused_skip=True))
+            train_step(a3.module, a3.optimizer, [batch], run_step_context(a3))
+        m3 = a3.module
         assert max((a - b).abs().max().item() for a, b in zip(m1.parameters(), m3.parameters())) > 1e-4
 
 
 def test_fused_skip_with_folded_clip_leaves_weights_untouched():
-    model, opt = _fused_opt_model()
+    a = _fused_run(grad_clip=1.0)
+    model = a.module
     before = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
-    out = train_step(model, opt, [_rows(2)], StepContext(torch.device("cpu"), None, 1.0, True, fused_skip=True))
+    out = train_step(model, a.optimizer, [_rows(2)], run_step_context(a))
     assert not out.finite.item()
     changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
     assert sum(changed) == 1
