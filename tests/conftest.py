@@ -46,6 +46,17 @@ def cli_here(*args: str, cwd: str | Path | None = None, check: bool = True) -> s
     return proc
 
 
+def model_and_optimizer(cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer of `cfg`'s run on the CPU, built as the trainer builds them (`resolve`, then
+    `assemble`: every transform row, the optimizer the spec decides)."""
+    from tracetrain.spec import resolve
+    from tracetrain.train.assemble import assemble
+
+    built = assemble(resolve(cfg, torch.device("cpu")))
+    assert built.optimizer is not None
+    return built.module, built.optimizer
+
+
 def _default_warning_filters() -> None:
     """The warning filters of a fresh interpreter (no -W, no PYTHONWARNINGS): pytest's own are replaced."""
     warnings.resetwarnings()

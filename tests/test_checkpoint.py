@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_here
+from conftest import cli_here, model_and_optimizer
 from test_train import read_metrics, run_cli
 
 from tracetrain.config import load_config
 from tracetrain.errors import CheckpointError, ConfigError
-from tracetrain.train.assemble import build_model
 from tracetrain.train.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
-from tracetrain.train.optim import build_optimizer
 from tracetrain.train.resume import resolve_resume
 
 # Dropout and LoRA make the RNG state matter; a tiny model keeps the run fast.
@@ -125,13 +123,13 @@ _SAVER = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
     from tracetrain.config import load_config
-    from tracetrain.train.assemble import build_model
+    from tracetrain.spec import resolve
+    from tracetrain.train.assemble import assemble
     from tracetrain.train.checkpoint import TrainState, save_checkpoint
-    from tracetrain.train.optim import build_optimizer
     cfg = load_config(None, ["--model.dim=256", "--model.ffn_dim=1024", "--model.n_layers=6",
                              "--model.vocab_size=32000"])
-    model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    built = assemble(resolve(cfg, torch.device("cpu")))
+    model, opt = built.module, built.optimizer
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     opt.step()
     for step in range(1, 10_000):
@@ -166,8 +164,7 @@ def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path):
         ckpts = list_checkpoints(run_dir)
         assert ckpts, "the first complete checkpoint must survive"
         for ckpt in ckpts:  # every visible checkpoint is complete and internally consistent
-            model = build_model(cfg, torch.device("cpu"))
-            opt = build_optimizer(model, cfg.optim, fused=False)
+            model, opt = model_and_optimizer(cfg)
             state = load_checkpoint(ckpt, model, opt, lora=False)
             assert state.step == int(ckpt.name.split("_")[1])
             assert all(torch.all(p == state.step) for p in model.parameters())
@@ -175,14 +172,13 @@ def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path):
 
 def test_load_rejects_incomplete_or_mismatched(tmp_path):
     cfg = load_config(None, ["--model.n_layers=1"])
-    model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    model, opt = model_and_optimizer(cfg)
     path = save_checkpoint(tmp_path, model, opt, TrainState(1, {}, {}, {}), "", lora=False, keep_last=1)
-    other = build_model(
-        load_config(None, ["--model.n_layers=1", "--model.dim=64", "--model.ffn_dim=192"]), torch.device("cpu")
+    other, other_opt = model_and_optimizer(
+        load_config(None, ["--model.n_layers=1", "--model.dim=64", "--model.ffn_dim=192"])
     )
     with pytest.raises(CheckpointError, match=r"tensor embed_tokens.weight has shape \(320, 128\)"):
-        load_checkpoint(path, other, build_optimizer(other, cfg.optim, fused=False), lora=False)
+        load_checkpoint(path, other, other_opt, lora=False)
     (path / "optimizer.pt").unlink()
     with pytest.raises(CheckpointError, match=r"optimizer\.pt is missing"):
         load_checkpoint(path, model, opt, lora=False)
@@ -190,8 +186,7 @@ def test_load_rejects_incomplete_or_mismatched(tmp_path):
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     cfg = load_config(None, ["--model.n_layers=1"])
-    model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    model, opt = model_and_optimizer(cfg)
     for step in range(1, 5):
         save_checkpoint(tmp_path, model, opt, TrainState(step, {}, {}, {}), "", lora=False, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_here
+from conftest import cli_here, model_and_optimizer
 from test_train import read_metrics
 
 from tracetrain.config import load_config
-from tracetrain.train.assemble import build_model
 from tracetrain.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from tracetrain.train.optim import build_optimizer
 from tracetrain.train.resume import check_data_unchanged, data_fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")
@@ -180,8 +178,7 @@ def _rewrite_checkpoint(run_dir: Path, edit) -> Path:
     real save path, so that the manifest matches). Returns the checkpoint folder."""
     cfg = load_config(run_dir / "config.toml")
     ckpt = list_checkpoints(run_dir)[-1]
-    model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.optim, fused=False)
+    model, opt = model_and_optimizer(cfg)
     state = load_checkpoint(ckpt, model, opt, lora=False)
     with torch.no_grad():
         edit(model, opt)
@@ -215,8 +212,8 @@ def test_non_finite_weights_are_never_saved_and_keep_last_keeps_the_good_checkpo
     )
     assert list_checkpoints(finished) == [good]
     cfg = load_config(finished / "config.toml")
-    model = build_model(cfg, torch.device("cpu"))
-    load_checkpoint(good, model, build_optimizer(model, cfg.optim, fused=False), lora=False)
+    model, opt = model_and_optimizer(cfg)
+    load_checkpoint(good, model, opt, lora=False)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
