@@ -1,7 +1,9 @@
 """Switches composed with FSDP2 on a CUDA GPU (#17): FP8 and streamed activation offload, each with and
 without `fully_shard`, on the same batches; losses compared step by step, plus tokens/s and peak memory.
 
-With one GPU the FSDP runs shard over a 1-rank NCCL mesh (`apply_data_parallel(..., shard_mesh=)`): the
+Every run is assembled as `tracetrain train` assembles it (`resolve`, `assemble`: the switches are config
+keys, applied by the transform table's rows). With one GPU the FSDP runs shard over a 1-rank NCCL mesh
+(`assemble(..., shard_mesh=)`, which runs the data-parallel and layout rows on one process): the
 parameters are DTensors, every forward gathers them into unsharded buffers and frees them again, and
 gradients are reduce-scattered, as on several GPUs, but without the traffic. This checks what can break
 when a transform meets FSDP (FP8 casting gathered weights, offload hooks meeting gathered weights) on the
@@ -33,7 +35,7 @@ from common import environment, write_result
 
 from tracetrain.config import load_config
 from tracetrain.spec import resolve
-from tracetrain.train.assemble import assemble, step_context
+from tracetrain.train.assemble import assemble, run_step_context
 from tracetrain.train.smoke import smoke_batches
 from tracetrain.train.step import train_step
 
@@ -49,11 +51,8 @@ CASES = {
 
 
 def run_case(overrides: list[str], fsdp: bool, a: argparse.Namespace, mesh1: object) -> dict:
-    from tracetrain.memory import apply_activation_offload
-    from tracetrain.parallel.apply import ParallelModel
-    from tracetrain.parallel.data_parallel import apply_data_parallel, grad_sync_for
+    from tracetrain.memory.unified import managed_bytes
     from tracetrain.parallel.mesh import build_mesh
-    from tracetrain.train.optim import build_optimizer
 
     cfg = load_config(None, [f"--model.dim={a.dim}", f"--model.n_layers={a.layers}", f"--model.n_heads={a.dim // 128}",
                              f"--model.n_kv_heads={a.dim // 128}", f"--model.ffn_dim={a.dim * 11 // 4 // 256 * 256}",
@@ -66,26 +65,12 @@ def run_case(overrides: list[str], fsdp: bool, a: argparse.Namespace, mesh1: obj
     torch.cuda.reset_peak_memory_stats()
     held_before = torch.cuda.memory_allocated()
     spec = resolve(cfg, device)
-    built = assemble(spec, until="materialise")
-    model = built.module
-    par = None
-    if fsdp:
-        pm = build_mesh(cfg.parallel, "cuda")
-        units = apply_data_parallel(model, pm, cfg.parallel, param_dtype=spec.fsdp_param_dtype or torch.bfloat16,
-                                    experts_sharded=False, shard_mesh=mesh1)  # type: ignore[arg-type]
-        par = ParallelModel(parts=[model], mesh=pm, grad_sync=grad_sync_for(units, pm, cfg.parallel))
-    optimizer = build_optimizer(model, cfg.optim, spec.optimizer_fused, cfg.memory)
-    managed = 0
-    if cfg.memory.unified_memory != "none":
-        from tracetrain.memory.unified import apply_unified_memory, managed_bytes
-
-        apply_unified_memory(optimizer, "optimizer")
-        managed = managed_bytes(device)
-    offload = None
-    if cfg.memory.activation_offload != "none":
-        offload = apply_activation_offload(model, cfg.memory.activation_offload,
-                                           fraction=cfg.memory.activation_offload_fraction)
-    ctx = step_context(spec, optimizer=optimizer, par=par, activation_offload=offload)
+    # FSDP: the trainer's rows over a 1-rank mesh; the compute dtype is the spec's (bf16 under bf16).
+    built = assemble(spec, build_mesh(cfg.parallel, "cuda"), shard_mesh=mesh1) if fsdp else assemble(spec)
+    model, optimizer, offload = built.module, built.optimizer, built.activation_offload
+    assert optimizer is not None and (not fsdp or "data_parallel" in built.applied)
+    managed = managed_bytes(device) if cfg.memory.unified_memory != "none" else 0
+    ctx = run_step_context(built)
     batches = [{k: v.to(device) for k, v in b.items()} for b in smoke_batches(cfg, a.batch, 0, a.steps)]
     losses, times, finite = [], [], True
     for b in batches:
@@ -106,7 +91,7 @@ def run_case(overrides: list[str], fsdp: bool, a: argparse.Namespace, mesh1: obj
         row["moments_are_dtensors"] = type(next(iter(optimizer.state.values()))["exp_avg"]).__name__ == "DTensor"
     if offload is not None:
         row["offloaded_bytes"] = offload.stats.offloaded_bytes  # type: ignore[attr-defined]
-    del model, optimizer, built, par, offload
+    del model, optimizer, built, offload, ctx
     torch.cuda.empty_cache()
     return row
 

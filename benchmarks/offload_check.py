@@ -34,6 +34,9 @@ from tracetrain.models.accounting import num_params, training_flops_per_token  #
 from tracetrain.models.build import materialize  # noqa: E402
 from tracetrain.models.llama import ModelArgs  # noqa: E402
 from tracetrain.models.presets import get_preset  # noqa: E402
+from tracetrain.config import load_config  # noqa: E402
+from tracetrain.spec import resolve  # noqa: E402
+from tracetrain.train.assemble import Assembly, assemble, run_step_context  # noqa: E402
 from tracetrain.train.step import StepContext, loss_sum  # noqa: E402
 
 HOST_BYTES_PER_PARAM = 18        # staging 2 + grad 4 + master 4 + exp_avg 4 + exp_avg_sq 4
@@ -60,18 +63,17 @@ def fit_layers(args: ModelArgs) -> ModelArgs | None:
     return None
 
 
-def recompute_blocks(model: nn.Module) -> str:
-    try:
-        from tracetrain.memory.recompute import apply_recompute
-    except ImportError:
-        apply_recompute = None
-    if apply_recompute is not None:
-        apply_recompute(model, "full")
-        return "tracetrain.memory.recompute"
-    from torch.utils.checkpoint import checkpoint
-    for block in model.layers:
-        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
-    return "torch.utils.checkpoint (local)"
+def assemble_run(a: argparse.Namespace, n_layers: int) -> Assembly:
+    """The run `tracetrain train` assembles for this measurement: bf16 weights (the model row's dtype under
+    optimizer offload) with CPUOffloadAdamW, full recomputation, bf16 autocast; eager, plain SDPA and
+    cross-entropy over full logits, unpacked rows (the conditions of the committed results)."""
+    cfg = load_config(None, [f"--model.preset={a.preset}", f"--model.n_layers={n_layers}", f"--data.seq_len={a.seq}",
+                             "--data.pack=false", "--train.precision=bf16", "--train.compile=off",
+                             "--train.fused_kernels=off", "--train.fused_ce=false", "--train.attention=sdpa",
+                             "--memory.optimizer_offload=true", "--memory.recompute=full",
+                             f"--memory.offload_threads={a.threads}", "--optim.lr=1e-4", "--optim.weight_decay=0.1",
+                             "--optim.beta1=0.9", "--optim.beta2=0.95", "--optim.eps=1e-8", "--train.grad_clip=1.0"])
+    return assemble(resolve(cfg, torch.device("cuda")))
 
 
 def random_batch(vocab: int, batch: int, seq: int) -> dict[str, torch.Tensor]:
@@ -126,17 +128,16 @@ def run(a: argparse.Namespace) -> dict:
         return {"error": "insufficient host memory", "mem_available_gib": host_bytes("MemAvailable") / GIB}
     if args.n_layers < preset.n_layers:
         print(f"host memory holds the optimizer state of {args.n_layers} of {preset.n_layers} layers: reduced model")
-    model = materialize(args, torch.device("cuda"), seed=0, dtype=torch.bfloat16)
-    recompute = recompute_blocks(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    start = time.perf_counter()
-    opt = CPUOffloadAdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                           {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                          lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, threads=a.threads)
+    start = time.perf_counter()  # the whole assembly now (the optimizer's host buffers dominate it)
+    built = assemble_run(a, args.n_layers)
     build_s = time.perf_counter() - start
+    model, opt = built.module, built.optimizer
+    assert isinstance(opt, CPUOffloadAdamW) and "recompute" in built.applied
+    recompute = "tracetrain.memory.recompute"
     print(f"{num_params(args) / 1e9:.2f}B params, optimizer built in {build_s:.0f} s, "
           f"RSS {host_bytes('VmRSS') / GIB:.0f} GiB, recompute via {recompute}", flush=True)
-    ctx = StepContext(torch.device("cuda"), torch.bfloat16, 1.0, use_document_mask=False, fused_skip=False)
+    ctx = run_step_context(built)
+    assert ctx.autocast_dtype == torch.bfloat16 and not ctx.use_document_mask and ctx.fused_ce_chunk == 0
     batch = random_batch(args.vocab_size, a.batch, a.seq)
     flops = training_flops_per_token(args, a.seq, mode="full", recompute="full")
     rows = []

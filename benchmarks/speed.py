@@ -100,8 +100,8 @@ T0 = time.time()
 
 def build_variant(case: str, variant: str, lr: float):
     """The run `tracetrain train` assembles for the case, with the variant's switches: the config where it
-    has them, the spec (`RunSpec.replace`) for the kernel subsets and the fused FP8 feed-forward, which
-    are benchmark-only choices. Returns (cfg, Assembly): model, optimizer and the step's context."""
+    has them, the spec (`RunSpec.replace`) for the kernel subsets, the fused FP8 feed-forward and torch's
+    fused AdamW kernel in place of the Triton update, which are benchmark-only choices. Returns (cfg, Assembly): model, optimizer and the step's context."""
     spec, var = CASES[case], VARIANTS[variant]
     cfg = load_config(None, [f"--model.preset={spec['preset']}", f"--train.mode={spec['mode']}",
                              f"--data.seq_len={spec['seq']}", "--train.precision=bf16", f"--optim.lr={lr}",
@@ -113,11 +113,9 @@ def build_variant(case: str, variant: str, lr: float):
                              *spec.get("extra", [])])
     torch._dynamo.reset()  # each variant compiles afresh (and Dynamo's recompile limit is per process)
     run_spec = resolve(cfg, torch.device("cuda")).replace(
-        fused_kernels=tuple(var["kernels"]), fp8_fused_mlp=var.get("fp8_fused_mlp", False))
-    built = assemble(run_spec)
-    if var.get("torch_adamw"):
-        built.optimizer = torch.optim.AdamW(built.optimizer.param_groups, fused=True)
-    return cfg, built
+        fused_kernels=tuple(var["kernels"]), fp8_fused_mlp=var.get("fp8_fused_mlp", False),
+        optimizer_triton=not var.get("torch_adamw", False))
+    return cfg, assemble(run_spec)
 
 
 def variant_context(built, packed: bool):

@@ -107,3 +107,30 @@ def test_single_process_hooks_reproduce_train_step() -> None:
     assert float(got.grad_norm) == pytest.approx(float(want.grad_norm), rel=1e-6)
     for (name, p), q in zip(par.module.named_parameters(), plain.module.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=name)
+
+
+def test_one_rank_fsdp_runs_the_tables_data_parallel_rows(tmp_path) -> None:
+    """`assemble(..., shard_mesh=)` (benchmarks/compose_gpu.py's FSDP2 on one GPU): the data-parallel and
+    layout rows run on one process, the parameters become DTensors, and a step gives the plain run's loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from tracetrain.parallel.mesh import build_mesh
+    from tracetrain.spec import resolve
+    from tracetrain.train.assemble import assemble
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = tiny_config([])
+        mesh1 = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard_cp",))
+        sharded = assemble(resolve(cfg, torch.device("cpu")), build_mesh(cfg.parallel, "cpu"), shard_mesh=mesh1)
+        plain = assemble_tiny(cfg)
+        assert {"data_parallel", "layout"} <= set(sharded.applied) and sharded.par is not None
+        assert isinstance(next(sharded.module.parameters()), DTensor) and plain.par is None
+        batches = global_batches(cfg, 4, 1)
+        got, want = run_step(sharded, batches), run_step(plain, batches)
+        assert float(got.loss) == pytest.approx(float(want.loss), abs=1e-6)
+        assert float(got.grad_norm) == pytest.approx(float(want.grad_norm), rel=1e-5)
+    finally:
+        dist.destroy_process_group()

@@ -71,6 +71,9 @@ class RunSpec:
     # DPO's reference: the model with its LoRA adapters off, or a frozen copy of the initial weights
     # (full fine-tuning); 'none' for objectives without one.
     reference: Literal["none", "adapters_off", "copy"] = "none"
+    # The fused AdamW's update as train/optim.py's Triton kernel where it applies; False: torch's own fused
+    # kernel (benchmarks/speed.py's A/B of the two). Config: always True.
+    optimizer_triton: bool = True
 
     @property
     def distributed(self) -> bool:

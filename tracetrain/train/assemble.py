@@ -35,7 +35,8 @@ class Assembly:
     """
 
     spec: RunSpec
-    mesh: Any = None  # tracetrain.parallel.mesh.ParallelMesh with several ranks
+    mesh: Any = None  # tracetrain.parallel.mesh.ParallelMesh with several ranks (or one: `shard_mesh`)
+    shard_mesh: Any = None  # a 1-D DeviceMesh the data-parallel row shards over instead of the layout's
     model: nn.Module | None = None  # the plain model, on meta until `materialise` (rows model .. fp8 act on it)
     parts: list[nn.Module] = field(default_factory=list)
     fsdp_units: list[Any] = field(default_factory=list)
@@ -221,7 +222,12 @@ def _data_parallel(a: Assembly) -> None:
     par = a.spec.cfg.parallel
     for part in a.parts:
         a.fsdp_units += apply_data_parallel(
-            part, a.mesh, par, param_dtype=a.spec.fsdp_param_dtype, experts_sharded=par.ep > 1
+            part,
+            a.mesh,
+            par,
+            param_dtype=a.spec.fsdp_param_dtype,
+            experts_sharded=par.ep > 1,
+            shard_mesh=a.shard_mesh,
         )
 
 
@@ -271,7 +277,9 @@ def _optimizer(a: Assembly) -> None:
     from tracetrain.train.optim import build_optimizer
 
     cfg = a.spec.cfg
-    a.optimizer = build_optimizer(a.module, cfg.optim, a.spec.optimizer_fused, cfg.memory)
+    a.optimizer = build_optimizer(
+        a.module, cfg.optim, a.spec.optimizer_fused, cfg.memory, triton_update=a.spec.optimizer_triton
+    )
 
 
 def _unified_memory(a: Assembly) -> None:
@@ -464,21 +472,27 @@ def reapply_after_load(a: Assembly) -> bool:
     return False
 
 
-def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None) -> Assembly:
+# The rows that also run on one process when `assemble` is given a `shard_mesh`.
+ONE_RANK_FSDP_ROWS = ("data_parallel", "layout")
+
+
+def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None, shard_mesh: Any = None) -> Assembly:
     """Apply every row of TRANSFORMS that applies to `spec`, in order; stop after row `until` if given.
 
     `mesh` is the ParallelMesh of a multi-rank job (required when spec.world_size > 1). The model must be
     identical on every rank (same seed or same checkpoint): `materialise` fills each shard with the values
-    the whole model has at that place, whatever the layout.
+    the whole model has at that place, whatever the layout. `shard_mesh` (a 1-rank DeviceMesh, with the
+    one-rank `mesh`): FSDP2 over one GPU, parameters as DTensors gathered and freed around each block as
+    on several GPUs, without the traffic (benchmarks/compose_gpu.py: transforms meeting FSDP on real kernels).
     """
-    if spec.distributed and mesh is None:
-        raise ValueError(f"a RunSpec for {spec.world_size} ranks needs their ParallelMesh")
+    if (spec.distributed or shard_mesh is not None) and mesh is None:
+        raise ValueError(f"a RunSpec for {spec.world_size} rank(s) with a layout needs their ParallelMesh")
     names = [t.name for t in TRANSFORMS]
     if until is not None and until not in names:
         raise ValueError(f"no transform {until!r}; the rows are {', '.join(names)}")
-    a = Assembly(spec=spec, mesh=mesh)
+    a = Assembly(spec=spec, mesh=mesh, shard_mesh=shard_mesh)
     for t in TRANSFORMS:
-        if t.applies(spec):
+        if t.applies(spec) or (shard_mesh is not None and t.name in ONE_RANK_FSDP_ROWS):
             t.apply(a)
             a.applied.append(t.name)
         if t.name == until:

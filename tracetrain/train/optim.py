@@ -13,12 +13,19 @@ from tracetrain.config import Config, MemorySection, OptimSection, check_warmup,
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimSection, fused: bool, memory: MemorySection | None = None
+    model: nn.Module,
+    cfg: OptimSection,
+    fused: bool,
+    memory: MemorySection | None = None,
+    *,
+    triton_update: bool = True,
 ) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; norms, biases and other 1-D tensors get no weight decay.
 
     `fused`: the spec's `optimizer_fused` (tracetrain/spec.py decides it): the fused kernel, one launch for
     all parameters, which honours `found_inf` so a non-finite step is skipped on the GPU without a host sync.
+    `triton_update`: the spec's `optimizer_triton`: the fused update as `AdamW`'s Triton kernel where it
+    applies (False: torch's own fused kernel throughout).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -37,7 +44,7 @@ def build_optimizer(
             weight_decay=cfg.weight_decay,
             threads=memory.offload_threads,
         )
-    return (AdamW if fused else torch.optim.AdamW)(
+    return (AdamW if fused and triton_update else torch.optim.AdamW)(
         [g for g in groups if g["params"]],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
