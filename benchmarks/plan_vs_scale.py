@@ -10,9 +10,8 @@ the layout allows it), from that script's CASES table.
 
 Each case is planned from the very overrides scale.py ran it with (its GROUPS table: model, layout,
 micro-batch per data-parallel rank, sequence length), plus what scale.py's `run_case` fixes: no
-packing, bf16, and the eager path it builds (`materialize` + `parallelize(compile=False)`: SDPA, no
-torch.compile, no fused kernels, the loss through `ParallelModel.cross_entropy_sum`, i.e. no fused
-lm_head + cross-entropy). Measured values are copied from the results JSON unchanged; the output
+packing, bf16, and the eager path it assembles (config keys: SDPA, no torch.compile, no fused kernels,
+the loss through `ParallelModel.cross_entropy_sum`, i.e. no fused lm_head + cross-entropy). Measured values are copied from the results JSON unchanged; the output
 (plan_vs_scale_<gpu>.json next to it) adds the plan and the error of every row.
 """
 

@@ -182,7 +182,7 @@ def check_attention() -> list[dict]:
     """fwd+bwd time and agreement of the attention backends, llama2-7b shapes, packed documents."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from tracetrain.models.attention import FlexCore, document_causal_block_mask, sdpa_attention
-    from tracetrain.models.llama import document_causal_mask
+    from tracetrain.models.attention import document_causal_mask
     dev, bf = torch.device("cuda"), torch.bfloat16
     doc = packed_batch(4, 2048, 100)["document_ids"].to(dev)
     q, k, v = (torch.randn(4, 32, 2048, 128, device=dev, dtype=bf, requires_grad=True) for _ in range(3))

@@ -214,7 +214,7 @@ def test_presets_count_what_transformers_builds() -> None:
 
 def test_export_keeps_the_config(saved, tmp_path: Path) -> None:
     """hf_config_dict -> config.json -> load_hf_config gives back the same ModelArgs."""
-    from tracetrain.models.hf import export_hf
+    from tracetrain.models.export import export_hf
 
     _, path, _ = saved
     ours = load_ours(path)

@@ -19,7 +19,8 @@ from hf_families import assert_same_logits, hf_from, load_tracetrain, save_tiny,
 
 from tracetrain.models.accounting import num_params  # noqa: E402
 from tracetrain.models.generate import generate  # noqa: E402
-from tracetrain.models.hf import export_hf, load_hf_config, open_hf_checkpoint  # noqa: E402
+from tracetrain.models.hf import load_hf_config, open_hf_checkpoint  # noqa: E402
+from tracetrain.models.export import export_hf  # noqa: E402
 from tracetrain.models.moe import MoEFeedForward  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")
@@ -180,7 +181,7 @@ def test_flex_attention_is_refused_for_a_window_shorter_than_the_rows(tmp_path: 
 
 
 def test_peft_export_of_moe_dense_mlp_adapters_is_refused(tmp_path: Path) -> None:
-    from tracetrain.models.hf import export_peft_adapter
+    from tracetrain.models.export import export_peft_adapter
     from tracetrain.models.lora import apply_lora
 
     save_family(tmp_path / "base", QWEN3_MOE)

@@ -14,7 +14,8 @@ from conftest import cli_here
 
 from tracetrain.errors import CheckpointError
 from tracetrain.models.build import build_on_meta, materialize_parts
-from tracetrain.models.hf import export_hf, load_hf_config, open_hf_checkpoint
+from tracetrain.models.hf import load_hf_config, open_hf_checkpoint
+from tracetrain.models.export import export_hf
 
 transformers = pytest.importorskip("transformers", reason="Phi-3 parity is checked against transformers")
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from tracetrain.models.attention import (FlexCore, apply_attention, document_causal_block_mask,
+from tracetrain.models.attention import (FlexCore, apply_attention, document_causal_block_mask, document_causal_mask,
                                          resolve_attention, sdpa_attention)
-from tracetrain.models.llama import KVCache, ModelArgs, Transformer, document_causal_mask
+from tracetrain.models.llama import KVCache, ModelArgs, Transformer
 
 
 def _packed_ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:

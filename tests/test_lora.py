@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tracetrain.errors import CheckpointError
-from tracetrain.models.hf import export_hf, export_peft_adapter, load_hf_config, load_hf_weights, load_peft_adapter
+from tracetrain.models.hf import load_hf_config, load_hf_weights, load_peft_adapter
+from tracetrain.models.export import export_hf, export_peft_adapter
 from tracetrain.models.accounting import lora_params
 from tracetrain.models.llama import ModelArgs, Transformer
 from tracetrain.models.lora import (LoRALinear, apply_lora, load_lora_state_dict, lora_state_dict, merge_lora,

@@ -12,7 +12,8 @@ from tracetrain.models.accounting import (
 )
 from tracetrain.models.build import materialize
 from tracetrain.models.generate import generate
-from tracetrain.models.llama import ModelArgs, Transformer, document_causal_mask
+from tracetrain.models.attention import document_causal_mask
+from tracetrain.models.llama import ModelArgs, Transformer
 from tracetrain.models.families import transformer_class
 from tracetrain.models.presets import PRESETS, PUBLISHED_PARAMS
 

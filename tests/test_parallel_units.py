@@ -8,7 +8,7 @@ import torch
 
 from tracetrain.errors import ConfigError
 from tracetrain.models.build import model_args_from_config
-from tracetrain.models.llama import document_causal_mask
+from tracetrain.models.attention import document_causal_mask
 from tracetrain.models.moe import MoEFeedForward, load_balancing_loss
 from tracetrain.parallel.apply import ParallelModel
 from tracetrain.parallel.context_parallel import CPDocuments, _unzigzag, shard_sequence

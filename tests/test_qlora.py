@@ -11,7 +11,7 @@ import torch
 
 from tracetrain.config import load_config
 from tracetrain.errors import ConfigError
-from tracetrain.models.hf import export_hf
+from tracetrain.models.export import export_hf
 from tracetrain.models.lora import LoRALinear, apply_lora, merge_lora
 from tracetrain.models.qlora import (
     BLOCK_SIZE,

@@ -59,7 +59,7 @@ def _config(overrides: list[str]) -> object:
 def write_tiny_hf(out: Path) -> None:
     """A tiny HF checkpoint in 3 files (fp32), from a seed the runs do not use."""
     from tracetrain.models.build import materialize, model_args_from_config
-    from tracetrain.models.hf import export_hf
+    from tracetrain.models.export import export_hf
 
     args = model_args_from_config(_config([]))  # type: ignore[arg-type]
     export_hf(materialize(args, torch.device("cpu"), 99), args, out, torch.float32, max_shard_bytes=250_000)

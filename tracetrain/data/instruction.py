@@ -26,7 +26,7 @@ from tracetrain.config import DataSection
 # open_data_file is re-exported: models/generate.py imports it from here.
 from tracetrain.data.files import open_data_file, read_rows  # noqa: F401
 from tracetrain.data.formats import RowFields, resolve_fields
-from tracetrain.data.packing import DataStats, Document, Documents, PackedDataset, compact_document, pack_documents
+from tracetrain.data.packing import DataStats, Document, Documents, compact_document
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
 
@@ -190,21 +190,6 @@ def examples_documents(
     # Packing is greedy in order, so shuffle first: neighbouring file lines are often near-duplicates.
     order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(data.seed)).tolist()
     return Documents([train_docs[i] for i in order], eval_docs, eval_kept, stats)
-
-
-def on_the_fly_datasets(
-    train_examples: list[Example], eval_examples: list[Example], tok: Tokenizer, data: DataSection, stats: DataStats
-) -> tuple[Any, PackedDataset]:
-    """`data.tokenize = "on_the_fly"`: training rows tokenised by the loader; the (small) eval split is
-    still tokenised ahead, one example per row."""
-    from tracetrain.data.on_the_fly import OnTheFlyDataset
-
-    order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
-    train = OnTheFlyDataset([train_examples[i] for i in order], tok, data.seq_len, data.train_on_prompt)
-    eval_docs, eval_kept = tokenize_examples(eval_examples, tok, data.seq_len, data.train_on_prompt, stats)
-    eval_rows = pack_documents(eval_docs, data.seq_len, tok.pad_id, False)
-    stats.train_examples, stats.eval_examples = len(train), len(eval_kept)
-    return train, PackedDataset(eval_rows, examples=eval_kept, name="eval")
 
 
 def instruction_splits(

@@ -25,11 +25,11 @@ from tracetrain.data.files import require_data_path
 from tracetrain.data.instruction import (
     instruction_documents,
     instruction_splits,
-    on_the_fly_datasets,
     read_located_examples,
     tokenize_example,
 )
 from tracetrain.data.mixture import mixture_documents, source_section
+from tracetrain.data.on_the_fly import on_the_fly_datasets
 from tracetrain.data.packing import DataStats, PackedDataset, TokenizedExample
 from tracetrain.data.preference import iter_pairs, preference_documents
 from tracetrain.data.record_rows import DocumentsBuilder, build_record_datasets

@@ -23,12 +23,16 @@ built and picks a kernel that handles grouped-query heads (GQA) without the math
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias
+
+if TYPE_CHECKING:
+    from tracetrain.models.llama import ModelArgs
 
 AttentionBackend = Literal["auto", "sdpa", "flex"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
@@ -207,13 +211,31 @@ def resolve_attention(backend: AttentionBackend, device: torch.device, packed: b
     return backend
 
 
+def document_causal_mask(document_ids: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future;
+    with a sliding `window` (Mistral), also fewer than `window` positions back (as transformers' mask)."""
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    if window:
+        causal = causal.triu(1 - window)  # key k visible from query q when q - window < k <= q
+    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (batch, seq, seq)
+    return (same_doc & causal).unsqueeze(1)
+
+
+def dense_mask_fn(args: ModelArgs) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The default `Transformer.mask_fn` of a model of `args`: dense, windowed when the model is."""
+    return (
+        functools.partial(document_causal_mask, window=args.sliding_window)
+        if args.sliding_window
+        else document_causal_mask
+    )
+
+
 def apply_attention(model: nn.Module, backend: Literal["sdpa", "flex"]) -> None:
     """Swap every block's attention core and the model's mask builder for `backend`, in place.
 
     Call before `apply_compile` (the compiled graphs capture the core). Parameters are untouched.
     """
-    from tracetrain.models.llama import dense_mask_fn
-
     if backend == "flex":
         # The block mask has no sliding window: resolve (tracetrain/spec.py) picks sdpa for a windowed model.
         assert not model.args.sliding_window, "FlexAttention's block mask has no sliding window"  # type: ignore[union-attr]  # the plain model's args

@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor
 
 from tracetrain.config import Config
 from tracetrain.errors import ConfigError
-from tracetrain.models.dora import DoRALinear
 from tracetrain.models.families import rope_buffers, transformer_class
 from tracetrain.models.init import canonical_name, fill_local, init_rule
 from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.lora import DoRALinear
 from tracetrain.models.presets import PRESETS, get_preset
 from tracetrain.models.qlora import NF4Linear
 

@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import nn
 
 from tracetrain import __version__
 from tracetrain.errors import CheckpointError, ConfigError
-from tracetrain.models.hf import _checkpoint_files, write_hf_weights, write_peft_adapter
+from tracetrain.models.hf import check_adapter_args, checkpoint_files, write_hf_weights, write_peft_adapter
 from tracetrain.models.hf_config import hf_config_dict, read_json
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import is_lora_key, lora_state_dict
@@ -203,6 +204,54 @@ def export_folder(
 # Options
 
 
+# ---------------------------------------------------------------------------------------------------
+# A model as a Hugging Face folder or a PEFT adapter (the Python API; `tracetrain export` is below)
+
+
+def export_hf(
+    model: nn.Module,
+    args: ModelArgs,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 10**9,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    *,
+    pad_token_id: int | None = None,
+    overwrite: bool = True,
+) -> None:
+    """Write `config.json` and `model.safetensors` (or shards + index) loadable by transformers.
+
+    `out_dir` must be new, empty, or (with `overwrite`, the default here, as before) an earlier tracetrain
+    export; anything else raises CheckpointError and is left untouched. `tracetrain export` (which adds
+    the tokenizer, generation config and model card) is `export_run_hf`.
+    """
+    with export_folder(Path(out_dir), "hf", overwrite) as tmp:
+        config = hf_config_dict(args, dtype, bos_token_id, eos_token_id, pad_token_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_hf_weights(model, args, tmp, dtype, max_shard_bytes)
+
+
+def export_peft_adapter(
+    model: nn.Module,
+    out_dir: str | Path,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str],
+    base_model_name_or_path: str = "",
+    *,
+    overwrite: bool = True,
+) -> None:
+    """Write the model's adapters as a PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`)
+    that `peft.PeftModel.from_pretrained(hf_base_model, out_dir)` loads. `out_dir` as in `export_hf`."""
+    if not lora_state_dict(model):  # checked before any folder is touched
+        raise ValueError("model has no LoRA adapters to export; apply_lora first")
+    check_adapter_args(model, rank, targets)
+    with export_folder(Path(out_dir), "peft", overwrite) as tmp:
+        write_peft_adapter(model, tmp, rank, alpha, dropout, targets, base_model_name_or_path)
+
+
 def parse_size(text: str) -> int:
     """'5GB' -> 5 * 10**9 bytes ('KB'/'MB'/'GB' decimal, 'KiB'/'MiB'/'GiB' binary, a bare number = bytes)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
@@ -230,7 +279,7 @@ def run_weights_dtype(loaded: Any) -> tuple[torch.dtype, str]:
         if loaded.spec.asked("lora.base_dtype") and loaded.spec.lora_base_dtype is not None:
             return loaded.spec.lora_base_dtype, "lora.base_dtype"
         base = Path(cfg.model.init_from)
-        first = sorted(set(_checkpoint_files(base).values()))[0]
+        first = sorted(set(checkpoint_files(base).values()))[0]
         dtype = _stored_dtype(base / first)
         where = f"the frozen base's files ({base})"
     elif (ckpt / "model.safetensors").is_file():

@@ -26,12 +26,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tracetrain.errors import CheckpointError
-from tracetrain.models.dora import DoRALinear
 from tracetrain.models.families import family_of_args
 from tracetrain.models.hf_config import hf_config_dict, load_hf_config, read_json
 from tracetrain.models.hf_load import HFCheckpoint, Piece, local_name
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.lora import (
+    DoRALinear,
     LoRALinear,
     apply_lora,
     is_lora_key,
@@ -45,7 +45,7 @@ from tracetrain.safe_load import open_safetensors
 if TYPE_CHECKING:
     from tracetrain.progress import Progress
 
-__all__ = ["export_hf", "export_peft_adapter", "hf_config_dict", "load_hf_config", "load_hf_weights"]
+__all__ = ["hf_config_dict", "load_hf_config", "load_hf_weights"]
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -63,7 +63,7 @@ def _hf_key(local: str) -> str:
     return local if local.startswith("lm_head.") else "model." + local
 
 
-def _checkpoint_files(path: Path) -> dict[str, str]:
+def checkpoint_files(path: Path) -> dict[str, str]:
     """HF tensor name -> file name holding it, from the index (sharded) or the single file's header."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -99,7 +99,7 @@ def open_hf_checkpoint(path: str | Path, model: nn.Module) -> HFCheckpoint:
     family = family_of_args(args)
     checkpoint = HFCheckpoint(
         path,
-        _checkpoint_files(path),
+        checkpoint_files(path),
         tied=args.tie_embeddings,
         pieces=lambda name, shape: family.pieces(name, shape, args),
     )
@@ -128,10 +128,10 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Export: model -> HF checkpoint
 #
-# The writers below fill a folder they are given; `export_hf` / `export_peft_adapter` wrap them in
-# `models/export.py::export_folder`, which refuses to replace anything but an earlier tracetrain export and
-# renames a finished temporary sibling into place. `export.py` adds the run-level files (tokenizer,
-# generation_config.json, model card) for `tracetrain export`.
+# The writers below fill a folder they are given. Writing a folder to disk is models/export.py's:
+# `export_hf` / `export_peft_adapter` there wrap these writers in `export_folder`, which refuses to replace
+# anything but an earlier tracetrain export and renames a finished temporary sibling into place, and
+# `tracetrain export` adds the run-level files (tokenizer, generation_config.json, model card).
 
 
 def _export_tensor(model: nn.Module, key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -234,37 +234,11 @@ def write_hf_weights(
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def export_hf(
-    model: nn.Module,
-    args: ModelArgs,
-    out_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    max_shard_bytes: int = 5 * 10**9,
-    bos_token_id: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    *,
-    pad_token_id: int | None = None,
-    overwrite: bool = True,
-) -> None:
-    """Write `config.json` and `model.safetensors` (or shards + index) loadable by transformers.
-
-    `out_dir` must be new, empty, or (with `overwrite`, the default here, as before) an earlier tracetrain
-    export; anything else raises CheckpointError and is left untouched. `tracetrain export` (which adds
-    the tokenizer, generation config and model card) is `models/export.py::export_run_hf`.
-    """
-    from tracetrain.models.export import export_folder  # export.py builds on this module
-
-    with export_folder(Path(out_dir), "hf", overwrite) as tmp:
-        config = hf_config_dict(args, dtype, bos_token_id, eos_token_id, pad_token_id)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        write_hf_weights(model, args, tmp, dtype, max_shard_bytes)
-
-
 # ----------------------------------------------------------------------------------------------------
 # PEFT adapters
 
 
-def _check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> list[str]:
+def check_adapter_args(model: nn.Module, rank: int, targets: list[str]) -> list[str]:
     """The config written must describe the adapters written, or PEFT would load them wrongly. Returns the
     target names to write: those adapted (an MoE model's experts are not linear layers, so a target that
     names only expert projections adapts nothing there and is left out)."""
@@ -300,7 +274,7 @@ def write_peft_adapter(
     adapters = lora_state_dict(model)
     if not adapters:
         raise ValueError("model has no LoRA adapters to export; apply_lora first")
-    adapted = _check_adapter_args(model, rank, targets)
+    adapted = check_adapter_args(model, rank, targets)
     dora = any(isinstance(m, DoRALinear) for m in model.modules())
     cfg = {
         "peft_type": "LORA",
@@ -339,28 +313,6 @@ def write_peft_adapter(
     tensors = {_PEFT_PREFIX + _hf_name(k): v.detach().cpu().contiguous() for k, v in adapters.items()}
     (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
-
-
-def export_peft_adapter(
-    model: nn.Module,
-    out_dir: str | Path,
-    rank: int,
-    alpha: float,
-    dropout: float,
-    targets: list[str],
-    base_model_name_or_path: str = "",
-    *,
-    overwrite: bool = True,
-) -> None:
-    """Write the model's adapters as a PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`)
-    that `peft.PeftModel.from_pretrained(hf_base_model, out_dir)` loads. `out_dir` as in `export_hf`."""
-    from tracetrain.models.export import export_folder  # export.py builds on this module
-
-    if not lora_state_dict(model):  # checked before any folder is touched
-        raise ValueError("model has no LoRA adapters to export; apply_lora first")
-    _check_adapter_args(model, rank, targets)
-    with export_folder(Path(out_dir), "peft", overwrite) as tmp:
-        write_peft_adapter(model, tmp, rank, alpha, dropout, targets, base_model_name_or_path)
 
 
 # Adapter features with no equivalent here; a set value would silently change what the adapter computes.

@@ -23,7 +23,6 @@ KV cache uses `attention.cached_attention` instead, whose kernel choice follows 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracetrain.config_sections import MODEL_SHAPE_LIMITS
-from tracetrain.models.attention import SDPACore, cached_attention
+from tracetrain.models.attention import SDPACore, cached_attention, dense_mask_fn
 from tracetrain.models.moe import GroupedExperts, MoEFeedForward
 
 if TYPE_CHECKING:
@@ -173,26 +172,6 @@ def apply_rope_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of queries and keys: the default `Attention.rope_fn`."""
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-def document_causal_mask(document_ids: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """(batch, seq) document ids -> (batch, 1, seq, seq) bool mask: same document and not in the future;
-    with a sliding `window` (Mistral), also fewer than `window` positions back (as transformers' mask)."""
-    seq = document_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    if window:
-        causal = causal.triu(1 - window)  # key k visible from query q when q - window < k <= q
-    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (batch, seq, seq)
-    return (same_doc & causal).unsqueeze(1)
-
-
-def dense_mask_fn(args: ModelArgs) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The default `Transformer.mask_fn` of a model of `args`: dense, windowed when the model is."""
-    return (
-        functools.partial(document_causal_mask, window=args.sliding_window)
-        if args.sliding_window
-        else document_causal_mask
-    )
 
 
 class RMSNorm(nn.Module):

@@ -125,7 +125,7 @@ def numerics(inp: PlanInput) -> Numerics:
 
 
 def dora_items(args: ModelArgs, nm: Numerics) -> list[Item]:
-    """DoRA (models/dora.py) keeps, per adapted projection, its base output and its adapter output (the
+    """DoRA (models/lora.py, DoRALinear) keeps, per adapted projection, its base output and its adapter output (the
     magnitude's gradient reads both), out_features wide each, in the adapters' compute width."""
     if not nm.dora:
         return []

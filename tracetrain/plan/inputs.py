@@ -139,7 +139,7 @@ class PlanInput:
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     lora_base_dtype: Literal["fp32", "bf16"] = "bf16"
     lora_base_quant: Literal["none", "nf4"] = "none"  # QLoRA: the block projections in NF4 (models/qlora.py)
-    lora_dora: bool = False  # DoRA: a magnitude per output row of each adapted projection (models/dora.py)
+    lora_dora: bool = False  # DoRA: a magnitude per output row of each adapted projection (models/lora.py, DoRALinear)
     fused_adamw: bool = True  # fused kernel (no full-size temporaries) vs foreach
     # speed path (TrainSection; the defaults here are the eager path, plan_input_from_config resolves
     # the trainer's CUDA defaults)

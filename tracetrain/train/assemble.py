@@ -4,7 +4,8 @@
 the frozen `RunSpec`), what it does, and why it sits where it does; `assemble` walks the rows in order.
 A new transform is a new row here: the model (models/llama.py), the loop (train/loop.py) and the step
 (train/step.py) do not change. The same path builds the trainer's run, inference's model (rows up to
-`compile`), the benchmarks' variants (a spec changed with `RunSpec.replace`) and the test layouts.
+`compile`), the benchmarks' variants (a spec changed with `RunSpec.replace`) and the tests' runs and layouts
+(tests/test_architecture.py checks that tests and benchmarks build no run by hand).
 
 The model is built on the meta device; the layout rows cut, shard and wrap this rank's part(s) of it
 there, and `materialise` then allocates only this rank's shards on the target device, in their final
@@ -498,19 +499,6 @@ def assemble(spec: RunSpec, mesh: Any = None, *, until: str | None = None, shard
         if t.name == until:
             break
     return a
-
-
-def parallelize(model: Transformer, spec: RunSpec, mesh: Any) -> Any:
-    """The layout rows of TRANSFORMS (pipeline_split .. layout) on an already built plain model; returns
-    the ParallelModel (None on one process). For tests and benchmarks that build the model themselves
-    (`assemble` builds it on meta and materialises only this rank's shards: prefer it)."""
-    names = [t.name for t in TRANSFORMS]
-    a = Assembly(spec=spec, mesh=mesh, model=model, parts=[model])
-    for t in TRANSFORMS[names.index("pipeline_split") : names.index("layout") + 1]:
-        if t.applies(spec):
-            t.apply(a)
-            a.applied.append(t.name)
-    return a.par
 
 
 def step_context(
