@@ -1,5 +1,7 @@
-"""The architecture's rules, checked on the source (docs/architecture.md): folders import one way, each
-transform is a row of the one table, one definition of shared constants, no test helpers in the library."""
+"""The architecture's rules, checked on the source (docs/architecture.md): folders import one way and the
+modules inside each folder too, each transform is a row of the one table, tests and benchmarks build runs
+through that table (`assemble`, `step_context`), decided config keys are read from the spec, one
+definition of shared constants, no test helpers in the library."""
 
 import ast
 import re
@@ -10,6 +12,8 @@ from pathlib import Path
 from tracetrain.train.assemble import TRANSFORMS
 
 PKG = Path(__file__).resolve().parents[1] / "tracetrain"
+TESTS = PKG.parent / "tests"
+BENCHMARKS = PKG.parent / "benchmarks"
 
 
 def _node(module: str) -> str | None:
@@ -119,6 +123,75 @@ def test_every_transform_is_applied_only_from_the_table():
     )
 
 
+# Tests and benchmarks build runs the way the trainer does: `resolve` + `assemble` (train/assemble.py), the
+# step's inputs from `step_context` / `run_step_context`. Calling a row's function, the optimizer builder or
+# a layout piece directly assembles (part of) a run by hand. The files below do it on purpose, each for its
+# reason; a StepContext is never made by hand. Entries must stay true (a stale one fails too).
+BUILDERS = {"build_optimizer", "set_aux_loss_weight", "apply_moe", "split_model", "build_pipeline", "ParallelModel"}
+_UNIT = "unit tests of the transform itself on a hand-built model"
+_PEFT = "LoRA on a small model compared with transformers + PEFT's own adapters"
+_PLAN = "the planner's counts checked on models of ModelArgs the config cannot express (tied embeddings, MHA)"
+HAND_ASSEMBLY: dict[str, tuple[set[str], str]] = {
+    "tests/test_lora.py": ({"apply_lora"}, _UNIT),
+    "tests/test_dora.py": ({"apply_lora"}, _UNIT + " (DoRA), against PEFT"),
+    "tests/test_qlora.py": ({"apply_lora"}, _UNIT + " (NF4 bases)"),
+    "tests/test_recompute.py": ({"apply_recompute", "apply_lora"}, _UNIT + ", with adapters inside the blocks"),
+    "tests/test_activation_offload.py": ({"apply_activation_offload", "apply_recompute"}, _UNIT + " and with recompute"),
+    "tests/test_tiled_mlp.py": ({"apply_tiled_mlp", "apply_recompute", "apply_lora"}, _UNIT + ", nested in recompute"),
+    "tests/test_attention_backends.py": ({"apply_attention"}, _UNIT),
+    "tests/test_fp8.py": ({"apply_fp8", "apply_lora"}, _UNIT + " (frozen LoRA bases quantised)"),
+    "tests/test_fp8_host_base.py": ({"apply_fp8", "apply_lora"}, _UNIT + " (frozen LoRA bases quantised)"),
+    "tests/test_fp8_mlp.py": ({"apply_fp8", "apply_lora", "apply_compile"}, _UNIT + " (fused FP8 MLP, compiled)"),
+    "tests/test_kernels.py": (
+        {"apply_compile", "apply_fused_ce", "apply_fused_kernels", "apply_recompute", "apply_lora", "apply_moe"},
+        _UNIT + " (each kernel swap and compile, alone and with the transforms it meets)",
+    ),
+    "tests/test_unified_memory.py": ({"apply_unified_memory"}, _UNIT),
+    "tests/test_model.py": ({"apply_moe"}, "the MoE block's own tests on a dense model made MoE"),
+    "tests/test_parallel_units.py": ({"ParallelModel"}, "the one-process ParallelModel's no-op hooks"),
+    "tests/test_hf_interop.py": ({"apply_lora"}, _PEFT),
+    "tests/test_arch_qwen3.py": ({"apply_lora"}, _PEFT),
+    "tests/test_arch_moe_hf.py": ({"apply_lora"}, _PEFT),
+    "tests/test_plan_memory.py": ({"apply_lora", "build_optimizer"}, _PLAN),
+    "tests/test_plan_activations.py": ({"apply_lora"}, _PLAN),
+    "tests/test_plan_speed_path.py": ({"apply_lora", "apply_compile"}, _PLAN + ": eager vs compiled step shapes"),
+    "benchmarks/arch_checks.py": ({"apply_fused_kernels"}, "a GPU check that the kernel swap finds each family's modules"),
+    "benchmarks/memory_transforms_check.py": (
+        {"apply_recompute", "apply_activation_offload"},
+        "a GPU check of the memory transforms' hooks, one at a time and together",
+    ),
+    "benchmarks/offload_check.py": ({"apply_unified_memory"}, "a GPU self-test of managed memory on a tiny model"),
+}
+
+
+def _hand_assembly(root: Path, table_calls: set[str]) -> dict[str, set[str]]:
+    """file -> the assembly functions it calls by hand (StepContext included)."""
+    names = table_calls | BUILDERS | {"StepContext"}
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = f"{root.name}/{path.relative_to(root).as_posix()}"
+        if rel != "tests/test_architecture.py" and (hits := _calls(path) & names):
+            found[rel] = hits
+    return found
+
+
+def test_tests_and_benchmarks_assemble_through_the_table():
+    table_calls = {c for c in _calls(PKG / "train" / "assemble.py") if c.startswith("apply_")}
+    found = {**_hand_assembly(TESTS, table_calls), **_hand_assembly(BENCHMARKS, table_calls)}
+    made = sorted(f for f, hits in found.items() if "StepContext" in hits)
+    assert not made, f"StepContext made by hand (use step_context / run_step_context): {made}"
+    bad = [
+        f"{f}: {sorted(hits - HAND_ASSEMBLY.get(f, (set(), ''))[0])}"
+        for f, hits in sorted(found.items())
+        if hits - HAND_ASSEMBLY.get(f, (set(), ""))[0]
+    ]
+    assert not bad, "assembled by hand (use resolve + assemble, or add a reasoned HAND_ASSEMBLY entry):\n" + "\n".join(bad)
+    stale = [f"{f}: {sorted(allowed - found.get(f, set()))}" for f, (allowed, _) in HAND_ASSEMBLY.items()
+             if allowed - found.get(f, set())]
+    assert not stale, f"HAND_ASSEMBLY entries no longer true: {stale}"
+    assert all(why for _, why in HAND_ASSEMBLY.values())
+
+
 def test_shared_constants_and_step_context_have_one_home():
     defs = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if re.search(r"^IGNORE_INDEX\s*=", p.read_text(), re.M)]
     assert defs == ["labels.py"]
@@ -152,26 +225,36 @@ DECIDED_KEYS = {
 VALIDATORS = {"spec.py", "config.py", "config_sections.py", "validate.py", "parallel/mesh.py"}
 
 
-def _decided_key_reads(path: Path) -> list[str]:
+def _decided_key_reads(source: str) -> list[str]:
     """`X.train.precision`-shaped reads (any object, any depth) of a decided key, as 'line: section.key'."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
             if (node.value.attr, node.attr) in DECIDED_KEYS:
                 found.append(f"{node.lineno}: {node.value.attr}.{node.attr}")
     return found
 
 
+# Test and benchmark files that read a decided key from a config, each with its reason (none today: tests
+# and benchmarks read the spec's fields, e.g. `resolve(cfg, device).optimizer_fused`, or set the key).
+READS_DECIDED_KEY: dict[str, str] = {}
+
+
 def test_decided_config_keys_are_read_only_through_the_spec():
-    roots = [PKG, PKG.parent / "benchmarks"]
     bad = []
-    for root in roots:
+    for root in (PKG, TESTS, BENCHMARKS):
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root).as_posix()
-            if root == PKG and rel in VALIDATORS:
+            where = f"{root.name}/{rel}"
+            if (root == PKG and rel in VALIDATORS) or where in READS_DECIDED_KEY:
                 continue
-            bad += [f"{root.name}/{rel}:{hit}" for hit in _decided_key_reads(path)]
+            bad += [f"{where}:{hit}" for hit in _decided_key_reads(path.read_text())]
     assert not bad, "read the spec's decided value instead (tracetrain/spec.py):\n" + "\n".join(bad)
+
+
+def test_the_decided_key_scan_sees_a_read():
+    source = "def f(cfg, spec):\n    return cfg.optim.fused, spec.optimizer_fused, cfg.train.steps\n"
+    assert _decided_key_reads(source) == ["2: optim.fused"]
 
 
 def test_tune_sits_above_train_plan_and_profile():
@@ -273,10 +356,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return next((c for start in sorted(graph) if start not in colour and (c := visit(start))), None)
 
 
-def test_no_import_cycle_between_modules_of_kernels_and_analyze():
-    """Inside kernels/ and profile/analyze/ modules import one way, function-level imports included
-    (a benchmark self-check in a kernel module, or a reader dispatch in a reader, tied them in loops)."""
-    for folder in ("kernels", "profile/analyze"):
+def test_no_import_cycle_between_modules_of_any_folder():
+    """Inside every package folder modules import one way, function-level imports included (a benchmark
+    self-check in a kernel module, a reader dispatch in a reader, hf.py and export.py calling each other,
+    the attention cores and the model, LoRA and DoRA tied them in loops)."""
+    folders = sorted(p.parent.relative_to(PKG).as_posix() for p in PKG.rglob("__init__.py") if p.parent != PKG)
+    assert {"kernels", "models", "profile/analyze", "train", "data"} <= set(folders)
+    for folder in folders:
         cycle = _cycle(_module_graph(folder))
         assert cycle is None, f"import cycle in tracetrain/{folder}: " + " -> ".join(cycle or [])
 
