@@ -1,14 +1,16 @@
-"""train/optim.py `AdamW` (its CUDA step is kernels/adamw_triton.py) against torch's fused AdamW on a GPU:
-the same parameters and moments over several steps with weight decay groups, a gradient divisor (the
-clip factor) and a skipped step (found_inf), and checkpoints that load into either. On the CPU (and
-without Triton) the class is torch's fused AdamW; a CPU test also runs its own step with the kernel's
-math written in torch ops, so the code around the kernel is checked on every torch the tests run on."""
+"""train/optim.py `AdamW` (its step is the Triton kernel of kernels/adamw_triton.py) against torch's fused
+AdamW: the same parameters and moments over several steps with weight decay groups, a gradient divisor
+(the clip factor) and a skipped step (found_inf), and checkpoints that load into either. The kernel itself
+runs on a GPU, and on the CPU under the Triton interpreter (TRITON_INTERPRET=1, in a child process: Triton
+reads it when a kernel is first compiled) wherever Triton is installed. Without Triton the class is
+torch's fused AdamW, which a CPU test checks too."""
 
 from __future__ import annotations
 
-import math
+import os
+import subprocess
 import sys
-import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,38 +59,16 @@ def test_on_the_cpu_it_is_torchs_fused_adamw():
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
 
 
-def _update_in_torch(p, g, m, v, step, *, lr, beta1, beta2, weight_decay, eps, grad_scale, found_inf):
-    """kernels/adamw_triton.py's math in torch ops (the kernel needs Triton and CUDA)."""
-    if found_inf is not None and float(found_inf) != 0:
-        return
-    g = g / grad_scale if grad_scale is not None else g
-    bias_correction1, bias_correction2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
-    p.sub_(lr * weight_decay * p)
-    m.mul_(beta1).add_((1 - beta1) * g)
-    v.mul_(beta2).add_((1 - beta2) * g * g)
-    p.sub_((lr / bias_correction1) * m / (v.sqrt() / math.sqrt(bias_correction2) + eps))
-
-
-def test_the_step_around_the_kernel_counts_steps_and_skips_like_torch(monkeypatch):
-    """On the CPU, with the kernel's math in torch ops: state creation, step counting, the skipped step and
-    the divisor are handled as torch's fused AdamW handles them (runs on the torch the tests run on)."""
-    monkeypatch.setitem(sys.modules, "tracetrain.kernels.adamw_triton", types.SimpleNamespace(adamw_update=_update_in_torch))
-    monkeypatch.setattr(AdamW, "_triton_applies", lambda self: True)
-    (ours, ours_opt, updated), (ref, ref_opt, _) = _run(AdamW, "cpu"), _run(torch.optim.AdamW, "cpu")
-    assert updated == [True, True, True, False, True, True]
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
-    for (s1, m1, v1), (s2, m2, v2) in zip(_state(ours_opt), _state(ref_opt)):
-        assert s1 == s2 == 5.0
-        torch.testing.assert_close(m1, m2, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-9)
-
-
-@needs_gpu
-def test_triton_step_follows_torchs_fused_adamw():
-    (ours, ours_opt, updated), (ref, ref_opt, _) = _run(AdamW, "cuda"), _run(torch.optim.AdamW, "cuda")
+def _kernel_follows_torch(device: str) -> None:
+    """The kernel's steps against torch's fused AdamW on `device` (raises AssertionError if not)."""
+    params = _params(device)
+    probe = _optimizer(AdamW, params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    assert probe._triton_applies() is True, "the update would not run in the Triton kernel here"
+    (ours, ours_opt, updated), (ref, ref_opt, _) = _run(AdamW, device), _run(torch.optim.AdamW, device)
     assert updated == [True, True, True, False, True, True]  # found_inf skips the update on the device
-    for a, b, start in zip(ours, ref, _params("cuda")):
+    for a, b, start in zip(ours, ref, _params(device)):
         assert float((a - start).abs().max().detach()) > 1e-3  # five updates moved every parameter
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
     for (s1, m1, v1), (s2, m2, v2) in zip(_state(ours_opt), _state(ref_opt)):
@@ -96,6 +76,33 @@ def test_triton_step_follows_torchs_fused_adamw():
         # ulp-level differences (FMA contraction, float32 bias corrections) near zero crossings of exp_avg
         torch.testing.assert_close(m1, m2, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-9)
+    # The kernel leaves the gradient undivided (torch's fused kernel would leave grad / grad_scale).
+    probe.grad_scale = torch.tensor(4.0, device=device)
+    probe.found_inf = torch.tensor(0.0, device=device)
+    probe.step()
+    assert all(bool((p.grad == 1).all()) for p in params)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton (it comes with CUDA builds of torch)")
+def test_the_kernel_under_the_triton_interpreter_follows_torchs_fused_adamw():
+    tests = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {tests!r}); import test_adamw_triton as t; t._kernel_follows_torch('cpu')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_without_the_interpreter_cpu_parameters_take_torchs_step():
+    params = _params("cpu")
+    opt = _optimizer(AdamW, params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    assert os.environ.get("TRITON_INTERPRET", "0") == "0" and opt._triton_applies() is False
+
+
+@needs_gpu
+def test_triton_step_follows_torchs_fused_adamw():
+    _kernel_follows_torch("cuda")
 
 
 @needs_gpu

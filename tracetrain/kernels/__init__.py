@@ -20,9 +20,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 
 @functools.cache
 def triton_available() -> bool:
     """Triton is importable (the CUDA kernels are registered); False on the CPU-only test machines."""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1): kernels run on host tensors, in NumPy (the CPU test
+    of the AdamW kernel); read when a kernel is launched, as Triton reads it when one is compiled."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")

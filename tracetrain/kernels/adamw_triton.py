@@ -15,7 +15,8 @@ by `zero_grad`), so this kernel does not store it: 28 bytes a parameter. The mat
 
 and nothing changes when `found_inf` is non-zero (read on the device: no host sync). torch takes the
 bias corrections in double; here they are float32 (exp2(step * log2(beta))), so results differ from
-torch's in the last bits of a step, not in their course (tests/test_adamw_triton.py, on a GPU).
+torch's in the last bits of a step, not in their course (tests/test_adamw_triton.py: on a GPU, and
+on the CPU under the Triton interpreter).
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def _adamw_kernel(
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_INF:  # a skipped step reads and writes nothing: no element is in range
+        # A scalar select, not `mask & (found_inf == 0)`: the same on the GPU, and the Triton interpreter
+        # (TRITON_INTERPRET=1, the CPU test) cannot AND a scalar with a block.
+        n = tl.where(tl.load(FOUND_INF) == 0, n, 0)
     mask = offs < n
-    if HAS_INF:  # a skipped step reads and writes nothing
-        mask = mask & (tl.load(FOUND_INF) == 0)
     p = tl.load(P + offs, mask=mask, other=0.0)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(M + offs, mask=mask, other=0.0)
@@ -85,7 +88,8 @@ def adamw_update(
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
 ) -> None:
-    """One AdamW update of a contiguous float32 CUDA parameter in place (`step` already incremented)."""
+    """One AdamW update of a contiguous float32 CUDA parameter in place (`step` already incremented); of a
+    CPU one under the Triton interpreter (TRITON_INTERPRET=1)."""
     n = param.numel()
     dummy = step  # pointer arguments the kernel does not read when the flags are off
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](

@@ -56,7 +56,7 @@ def build_optimizer(
 
 class AdamW(torch.optim.AdamW):
     """torch's fused AdamW (same arguments, state, state dict and checkpoints) whose update of plain float32
-    CUDA parameters runs as one Triton kernel per parameter (kernels/adamw_triton.py) that does not
+    CUDA parameters (host ones under the Triton interpreter) runs as one Triton kernel per parameter (kernels/adamw_triton.py) that does not
     write the gradient back: 28 bytes a parameter instead of 32 when the trainer hands the clip factor
     over as `grad_scale`. Honours `grad_scale` and `found_inf` on the device, as torch's fused kernel
     does (GradScaler and train/step.py set them). Anything else (no Triton, DTensor or non-float32
@@ -102,10 +102,11 @@ class AdamW(torch.optim.AdamW):
         return None
 
     def _triton_applies(self) -> bool:
-        from tracetrain.kernels import triton_available
+        from tracetrain.kernels import triton_available, triton_interpreting
 
         if not triton_available():
             return False
+        device_type = "cpu" if triton_interpreting() else "cuda"  # the interpreter runs kernels on host tensors
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or isinstance(group["lr"], torch.Tensor):
                 return False
@@ -114,7 +115,9 @@ class AdamW(torch.optim.AdamW):
                 if g is None:
                     continue
                 plain = type(p) in (torch.Tensor, nn.Parameter) and type(g) is torch.Tensor
-                if not (plain and p.is_cuda and p.dtype == g.dtype == torch.float32 and not g.is_sparse):
+                if not (
+                    plain and p.device.type == device_type and p.dtype == g.dtype == torch.float32 and not g.is_sparse
+                ):
                     return False
                 if not (p.is_contiguous() and g.is_contiguous()):
                     return False
