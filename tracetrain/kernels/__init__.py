@@ -14,6 +14,8 @@ inside a compiled block. The transforms that swap these into the model live in `
   fused_ce.py  lm_head + cross-entropy, token chunk by chunk: no full (tokens, vocab) logits
 
 Not a custom op: adamw_triton.py, the CUDA update of train/optim.py's AdamW (Triton only).
+nf4_triton.py: the CUDA kernel of models/qlora.py's `tracetrain::nf4_dequantise` (QLoRA's 4-bit base),
+registered when a QLoRA run is assembled (Triton only).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ reads), against 16 in bf16. Without double quantisation the scalers alone would 
 Compute: `NF4Linear` dequantises its weight to the compute dtype (the LoRA base dtype: bf16 on GPUs) inside
 the matmul, an op of its own (`tracetrain::nf4_linear`) whose backward dequantises again from the 4-bit
 codes it saved: the 16-bit weight only ever exists for one projection at a time. On a GPU the
-dequantisation is one compiled kernel before each GEMM. The frozen base has no gradient.
+dequantisation is one kernel before each GEMM (`nf4_dequantise`: Triton's one-pass kernel from
+kernels/nf4_triton.py when Triton is installed, else a compiled one). The frozen base has no gradient.
 
 The base is pure PyTorch: no bitsandbytes or torchao is needed to train, merge or export. Every frozen
 `nn.Linear` of the blocks is quantised (LoRA bases and projections without adapters, as PEFT and unsloth
@@ -100,22 +101,34 @@ def dequantise_nf4(
 
 
 @functools.cache
-def _compiled_dequantise() -> Callable[..., torch.Tensor]:
-    # One fused kernel (codes -> 16-bit weight) for every shape; built at first use on a GPU.
+def compiled_dequantise_nf4() -> Callable[..., torch.Tensor]:
+    """`dequantise_nf4` compiled (one generated kernel for every shape): `nf4_dequantise`'s CUDA path
+    where Triton's own kernel (kernels/nf4_triton.py) is not registered. Built at first use."""
     return torch.compile(dequantise_nf4, dynamic=True)
 
 
-def _dequantise_fast(
+# The dequantisation is an op of its own so that a kernel can be registered for a device without models/
+# importing it: kernels/nf4_triton.py registers its one-pass Triton kernel for CUDA (train/assemble.py
+# imports it for a QLoRA run); this default is the compiled kernel on a GPU and eager PyTorch elsewhere.
+@torch.library.custom_op("tracetrain::nf4_dequantise", mutates_args=())
+def nf4_dequantise(
     codes: torch.Tensor,
     sc: torch.Tensor,
     sf: torch.Tensor,
     sm: torch.Tensor,
     lv: torch.Tensor,
-    shape: tuple[int, int],
+    out_features: int,
+    in_features: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    fn = _compiled_dequantise() if codes.is_cuda else dequantise_nf4
-    return fn(codes, sc, sf, sm, lv, shape, dtype)
+    """The (out_features, in_features) weight in `dtype`, as `dequantise_nf4`."""
+    fn = compiled_dequantise_nf4() if codes.is_cuda else dequantise_nf4
+    return fn(codes, sc, sf, sm, lv, (out_features, in_features), dtype)
+
+
+@nf4_dequantise.register_fake
+def _(codes, sc, sf, sm, lv, out_features, in_features, dtype):
+    return codes.new_empty((out_features, in_features), dtype=dtype)
 
 
 # The 4-bit matmul is one opaque op for torch.compile: inside a compiled block, the partitioner would
@@ -132,7 +145,7 @@ def nf4_linear(
     out_features: int,
 ) -> torch.Tensor:
     """x @ dequant(W)^T, W of shape (out_features, x.shape[-1]), in x's dtype."""
-    return F.linear(x, _dequantise_fast(codes, sc, sf, sm, lv, (out_features, x.shape[-1]), x.dtype))
+    return F.linear(x, nf4_dequantise(codes, sc, sf, sm, lv, out_features, x.shape[-1], x.dtype))
 
 
 @nf4_linear.register_fake
@@ -151,7 +164,7 @@ def nf4_linear_grad_input(
     in_features: int,
 ) -> torch.Tensor:
     """grad @ dequant(W): the weight dequantised again, never saved from the forward."""
-    return grad @ _dequantise_fast(codes, sc, sf, sm, lv, (grad.shape[-1], in_features), grad.dtype)
+    return grad @ nf4_dequantise(codes, sc, sf, sm, lv, grad.shape[-1], in_features, grad.dtype)
 
 
 @nf4_linear_grad_input.register_fake

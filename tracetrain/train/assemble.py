@@ -119,9 +119,13 @@ def _moe(a: Assembly) -> None:
 
 def _lora(a: Assembly) -> None:
     from tracetrain.errors import ConfigError
+    from tracetrain.kernels import triton_available
     from tracetrain.models.lora import apply_lora
 
     lc = a.spec.cfg.lora
+    if lc.base_quant == "nf4" and triton_available():
+        # Registers the one-pass Triton kernel as CUDA's `tracetrain::nf4_dequantise` (the NF4 bases' matmuls).
+        import tracetrain.kernels.nf4_triton  # noqa: F401
     try:
         apply_lora(
             a.plain(),
