@@ -3,11 +3,13 @@ forward and backward, training through the real assembly and step, and merges an
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracetrain.config import load_config
 from tracetrain.errors import ConfigError
@@ -281,3 +283,29 @@ def test_gguf_tensors_are_the_merged_dequantised_weights(qlora_model: torch.nn.M
     assert [name for name, _, _ in ours] == [name for name, _, _ in reference]
     for (name, data, _), (_, ref, _) in zip(ours, reference):
         np.testing.assert_allclose(data, ref, atol=1e-6, rtol=0, err_msg=name)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts calls of each op (the 4-bit matmul's forward and input-gradient ops among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_selective_recomputation_keeps_the_4_bit_matmul_outputs(recompute: str) -> None:
+    """The selective policy saves matmul outputs: QLoRA's nf4_linear is one, so backward dequantises each
+    weight once more for the input gradient and does not rerun the 4-bit matmul."""
+    cfg = qlora_cfg("--lora.base_quant=nf4", f"--memory.recompute={recompute}")
+    a = assemble(resolve(cfg, CPU))
+    with _CountOps() as mode:
+        train_step(a.module, a.optimizer, [batch()], run_step_context(a))
+    num_projections = 7 * cfg.model.n_layers
+    assert mode.counts["tracetrain.nf4_linear"] == num_projections
+    # the input gradients: block 0's q/k/v inputs need none (the embedding is frozen)
+    assert mode.counts["tracetrain.nf4_linear_grad_input"] == num_projections - 3

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tracetrain.models.llama import KVCacheLayer, Transformer, TransformerBlock
+from tracetrain.models.qlora import nf4_linear  # noqa: F401  # registers torch.ops.tracetrain.nf4_linear
 
 RecomputeMode = Literal["none", "full", "selective"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
@@ -69,6 +70,8 @@ def saved_ops() -> frozenset[object]:
     flex = getattr(torch.ops.higher_order, "flex_attention", None)
     if flex is not None:
         ops.add(flex)
+    # QLoRA's 4-bit matmul (models/qlora.py): recomputing it would dequantise the weight and run the GEMM again.
+    ops.add(torch.ops.tracetrain.nf4_linear.default)
     return frozenset(ops)
 
 
