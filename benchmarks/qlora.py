@@ -145,7 +145,8 @@ def main() -> None:
     stamp = {"date": env["date"], "commit": env["commit"], "torch": torch.__version__, "call": call,
              "device": torch.cuda.get_device_name(0)}
     site = None if a.no_peer else peersite(a.peersite)
-    own_env = {**os.environ, "PYTHONPATH": str(REPO)}  # the peers' packages stay off our rows' path
+    own_path = os.pathsep.join([str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    own_env = {**os.environ, "PYTHONPATH": own_path}  # the peers' packages stay off our rows' path
     rows: list[dict] = []
     t_start = time.time()
     for case in [c for c in a.cases.split(",") if c]:
@@ -155,6 +156,7 @@ def main() -> None:
         kind = "qlora" if c.get("quant", "nf4") == "nf4" else "lora-bf16"
         rows.append({"system": "tracetrain", "case": f"{c['preset']}-{kind}", **out, **stamp})
         print(f"tracetrain {case}: {out.get('tokens_per_s', out.get('error'))}", flush=True)
+        save(rows)  # after every row: a call cut short keeps what it measured
         if site is None or not c["unsloth_gc"]:
             continue
         gc_mode = a.unsloth_gc_70b if case == "70b" else c["unsloth_gc"]
@@ -163,16 +165,26 @@ def main() -> None:
                      str(c["batch"]), str(c["seq"]), gc_mode, tgt], {**os.environ, "PYTHONPATH": site}, a.timeout_s)
         rows.append({"system": out.get("peer", "unsloth 4-bit"), "case": f"{c['preset']}-qlora", **out, **stamp})
         print(f"unsloth {case}: {out.get('tokens_per_s', out.get('error'))}", flush=True)
+        save(rows)
     if not a.no_peer and site is None:
         print("no peers: neither --peersite nor .peers/peersite.tgz exists", flush=True)
     report(rows)
     print(f"whole call: {time.time() - t_start:.0f} s")
+    print(f"wrote {save(rows)}")
+
+
+def save(rows: list[dict]) -> Path:
+    """This call's rows after the earlier calls' rows of qlora_<gpu>.json (rewritten whole, atomically)."""
+    import torch
+
     device = torch.cuda.get_device_name(0).replace(" ", "-")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results"
     path = out_dir / f"qlora_{device}.json"
-    kept = json.loads(path.read_text()) if path.is_file() else []
-    path.write_text(json.dumps(kept + rows, indent=1) + "\n")
-    print(f"wrote {path}")
+    kept = [r for r in json.loads(path.read_text()) if r.get("call") != rows[0].get("call")] if path.is_file() else []
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(kept + rows, indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def report(rows: list[dict]) -> None:
