@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from test_recompute import ARGS, assert_same, held_activation_bytes, packed_batch, tiny_model, with_lora
+from helpers_memory import ARGS, assert_same, held_activation_bytes, packed_batch, tiny_model, with_lora
 from tracetrain.memory.activation_offload import (ActivationOffload, SaveOnCpuOffload, StreamedOffload,
                                                   apply_activation_offload, num_offloaded_blocks)
 from tracetrain.memory.recompute import apply_recompute

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 import traces_gen as gen
+from helpers import console_errors, render_in_browser
 from rich.console import Console
-from test_html_render import console_errors, render_in_browser
 
 from tracetrain.errors import TracetrainError
 from tracetrain.profile.analyze import Report, analyze, compare, render_html, render_json, render_terminal

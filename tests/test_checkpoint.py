@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here, model_and_optimizer
-from test_train import read_metrics, run_cli
+from helpers import read_metrics, run_cli
 
 from tracetrain.config import load_config
 from tracetrain.errors import CheckpointError, ConfigError

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
+from helpers import _load, _tiny, run_cli
 from parallel_harness import assemble_tiny, tiny_config
 from safetensors.torch import load_file, save_file
-from test_train import run_cli
 
 import tracetrain.train.checkpoint as ckpt_mod
 from tracetrain.config import load_config, to_toml
@@ -36,7 +36,6 @@ from tracetrain.train.checkpoint import (
     TrainState,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
     load_weights,
     save_checkpoint,
     trainable_state_dict,
@@ -66,18 +65,6 @@ RUN = [
 ]
 
 
-def _tiny(step_value: float | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.ones(1, 4)).sum().backward()
-    opt.step()
-    if step_value is not None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(step_value)
-    return model, opt
-
-
 def _save(
     run: Path,
     step: int,
@@ -88,13 +75,6 @@ def _save(
     model, opt = built or _tiny(float(step if value is None else value))
     state = TrainState(step, {}, {}, {"value": int(step if value is None else value)})
     return save_checkpoint(run, model, opt, state, "", lora=False, keep_last=keep_last)
-
-
-def _load(path: Path) -> TrainState:
-    model, opt = _tiny()
-    state = load_checkpoint(path, model, opt, lora=False)
-    assert all(torch.all(p == state.counters["value"]) for p in model.parameters())
-    return state
 
 
 def _flip_byte(path: Path, offset_from_end: int = 3) -> None:

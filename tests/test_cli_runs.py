@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from conftest import cli_here
-from test_train import SMALL, _rows, _run, read_metrics, run_cli
+from helpers import SMALL, _rows, _run, read_metrics, run_cli
 
 from tracetrain.train.assemble import run_step_context
 from tracetrain.train.step import train_step

@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 from conftest import cli_here
+from helpers import run_cli
 from rich.console import Console
-from test_train import run_cli
 
 from tracetrain.config import load_config
 from tracetrain.data import build_datasets, load_tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
-from test_train import read_metrics
+from helpers import read_metrics
 
 from tracetrain.config import load_config
 from tracetrain.data import build_datasets, load_tokenizer

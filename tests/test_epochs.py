@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 from conftest import cli_here
-from test_train import read_metrics
+from helpers import read_metrics
 
 from tracetrain.config import load_config, resolve_warmup
 from tracetrain.data import build_datasets, load_tokenizer

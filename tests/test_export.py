@@ -14,35 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_here
 from fixtures_gen import bpe_json_path, bpe_token_id, bpe_vocab_size
+from helpers import TINY_MODEL, run_cli, train_run
 from safetensors import safe_open
-from test_train import run_cli
 
 transformers = pytest.importorskip("transformers", reason="export tests load the exports with transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")
 
-TINY_RUN = [
-    "--train.steps=4",
-    "--train.micro_batch_size=4",
-    "--data.synthetic_examples=200",
-    "--data.seq_len=64",
-    "--train.eval_interval=0",
-    "--train.eval_batches=1",
-    "--train.eval_generate=0",
-    "--optim.warmup_steps=1",
-    "--logging.progress=false",
-]
-TINY_MODEL = ["--model.dim=64", "--model.n_layers=2", "--model.ffn_dim=128"]  # runs without model.init_from
 # <|endoftext|> and "\n" (our test's end-of-turn id) in the byte-level BPE trained for the tests (tests/fixtures_gen.py)
 BPE_EOS, BPE_NEWLINE = bpe_token_id("<|endoftext|>"), bpe_token_id("\u010a")
-
-
-def train_run(out: Path, name: str, *extra: str) -> Path:
-    """A finished run, trained through the CLI's main in this process (test_train.py runs `train` for real)."""
-    cli_here("train", *TINY_RUN, f"--train.output_dir={out}", f"--train.run_name={name}", *extra)
-    return out / name
 
 
 @pytest.fixture(scope="module")

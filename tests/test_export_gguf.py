@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_export import TINY_MODEL, train_run
+from helpers import TINY_MODEL, train_run
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'tracetrain[gguf]') writes and reads GGUF")
 

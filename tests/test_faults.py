@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
+from helpers import TINY, _steps_logged, _wait_for
 
 import tracetrain
 from tracetrain.data import token_cache
@@ -24,22 +25,6 @@ from tracetrain.train.faults import RunStopped
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")
 
-# The smallest run that still trains: one layer of width 16, one sequence of 32 tokens per step.
-TINY = [
-    "--train.micro_batch_size=1",
-    "--data.synthetic_examples=100",
-    "--data.seq_len=32",
-    "--model.n_layers=1",
-    "--model.dim=16",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=2",
-    "--model.ffn_dim=32",
-    "--logging.log_interval=1",
-    "--train.eval_interval=0",
-    "--train.eval_generate=0",
-    "--train.eval_batches=1",
-    "--optim.warmup_steps=1",
-]
 CLI = [sys.executable, "-m", "tracetrain.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -47,20 +32,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def _start(tmp_path: Path, *args: str, **popen: object) -> subprocess.Popen:
     cmd = [*CLI, "train", *TINY, f"--train.output_dir={tmp_path}", "--train.run_name=r", *args]
     return subprocess.Popen(cmd, text=True, env=ENV, **popen)  # type: ignore[call-overload]
-
-
-def _wait_for(predicate, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"never saw {what} (exit status {proc.poll()})")
-
-
-def _steps_logged(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
 def _saved_step(run_dir: Path) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
-from test_faults import TINY, _steps_logged, _wait_for
+from helpers import TINY, _steps_logged, _wait_for
 
 from tracetrain.train.checkpoint import list_checkpoints
 from tracetrain.train.manifest import verify_checkpoint

@@ -18,8 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from conftest import cli_here
-from test_checkpoint_integrity import _tiny
-from test_faults import TINY
+from helpers import TINY, _hf_folder, _tiny
 
 from tracetrain.errors import CheckpointError
 from tracetrain.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainer_state_dict
@@ -237,17 +236,6 @@ def test_forged_dcp_metadata_contents_are_one_line(tmp_path, mutate, state, frag
 
 # ---------------------------------------------------------------------------------------------------
 # Hugging Face `model.init_from` folders: the shard index
-
-
-def _hf_folder(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
-    from tracetrain.models.hf import write_hf_weights
-    from tracetrain.models.llama import ModelArgs, Transformer
-
-    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, vocab_size=32, max_seq_len=16)
-    model = Transformer(args)
-    write_hf_weights(model, args, tmp_path, torch.float32, max_shard_bytes=2048)  # several shards and an index
-    assert (tmp_path / "model.safetensors.index.json").is_file()
-    return tmp_path, model
 
 
 def _first(weight_map: dict) -> str:

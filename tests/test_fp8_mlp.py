@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fp8 import ARGS, BWD_TOL, FP8_FLOOR, FWD_TOL, _lora_model, _tokens, needs_scaled_mm, rel
+from helpers_fp8 import ARGS, BWD_TOL, FP8_FLOOR, FWD_TOL, _lora_model, _tokens, needs_scaled_mm, rel
 from torch import nn
 from torch.library import opcheck
 

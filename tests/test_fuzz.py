@@ -8,30 +8,18 @@ inputs; the `fuzz` profile keeps the whole file near a minute on two cores. HYPO
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import cli_here
-from hypothesis import HealthCheck, given, settings
+from helpers_fuzz import FEW, FUZZ, JSON_VALUES, _sandbox
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tracetrain.config import load_config
 from tracetrain.data.chat import ChatTemplate, tokenize_conversation
 from tracetrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from tracetrain.errors import TracetrainError
-
-_COMMON = {"derandomize": True, "deadline": None, "suppress_health_check": list(HealthCheck), "database": None}
-settings.register_profile("fuzz", max_examples=40, **_COMMON)
-# Fresh random examples on each run, as many as FUZZ_EXAMPLES: for hunting, not for CI.
-settings.register_profile(
-    "fuzz-long", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "1000")), **{**_COMMON, "derandomize": False}
-)
-FUZZ = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "fuzz"))
-FEW = settings(FUZZ, max_examples=max(FUZZ.max_examples // 4, 8))  # examples that each run a command
 
 
 def _refused_in_one_line(proc) -> None:
@@ -40,20 +28,6 @@ def _refused_in_one_line(proc) -> None:
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert lines and (len(lines) == 1 or lines[0].startswith("usage:")), proc.stderr
-
-
-@contextlib.contextmanager
-def _sandbox() -> Iterator[tuple[Path, Path]]:
-    """(work folder, a sentinel folder beside it); the sentinel's files must come out unchanged."""
-    with tempfile.TemporaryDirectory() as tmp:
-        work, sentinel = Path(tmp) / "work", Path(tmp) / "sentinel"
-        work.mkdir()
-        sentinel.mkdir()
-        (sentinel / "keep.txt").write_text("keep")
-        before = sorted((p.name, p.stat().st_mtime_ns, p.read_bytes()) for p in sentinel.iterdir())
-        yield work, sentinel
-        after = sorted((p.name, p.stat().st_mtime_ns, p.read_bytes()) for p in sentinel.iterdir())
-        assert after == before, "a file outside the run was touched"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,18 +249,6 @@ def _tokenizer_json(path: Path) -> None:
     tok.save(str(path))
 
 
-JSON_VALUES = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(10**20), 10**20)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=8)
-    | st.sampled_from(["<s>", "</s>", "a", "missing"]),
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["content", "__type", "x"]), inner, max_size=2)
-    ),
-    max_leaves=5,
-)
 # Token ids near the edges of the five-token vocabulary, and the wrong types seen in the wild.
 TOKEN_IDS = st.integers(-2, 7) | st.sampled_from([5.5, True, 10**20, "4", None])
 ID_FIELD = TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | JSON_VALUES

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
+from helpers import _tiny
+from helpers_fuzz import FEW, FUZZ, JSON_VALUES, _sandbox
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_checkpoint_integrity import _tiny
-from test_fuzz import FEW, FUZZ, JSON_VALUES, _sandbox
 
 from tracetrain.errors import CheckpointError
 from tracetrain.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -227,7 +227,7 @@ def test_dcp_metadata_loads_or_refuses_in_one_line(sharded, replacements, proper
 @FEW_CHECKS
 @given(st.one_of(JSON_VALUES, st.dictionaries(st.text(max_size=30), MANIFEST_PATHS | JSON_VALUES, max_size=4)))
 def test_hf_shard_index_loads_or_refuses_in_one_line(weight_map):
-    from test_forged_checkpoints import _hf_folder
+    from helpers import _hf_folder
 
     from tracetrain.models.hf import load_hf_weights
 

@@ -266,7 +266,7 @@ def test_generate_jsonl_fields_order_and_templates(tmp_path):
 def test_cli_prompts_file_end_to_end(tmp_path):
     """`tracetrain generate --prompts-file` on a real run; plain and offloaded caches write the same lines."""
     from conftest import cli_here
-    from test_train import SMALL, run_cli
+    from helpers import SMALL, run_cli
 
     from tracetrain.cli import build_parser
 
@@ -405,7 +405,7 @@ def test_cli_refuses_bad_generation_options(flags, named, capsys):
 
 
 def test_cli_generate_option_error_is_one_line_in_a_subprocess():
-    from test_train import run_cli
+    from helpers import run_cli
 
     proc = run_cli("generate", "--json", "no-such-run", "--prompt", "x", "--batch-size=0", check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --batch-size 0: must be >= 1"

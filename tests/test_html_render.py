@@ -1,34 +1,10 @@
 """Reports open in a real browser: headless Chromium renders them with no console errors."""
 
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
+from helpers import console_errors, render_in_browser
 
 TRACES = Path(__file__).parent / "data" / "traces"
-
-
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if path := shutil.which(name):
-            return path
-    pytest.skip("headless Chromium is not installed (Debian package 'chromium'; .ci/run installs it)")
-
-
-def render_in_browser(html_file: Path, tmp_path: Path) -> tuple[str, str]:
-    """(DOM after scripts ran, browser log). Flags keep Chromium off the network and quiet."""
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-           f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-           "--virtual-time-budget=2000", "--dump-dom", html_file.as_uri()]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout, proc.stderr
-
-
-def console_errors(log: str) -> list[str]:
-    return [line for line in log.splitlines() if "CONSOLE" in line and ("Uncaught" in line or "Error" in line)]
 
 
 def test_analyzer_report_renders_without_console_errors(tmp_path):

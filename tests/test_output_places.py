@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from conftest import cli_here
-from test_faults import TINY
+from helpers import TINY
 
 from tracetrain.config import load_config
 from tracetrain.errors import ConfigError

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_here
+from helpers import read_metrics
 from parallel_harness import activation_offload_drill, fp16_found_inf_drill
-from test_train import read_metrics
 
 from tracetrain.parallel.launch import launch_local
 

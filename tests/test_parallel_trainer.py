@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import cli_here
-from test_train import read_metrics
+from helpers import read_metrics
 
 ARGS = [
     "--train.steps=4",

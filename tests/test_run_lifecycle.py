@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here, model_and_optimizer
-from test_train import read_metrics
+from helpers import read_metrics
 
 from tracetrain.config import load_config
 from tracetrain.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint

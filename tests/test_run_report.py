@@ -9,8 +9,7 @@ import shutil
 
 import pytest
 from conftest import cli_here
-from test_html_render import console_errors, render_in_browser
-from test_train import run_cli
+from helpers import console_errors, render_in_browser, run_cli
 
 ARGS = [
     "--data.synthetic_examples=400",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from test_train import SMALL, read_metrics, run_cli
+from helpers import SMALL, read_metrics, run_cli
 
 ARGS = [*SMALL, "--train.steps=12", "--train.eval_interval=6", "--train.eval_generate=0", "--logging.progress=false"]
 

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_train import SMALL, read_metrics
+from helpers import SMALL, read_metrics
 
 mlflow = pytest.importorskip("mlflow.server", reason="needs the full mlflow package: pip install 'tracetrain[mlflow]'")
 from mlflow import MlflowClient  # noqa: E402

@@ -2,27 +2,18 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import cli_here
+from helpers import SMALL, _rows, _run, read_metrics, run_cli
 
 from tracetrain.config import OptimSection, load_config
 from tracetrain.errors import TracetrainError
-from tracetrain.spec import resolve
-from tracetrain.train.assemble import Assembly, assemble, run_step_context, step_context
+from tracetrain.train.assemble import Assembly, run_step_context, step_context
 from tracetrain.train.metrics import MetricsLogger
 from tracetrain.train.optim import lr_factor
 from tracetrain.train.step import StepContext, train_step
-
-
-def _run(*overrides: str) -> Assembly:
-    """A tiny two-layer run on the CPU, assembled as the trainer assembles it (spec, transform table)."""
-    cfg = load_config(None, ["--model.n_layers=2", "--train.grad_clip=0", *overrides])
-    return assemble(resolve(cfg, torch.device("cpu")))
 
 
 def _model_and_opt(seed: int = 0, sgd: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, StepContext]:
@@ -33,18 +24,6 @@ def _model_and_opt(seed: int = 0, sgd: bool = False) -> tuple[torch.nn.Module, t
         opt: torch.optim.Optimizer = torch.optim.SGD(a.module.parameters(), lr=1.0)
         return a.module, opt, step_context(a.spec, optimizer=opt)
     return a.module, a.optimizer, run_step_context(a)
-
-
-def _rows(n: int, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 259, (n, seq), generator=g)
-    labels = torch.randint(0, 259, (n, seq), generator=g)
-    # Different numbers of target tokens per row, so per-micro-batch averaging would be wrong.
-    for i in range(n):
-        labels[i, : 3 + 5 * i] = -100
-    doc = (torch.arange(seq) >= seq // 2).long().expand(n, seq).contiguous()
-    pos = torch.cat([torch.arange(seq // 2), torch.arange(seq - seq // 2)]).expand(n, seq).contiguous()
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": doc}
 
 
 def test_accumulation_equals_one_large_batch():
@@ -147,39 +126,6 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
     lin = OptimSection(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
     assert lr_factor(50, lin, 100) == pytest.approx(0.5)
-
-
-def run_cli(*args: str, cwd=None, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`tracetrain ARGS` in a fresh process; `env` adds to (not replaces) this process's environment."""
-    full_env = {**os.environ, **env} if env else None
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True, cwd=cwd, env=full_env
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"tracetrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-SMALL = [
-    "--train.steps=24",
-    "--train.micro_batch_size=8",
-    "--data.synthetic_examples=600",
-    "--data.seq_len=64",
-    "--logging.log_interval=4",
-    "--train.eval_interval=12",
-    "--train.eval_batches=2",
-    "--train.eval_generate=8",
-    "--optim.warmup_steps=4",
-]
-
-
-def read_metrics(run_dir):
-    """(train lines, eval lines during training); the final evaluation's line is left out."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return (
-        [r for r in lines if r["kind"] == "train"],
-        [r for r in lines if r["kind"] == "eval" and not r.get("final")],
-    )
 
 
 @pytest.fixture(scope="module")

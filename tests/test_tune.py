@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from test_html_render import console_errors, render_in_browser
+from helpers import console_errors, render_in_browser
 
 from tracetrain.config import load_config
 

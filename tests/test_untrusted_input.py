@@ -280,7 +280,7 @@ def test_trace_device_name_not_a_string_and_deep_nesting(tmp_path):
 )
 def test_forged_checkpoint_step_is_refused(tmp_path, step, fragment):
     import torch
-    from test_checkpoint_integrity import _load, _tiny
+    from helpers import _load, _tiny
 
     from tracetrain.errors import CheckpointError
     from tracetrain.train.checkpoint import TrainState, save_checkpoint
