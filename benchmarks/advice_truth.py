@@ -16,7 +16,7 @@ Writes, under `--out` (default `$OUT`, else tests/data/advice_truth):
 - `<case>/fixed/rank{R}.json.gz`: the fixed twin's trace;
 - `truth.json`: per case and variant the unprofiled step times (median of `--steps`), the realized
   gain `(problem - fixed) / problem`, the cause, and device, torch version, commit and date.
-Then prints the table. `tests/test_advice_truth.py` reads the corpus.
+Then prints the table. `tests/analyze/test_advice_truth.py` reads the corpus.
 
 `--tiny` shrinks every model to a toy and runs on the CPU (gloo for the two-rank cases): a smoke test
 of the script itself, not a corpus.

@@ -14,7 +14,7 @@ on small kernels). Its idle is over its own span, first GPU event to last. Idle 
 fixing any cause gives back, not a prediction: HTA names no cause.
 
 `EXPECTED` (which rule should come first for each problem case) is shared with
-tests/test_advice_truth.py, which asserts what this table shows.
+tests/analyze/test_advice_truth.py, which asserts what this table shows.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For each `--points` entry SEQ:LAYERS it runs benchmarks/long_context.py's tracet
 `tracetrain train` assembles: full recomputation, streamed offload, 'auto' tiled MLP / compile, the
 fused cross-entropy) for one step in its own process with the allocator's history recorded, replays
 the history to the moment of the largest allocated total, and groups what is live there by the frames
-that allocated it and its bytes per token. tests/test_plan_long_context.py holds the planner to these
+that allocated it and its bytes per token. tests/plan/test_plan_long_context.py holds the planner to these
 peaks. One JSON per call ($OUT/long_context_peak_<device>.json, and benchmarks/results/). The committed
 one (one H200, about 12 minutes in three calls):
 

@@ -5,7 +5,7 @@ weak-scaling table, each planned for the same model, layout, batch and GPU.
   python3 benchmarks/plan_vs_published.py            # the markdown table of docs/planner.md
 
 Every published figure is copied unchanged from its source (`SOURCES`); `band` is the range of
-plan / published that tests/test_plan_published.py asserts and docs/planner.md states, and `why` says
+plan / published that tests/plan/test_plan_published.py asserts and docs/planner.md states, and `why` says
 which part of the difference is a different trainer or GPU and which is modelling error.
 """
 

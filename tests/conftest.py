@@ -25,7 +25,7 @@ def cli_here(*args: str, cwd: str | Path | None = None, check: bool = True) -> s
     importing torch. stdout and stderr are captured; warnings, filtered as a fresh interpreter filters
     them, are written at the start of stderr as it would print them; an argparse exit is the return code.
     Tests that need a process of their own (signals, a lock held by another PID, torchrun, a fresh
-    interpreter) use test_train.run_cli, and every subcommand keeps at least one real subprocess test."""
+    interpreter) use helpers.run_cli, and every subcommand keeps at least one real subprocess test."""
     from tracetrain.cli import main
 
     out, err = io.StringIO(), io.StringIO()

@@ -2,7 +2,7 @@
 real trainer so a refactor of the build path or the step can be checked bitwise (issue #17).
 
 `python3 tests/golden_losses.py --write` reruns every case twice (the losses must be deterministic)
-and rewrites tests/data/golden_losses.json; tests/test_golden_losses.py recomputes and compares with ==.
+and rewrites tests/data/golden_losses.json; tests/train/test_golden_losses.py recomputes and compares with ==.
 Losses are the float32 values the trainer logs, stored as float64 (json round-trips them exactly).
 
 Bitwise equality holds only on the kind of CPU the file was recorded on: MKL and ATen pick kernels by
