@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain.config_fields import field_choices, table_type
-from tracetrain.errors import ConfigError
+from tracetrain.errors import ConfigError, utf8_text
 
 
 def parse_override(arg: str) -> tuple[str, Any]:
@@ -71,13 +71,12 @@ def read_toml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     data = _read_limited(path)
-    try:
-        text = data.decode("utf-8")  # TOML is UTF-8 by definition, whatever the locale says
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text (TOML files must be saved as UTF-8)"
-        ) from None
+    text = utf8_text(  # TOML is UTF-8 by definition
+        data,
+        lambda line, byte: ConfigError(
+            f"{path}: line {line}: byte 0x{byte:02x} is not UTF-8 text (TOML files must be saved as UTF-8)"
+        ),
+    )
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
