@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import torch
 from generate_measure import GIB, autocast, does_not_fit, failure, free_memory, prefill, sync
@@ -98,7 +99,8 @@ def longest_context(
 def hf_prefill(hf, batch: int, context: int, s: dict) -> dict:
     """transformers' prefill of a (batch, context - 1) prompt: one `generate(max_new_tokens=1)`."""
     dev = s["device"]
-    try:
+
+    def measure() -> dict:
         ids = torch.randint(0, hf.config.vocab_size, (batch, context - 1), device=dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -112,37 +114,40 @@ def hf_prefill(hf, batch: int, context: int, s: dict) -> dict:
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        row = {"status": "ok", "prefill_tok_s": round(batch * (context - 1) / (sync(dev) - start), 1)}
-        if dev.type == "cuda":
-            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
-        return row
-    except Exception as e:
-        return {"status": failure(e)}
-    finally:
-        ids = None
-        free_memory()
+        return {"status": "ok", "prefill_tok_s": round(batch * (context - 1) / (sync(dev) - start), 1)}
+
+    return prefill_row(measure, dev)
 
 
 def ours_prefill(model: Transformer, batch: int, context: int, s: dict) -> dict:
     """tracetrain's prefill of the same prompt into an in-GPU cache (generate_batch's chunk rule)."""
-    try:
+
+    def measure() -> dict:
         cache = make_cache(model, batch, context, s["dtype"], False, 0)
         cache.set_prompt_mask(torch.ones(batch, context - 1, dtype=torch.bool, device=s["device"]))
         if s["device"].type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         _, seconds = prefill(model, cache, batch, context - 1, s)
-        row = {
+        return {
             "status": "ok",
             "prefill_tok_s": round(batch * (context - 1) / seconds, 1),
             "prefill_chunk": prefill_chunk_tokens(model, batch, context - 1, cache, s["dtype"], None),
         }
-        if s["device"].type == "cuda":
+
+    return prefill_row(measure, s["device"])
+
+
+def prefill_row(measure: Callable[[], dict], device: torch.device) -> dict:
+    """The row `measure()` returns, with the peak GPU memory on CUDA, or {"status": "OOM" | "error: ..."} when
+    it fails; memory is freed after either way (the tensors `measure` made are gone with its frame)."""
+    try:
+        row = measure()
+        if device.type == "cuda":
             row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
         return row
     except Exception as e:
         return {"status": failure(e)}
     finally:
-        cache = None
         free_memory()
 
 
