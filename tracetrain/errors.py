@@ -1,5 +1,9 @@
 """Error types for user mistakes. The CLI prints these as one line, without a traceback."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
 
 class TracetrainError(Exception):
     """A mistake the user can fix (bad config, bad data, missing file). Message is one line."""
@@ -26,3 +30,12 @@ class OutOfMemory(TracetrainError):
     def __init__(self, message: str, quiet: bool = False) -> None:
         super().__init__(message)
         self.quiet = quiet
+
+
+def utf8_text(data: bytes, error: Callable[[int, int], Exception]) -> str:
+    """`data` as UTF-8 text (whatever the locale says), or `error(line, byte)` raised for the first byte that is
+    not UTF-8 (its line counted from 1), so that a damaged file is one line naming where."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(data[: e.start].count(b"\n") + 1, data[e.start]) from None

@@ -40,7 +40,7 @@ from tracetrain.data.chat_templates import (
     render,
 )
 from tracetrain.data.files import ReadPosition, iter_rows
-from tracetrain.data.instruction import held_out_split
+from tracetrain.data.instruction import train_and_eval
 from tracetrain.data.packing import DataStats, Document, Documents, TokenizedExample, compact_document
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError, TracetrainError
@@ -388,11 +388,7 @@ def chat_documents(data: DataSection, tok: Tokenizer, key: str = "data.path") ->
         return [compact_document(ex.ids, ex.is_target) for ex in examples]
 
     docs = documents(data.path, key, data.split)
-    if data.eval_path:
-        train, eval_ = docs, documents(data.eval_path, "data.eval_path", data.eval_split)
-    else:
-        train_idx, eval_idx = held_out_split(len(docs), data.eval_fraction, data.seed)
-        train, eval_ = [docs[i] for i in train_idx], [docs[i] for i in eval_idx]
+    train, eval_ = train_and_eval(data, docs, documents)
     if not train:
         raise DataError(
             f"{data.path}: no usable conversations ({stats.bad_lines_skipped} bad rows skipped; config key '{key}')"

@@ -17,7 +17,8 @@ the answer did not end there); if not even one response token fits, it is droppe
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +30,8 @@ from tracetrain.data.formats import RowFields, resolve_fields
 from tracetrain.data.packing import DataStats, Document, Documents, compact_document
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
+
+T = TypeVar("T")  # an example, a document or a preference pair: what a data kind reads
 
 # (prompt_text, response_text): the prompt already has its template applied.
 Example = tuple[str, str]
@@ -120,6 +123,18 @@ def held_out_split(num_examples: int, fraction: float, seed: int) -> tuple[list[
     return order[num_eval:], order[:num_eval]
 
 
+def train_and_eval(
+    data: DataSection, items: list[T], read_eval: Callable[[str, str, str], list[T]]
+) -> tuple[list[T], list[T]]:
+    """(train, eval) of the `items` read from data.path: all of them and `read_eval(data.eval_path,
+    "data.eval_path", data.eval_split)` when data.eval_path is set, else data.eval_fraction of them held out
+    (`held_out_split`, seeded by data.seed)."""
+    if data.eval_path:
+        return items, read_eval(data.eval_path, "data.eval_path", data.eval_split)
+    train_idx, eval_idx = held_out_split(len(items), data.eval_fraction, data.seed)
+    return [items[i] for i in train_idx], [items[i] for i in eval_idx]
+
+
 ENCODE_BATCH = 4096  # examples tokenised at a time: token lists for a batch, compact arrays after
 
 
@@ -199,14 +214,13 @@ def instruction_splits(
     `stats`. `key` names data.path in messages (a source of data.sources passes its own)."""
     examples, stats.bad_lines_skipped, fields = read_instruction_file(data.path, key, data, data.split)
     stats.format = fields.describe()
-    if data.eval_path:
-        train_examples = examples
-        eval_examples, bad, _ = read_instruction_file(data.eval_path, "data.eval_path", data, data.eval_split)
+
+    def read_eval(path: str, key: str, split: str) -> list[Example]:
+        eval_examples, bad, _ = read_instruction_file(path, key, data, split)
         stats.bad_lines_skipped += bad
-    else:
-        train_idx, eval_idx = held_out_split(len(examples), data.eval_fraction, data.seed)
-        train_examples = [examples[i] for i in train_idx]
-        eval_examples = [examples[i] for i in eval_idx]
+        return eval_examples
+
+    train_examples, eval_examples = train_and_eval(data, examples, read_eval)
     stats.examples_read = len(train_examples) + len(eval_examples)
     return train_examples, eval_examples
 

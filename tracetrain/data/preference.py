@@ -32,7 +32,7 @@ import torch
 from tracetrain.config import DataSection
 from tracetrain.data.chat import checked_messages, render_messages
 from tracetrain.data.files import ReadPosition, iter_rows
-from tracetrain.data.instruction import held_out_split
+from tracetrain.data.instruction import train_and_eval
 from tracetrain.data.packing import DataStats, Document, Documents, TokenizedExample, compact_document
 from tracetrain.data.tokenizer import Tokenizer
 from tracetrain.errors import DataError
@@ -158,11 +158,7 @@ def preference_documents(data: DataSection, tok: Tokenizer, key: str = "data.pat
         return out
 
     read = pairs(data.path, key, data.split)
-    if data.eval_path:
-        train, eval_ = read, pairs(data.eval_path, "data.eval_path", data.eval_split)
-    else:
-        train_idx, eval_idx = held_out_split(len(read), data.eval_fraction, data.seed)
-        train, eval_ = [read[i] for i in train_idx], [read[i] for i in eval_idx]
+    train, eval_ = train_and_eval(data, read, pairs)
     if not train:
         raise DataError(
             f"{data.path}: no usable preference pairs ({stats.examples_dropped} with a prompt that fills "

@@ -231,22 +231,13 @@ class GemmaTransformer(Transformer):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states (batch, seq, dim), as `Transformer.forward_hidden`."""
-        b, s = tokens.shape
-        if position_ids is None:
-            start = cache.length if cache is not None else 0
-            position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
-        rope_full = self._rope_with(self.rope_inv_freq, position_ids)
-        rope_local = self._rope_with(self.rope_inv_freq_local, position_ids)
-        mask_full, mask_local = self.layer_masks(s, document_ids, cache, tokens.device)
+        position_ids = self.positions(tokens, position_ids, cache)
+        mask_full, mask_local = self.layer_masks(tokens.shape[1], document_ids, cache, tokens.device)
+        full = (*self._rope_with(self.rope_inv_freq, position_ids), mask_full)
+        local = (*self._rope_with(self.rope_inv_freq_local, position_ids), mask_local)
         h = self.embed_tokens(tokens)  # (batch, seq, dim)
         h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype)  # HF rounds the scale to the dtype first
-        for i, layer in enumerate(self.layers):
-            cos, sin = rope_local if self.sliding[i] else rope_full
-            mask = mask_local if self.sliding[i] else mask_full
-            h = layer(h, cos, sin, mask, cache.layers[i] if cache is not None else None)
-        if cache is not None:
-            cache.advance(s)
-        return self.norm(h)
+        return self.run_layers(h, [local if sliding else full for sliding in self.sliding], cache)
 
     def forward(
         self,

@@ -103,16 +103,23 @@ def fused_rows(args: ModelArgs, name: str) -> tuple[str, int] | None:
     fused = _PART_OF.get(proj)
     if fused is None:
         return None
-    sizes = {
-        "q_proj": args.q_dim,
-        "k_proj": args.n_kv_heads * args.head_dim,
-        "v_proj": args.n_kv_heads * args.head_dim,
-        "gate_proj": args.ffn_dim,
-        "up_proj": args.ffn_dim,
-    }
     parts = FUSED_PARTS[fused]
-    first = sum(sizes[p] for p in parts[: parts.index(proj)])
+    first = sum(_part_rows(args, p) for p in parts[: parts.index(proj)])
     return f"{parent}.{fused}.{leaf}", first
+
+
+def _part_rows(args: ModelArgs, part: str) -> int:
+    """Rows (output features) of one part of a fused projection: q_proj, k_proj, v_proj, gate_proj, up_proj."""
+    return {"q_proj": args.q_dim, "gate_proj": args.ffn_dim, "up_proj": args.ffn_dim}.get(
+        part, args.n_kv_heads * args.head_dim
+    )
+
+
+def _adapter_key(key: str) -> tuple[str, str, str]:
+    """'layers.0.self_attn.k_proj.lora_A.weight' -> ('layers.0.self_attn', 'k_proj', 'A.weight')."""
+    module, _, rest = key.partition(".lora_")
+    parent, _, proj = module.rpartition(".")
+    return parent, proj, rest
 
 
 def peft_targets(targets: list[str]) -> list[str]:
@@ -129,9 +136,8 @@ def fused_adapters(
     (PEFT's alpha_pattern) for the scale alpha / rank to stay the same."""
     parts: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # fused module -> part -> "A"/"B" -> tensor
     out: dict[str, torch.Tensor] = {}
-    for key, value in adapters.items():  # 'layers.0.self_attn.k_proj.lora_A.weight'
-        module, _, rest = key.partition(".lora_")
-        parent, _, proj = module.rpartition(".")
+    for key, value in adapters.items():
+        parent, proj, rest = _adapter_key(key)
         if proj not in _PART_OF:
             out[key] = value
             continue
@@ -141,9 +147,8 @@ def fused_adapters(
         parent, _, kind = fused.rpartition(".")
         names = [p for p in FUSED_PARTS[kind] if p in held]
         rows = {p: fused_rows(args, f"{parent}.{p}.weight")[1] for p in FUSED_PARTS[kind]}  # type: ignore[index]  # every name in FUSED_PARTS is fused, so fused_rows never returns None
-        total = rows[FUSED_PARTS[kind][-1]] + (
-            args.ffn_dim if kind == "gate_up_proj" else args.n_kv_heads * args.head_dim
-        )
+        last = FUSED_PARTS[kind][-1]
+        total = rows[last] + _part_rows(args, last)
         lora_b = held[names[0]]["B"].new_zeros(total, rank * len(names))  # (fused out, rank x parts)
         for j, p in enumerate(names):
             b = held[p]["B"]  # (part out, rank)
@@ -240,17 +245,13 @@ def split_adapters(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
     its own rows of B, so B_part @ A is the part's rows of the fused update (same rank and alpha)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():  # 'layers.0.self_attn.qkv_proj.lora_B.weight'
-        module, _, rest = key.partition(".lora_")
-        parent, _, fused = module.rpartition(".")
+        parent, fused, rest = _adapter_key(key)
         if fused not in FUSED_PARTS:
             out[key] = value
             continue
         for part in FUSED_PARTS[fused]:
             where = fused_rows(args, f"{parent}.{part}.weight")
             assert where is not None
-            rows = {"q_proj": args.q_dim, "gate_proj": args.ffn_dim, "up_proj": args.ffn_dim}.get(
-                part, args.n_kv_heads * args.head_dim
-            )
-            b_rows = value[where[1] : where[1] + rows]
+            b_rows = value[where[1] : where[1] + _part_rows(args, part)]
             out[f"{parent}.{part}.lora_{rest}"] = value.clone() if rest.startswith("A") else b_rows.clone()
     return out

@@ -9,10 +9,9 @@ and a row ends at any of the tokenizer's `stop_ids` (EOS, `<|im_end|>`, `<|eot_i
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Any
 
-from tracetrain.models.generate import GenerationRequest, generate_batch
+from tracetrain.models.generate import GenerationRequest, generate_batch, generation_lines
 from tracetrain.models.llama import Transformer
 
 
@@ -33,17 +32,4 @@ def generate_chat(
     start = time.perf_counter()
     # One prompt per batch: a chat turn is answered alone, and a row's result does not depend on its batch.
     results = [generate_batch(model, [r], tok.stop_ids, tok.pad_id, decode=tok.decode, **options)[0] for r in requests]
-    seconds = time.perf_counter() - start
-    lines = [
-        {"prompt": p, "completion": out.text, "finish_reason": out.finish_reason, "tokens": out.num_generated}
-        for p, out in zip(prompts, results)
-    ]
-    generated = sum(out.num_generated for out in results)
-    summary = {
-        "prompts": len(prompts),
-        "tokens": generated,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,
-        "finish_reasons": dict(Counter(out.finish_reason for out in results)),
-    }
-    return lines, summary
+    return generation_lines(prompts, results, time.perf_counter() - start)

@@ -461,14 +461,21 @@ def generate_records(
         )
         for i, out in zip(chunk, outs):
             results[i] = out
-    seconds = time.perf_counter() - start
+    return generation_lines([r["prompt"] for r in records], results, time.perf_counter() - start)
+
+
+def generation_lines(
+    prompts: list[str], results: list[GenerationResult], seconds: float
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One {"prompt", "completion", "finish_reason", "tokens"} per prompt, and the summary of the run (prompts,
+    tokens, seconds, tokens per second, finish reasons), from the results of `seconds` of generation."""
     lines = [
-        {"prompt": r["prompt"], "completion": out.text, "finish_reason": out.finish_reason, "tokens": out.num_generated}
-        for r, out in zip(records, results)
+        {"prompt": p, "completion": out.text, "finish_reason": out.finish_reason, "tokens": out.num_generated}
+        for p, out in zip(prompts, results)
     ]
     generated = sum(out.num_generated for out in results)
     summary = {
-        "prompts": len(records),
+        "prompts": len(prompts),
         "tokens": generated,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,

@@ -328,20 +328,36 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Final normed hidden states (batch, seq, dim); the loss may apply lm_head itself (chunked)."""
         b, s = tokens.shape
-        if position_ids is None:
-            start = cache.length if cache is not None else 0
-            position_ids = torch.arange(start, start + s, device=tokens.device).expand(b, s)
-        cos, sin = self.rope(position_ids)
+        cos, sin = self.rope(self.positions(tokens, position_ids, cache))
         if document_ids is None and cache is None and 0 < self.args.sliding_window < s:
             document_ids = tokens.new_zeros(b, s)  # one document: SDPA's is_causal has no window, the mask has
         mask = self.mask_fn(document_ids) if document_ids is not None else None
         if cache is not None:
             mask = cache.attention_mask(s)
         h = self.embed_tokens(tokens)  # (batch, seq, dim)
+        return self.run_layers(h, [(cos, sin, mask)] * len(self.layers), cache)
+
+    def positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        """`position_ids` (batch, seq), or by default the positions after the cache's (from 0 without one)."""
+        if position_ids is not None:
+            return position_ids
+        b, s = tokens.shape
+        start = cache.length if cache is not None else 0
+        return torch.arange(start, start + s, device=tokens.device).expand(b, s)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        layer_inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | BlockMask | CausalBias | None]],
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        """The blocks over the embedded tokens `h` (batch, seq, dim), block i with the rotary cos/sin and the
+        mask of `layer_inputs[i]`; then the cache moves past the new positions, and the final norm."""
         for i, layer in enumerate(self.layers):
+            cos, sin, mask = layer_inputs[i]
             h = layer(h, cos, sin, mask, cache.layers[i] if cache is not None else None)
         if cache is not None:
-            cache.advance(s)
+            cache.advance(h.shape[1])
         return self.norm(h)
 
     def forward(

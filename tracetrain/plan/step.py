@@ -90,6 +90,19 @@ def hidden_cost(comm_s: float, compute_s: float, hbm_bytes: float, hw: Hardware)
     return max(0.0, comm_s - compute_s) + hidden / comm_s * hbm_bytes / (hw.hbm_bytes_s * HBM_EFFICIENCY)
 
 
+def _fsdp_gather_reduce_s(
+    inp: PlanInput, hw: Hardware, gather_bytes: float, reduce_bytes: float, num_blocks: int
+) -> tuple[float, float]:
+    """Seconds of one all-gather of `gather_bytes` and of one reduce-scatter of `reduce_bytes` over
+    dp_shard * cp, each issued unit by unit (one FSDP unit per block and the root): the wire time plus the
+    latency of every call."""
+    fsdp = inp.dp_shard * inp.cp
+    bw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
+    units = num_blocks + 1
+    latency = (units - 1) * comm.COLLECTIVE_LATENCY_S if fsdp > 1 else 0.0  # all_gather_s counts one call
+    return comm.all_gather_s(gather_bytes, fsdp, bw) + latency, comm.all_gather_s(reduce_bytes, fsdp, bw) + latency
+
+
 def _fsdp_per_microbatch(
     inp: PlanInput,
     hw: Hardware,
@@ -107,11 +120,8 @@ def _fsdp_per_microbatch(
     buffer (read + write 2 bytes per parameter) and copy-in of the bf16 grads into the fp32 reduce-scatter
     buffer (read 2, write 4) are memory-bound passes on the GPU."""
     fsdp = inp.dp_shard * inp.cp
-    bw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
     units = num_blocks + 1  # one FSDP unit per block and the root (embedding, norm, head)
-    latency = (units - 1) * comm.COLLECTIVE_LATENCY_S if fsdp > 1 else 0.0  # all_gather_s counts one call
-    ag = comm.all_gather_s(params * 2, fsdp, bw) + latency
-    rs = comm.all_gather_s(train * 4, fsdp, bw) + latency
+    ag, rs = _fsdp_gather_reduce_s(inp, hw, params * 2, train * 4, num_blocks)
     again = inp.reshard_after_forward
     ag_bwd = ag if again else 0.0
     # HBM bytes the NCCL kernels move per byte on the wire: gathers read and write it (2), reductions
@@ -291,14 +301,13 @@ def _dp_sync(
     m, fsdp = inp.num_microbatches, inp.dp_shard * inp.cp
     pipelined = inp.pp > 1 and not inp.fsdp_cpu_offload
     if fsdp > 1 and (not inp.zero3 or pipelined):
-        fbw = comm.bandwidth(inp, hw, ("dp_shard", "cp"))
         units = num_blocks + 1
-        latency = (units - 1) * comm.COLLECTIVE_LATENCY_S  # all_gather_s counts one call
         reduces = m if inp.zero_stage >= 2 and inp.pp == 1 else 1
         gathers = m if inp.zero3 and inp.reshard_after_forward else 1
         gather_bytes = params * (2 if inp.fsdp_mixed_precision else 4)
-        rs = reduces * (comm.all_gather_s(train * 4, fsdp, fbw) + latency)
-        ag = gathers * (comm.all_gather_s(gather_bytes, fsdp, fbw) + latency)
+        ag_once, rs_once = _fsdp_gather_reduce_s(inp, hw, gather_bytes, train * 4, num_blocks)
+        rs = reduces * rs_once
+        ag = gathers * ag_once
         comm_total["FSDP" if inp.zero3 else "ZeRO reduce-scatter + all-gather"] = rs + ag
         hbm_rs = 3 * comm.wire_bytes(train * 4, fsdp) * reduces
         rs_exposed = rs if pipelined else hidden_cost(rs, DP_OVERLAP * mb.backward_s * reduces, hbm_rs, hw)

@@ -25,7 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tracetrain.config import Config, _read_toml, from_dict, parse_override, to_dict
+from tracetrain.config import Config, from_dict, parse_override, to_dict
+from tracetrain.config_toml import read_toml
 from tracetrain.errors import ConfigError
 from tracetrain.train.loop import TrainResult
 
@@ -78,7 +79,7 @@ def _raw(
         raw: dict[str, dict[str, Any]] = {}
     elif isinstance(config, (str, Path)):
         where = f"{config}: "
-        raw = _read_toml(Path(config))
+        raw = read_toml(Path(config))
     elif isinstance(config, Config):
         raw = {name: {k: v for k, v in values.items() if v is not None} for name, values in to_dict(config).items()}
     elif isinstance(config, Mapping):

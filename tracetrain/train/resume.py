@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tracetrain.config import Config, load_config, to_dict
-from tracetrain.errors import CheckpointError, ConfigError, DataError
+from tracetrain.errors import CheckpointError, ConfigError, DataError, utf8_text
 from tracetrain.train.checkpoint import latest_checkpoint, newest_checkpoint
 from tracetrain.train.manifest import step_of
 from tracetrain.train.rundir import RunLock, atomic_write_text, claim_new_run_dir
@@ -79,14 +79,12 @@ class ResumePoint:
 
 
 def _metrics_text(path: Path) -> str:
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise CheckpointError(
-            f"{path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 text; repair or remove that line before resuming"
-        ) from None
+    return utf8_text(
+        path.read_bytes(),
+        lambda line, byte: CheckpointError(
+            f"{path}:{line}: byte 0x{byte:02x} is not UTF-8 text; repair or remove that line before resuming"
+        ),
+    )
 
 
 def _flatten(cfg: Config) -> dict[str, object]:

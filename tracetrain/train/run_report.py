@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tracetrain.errors import TracetrainError
+from tracetrain.errors import TracetrainError, utf8_text
 from tracetrain.profile.analyze.svg import PALETTE, esc
 from tracetrain.train.report_charts import CHART_CSS, Series, chart, fmt_num
 
@@ -92,12 +92,9 @@ class RunData:
 
 def _text(path: Path) -> str:
     """A file the run wrote, as text; bytes that are not UTF-8 (a damaged or foreign file) are one line."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise TracetrainError(f"{path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 text") from None
+    return utf8_text(
+        path.read_bytes(), lambda line, byte: TracetrainError(f"{path}:{line}: byte 0x{byte:02x} is not UTF-8 text")
+    )
 
 
 def _json_or_none(path: Path) -> dict[str, Any] | None:
