@@ -103,7 +103,7 @@ def refuse_with_parallel(cfg: Config) -> None:
     """Switches not combined with a multi-rank layout, each refused with its reason (one line).
 
     What composes, with its test: fp16 loss scaling with FSDP, TP and CP (every rank skips an overflowed
-    step alike; tests/test_parallel_compose.py), activation offload with FSDP and DDP (gloo, and CUDA in
+    step alike; tests/parallel/test_parallel_compose.py), activation offload with FSDP and DDP (gloo, and CUDA in
     benchmarks/compose_gpu.py), FP8 with FSDP / DDP (benchmarks/compose_gpu.py on one GPU: FSDP2 over a
     1-rank mesh, losses within 0.4% of the unsharded run), managed optimizer states with FSDP / DDP (the
     same script: DTensor moments on managed storage). With pipeline parallelism `validate_parallel`

@@ -15,7 +15,7 @@ by `zero_grad`), so this kernel does not store it: 28 bytes a parameter. The mat
 
 and nothing changes when `found_inf` is non-zero (read on the device: no host sync). torch takes the
 bias corrections in double; here they are float32 (exp2(step * log2(beta))), so results differ from
-torch's in the last bits of a step, not in their course (tests/test_adamw_triton.py: on a GPU, and
+torch's in the last bits of a step, not in their course (tests/train/test_adamw_triton.py: on a GPU, and
 on the CPU under the Triton interpreter).
 """
 

@@ -4,7 +4,7 @@ int8 scaler codes, float32 scaler factors and mean in, the 16-bit weight out.
 `models/qlora.py::dequantise_nf4` states the math; this kernel is its value-for-value twin: per absmax
 block of 64 weights, scale = int8 code / factor (an IEEE division, `div_rn`, as PyTorch's) + mean, then
 each weight = NF4 level * scale, all in float32 and rounded once to the output dtype. Bit-identical output
-(tests/test_nf4_triton.py runs it in Triton's CPU interpreter; benchmarks/nf4_dequant.py checks it on the
+(tests/train/test_nf4_triton.py runs it in Triton's CPU interpreter; benchmarks/nf4_dequant.py checks it on the
 GPU and times it next to the compiled PyTorch kernel and bitsandbytes'). Any change must keep both in step.
 
 Layout: one program per `blocks_per_program` absmax blocks; the block's 32 code bytes are one row of a

@@ -10,7 +10,7 @@ recomputes the slice's intermediates when its backward comes. One tile's interme
 
 Cost: the feed-forward half's forward runs once more per step (about +20% of a LoRA step's matmul FLOPs
 under full recomputation; unsloth's tiled MLP pays the same). Numerics: the same ops on the same rows,
-so outputs and gradients equal the untiled block's (tests/test_tiled_mlp.py); only the order in which
+so outputs and gradients equal the untiled block's (tests/train/test_tiled_mlp.py); only the order in which
 the weight gradients of the tiles are summed differs.
 
 Composition: apply after LoRA, fused kernels and FP8 (the tile reruns whatever `ffn` holds then), and

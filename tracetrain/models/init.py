@@ -5,7 +5,7 @@ dim 0 into chunks of at most `CHUNK_ELEMENTS` elements, and chunk c is drawn fro
 seeded with a hash of (seed, name, c). A rank that owns rows [a, b) and columns [c, d) of a parameter
 (an FSDP dim-0 shard, a TP row or column shard, a pipeline stage's layers, an expert shard) draws only
 the chunks that overlap its rows and keeps its slice of them: it never holds more than its shard plus
-one chunk, and 1, 2 or 4 ranks of any layout hold the same numbers (tests/test_sharded_init.py).
+one chunk, and 1, 2 or 4 ranks of any layout hold the same numbers (tests/parallel/test_sharded_init.py).
 
 The rule for each parameter (normal with `init_std`, residual outputs scaled by 1/sqrt(2 * n_layers),
 norms one (Gemma's zero: they scale by 1 + weight), biases zero, LoRA A kaiming-uniform and B zero as in

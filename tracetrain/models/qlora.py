@@ -1,7 +1,7 @@
 """QLoRA's frozen base: `nn.Linear` weights stored in 4-bit NF4 with double-quantised scales (`lora.base_quant`).
 
 The format is the QLoRA paper's and torchao's `NF4Tensor` (`to_nf4(w, block_size=64, scaler_block_size=256)`),
-value for value (tests/test_qlora.py compares with torchao when it is installed):
+value for value (tests/models/test_qlora.py compares with torchao when it is installed):
 
 - the weight, flattened, is cut into blocks of 64; each block is divided by its absolute maximum and every
   value is stored as the index (4 bits, two per byte) of the nearest of the 16 NF4 levels;

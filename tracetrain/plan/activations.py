@@ -10,7 +10,7 @@ and four dtype widths in bytes (`Numerics`):
      fp32 + bf16 residual adds stay fp32), w without autocast
   a  LoRA adapter input: c under autocast, else 4 (LoRALinear casts x to its fp32 adapters)
 
-Three autograd facts decide what is kept (all checked against the real model in tests/test_plan_activations.py):
+Three autograd facts decide what is kept (all checked against the real model in tests/plan/test_plan_activations.py):
   * an operand is saved only if the *other* operand needs a gradient (mul, mm): a frozen matmul keeps
     its weight but not its input; `x.float() * cos` keeps only cos (so RoPE keeps nothing per layer);
   * autocast caches its bf16 cast of a weight that requires grad, but casts an activation anew for
@@ -46,7 +46,7 @@ Speed paths (`PlanInput.compile`, `fused_kernels`, `attention`):
   compile        each block is one Inductor graph whose min-cut partitioner saves matmul and attention
                  inputs/outputs once (no per-linear autocast copies) and recomputes norms, casts and
                  pointwise work from the block input. Saved tensors of a compiled block, read off its
-                 autograd graph on CPU with saved-tensor hooks (tests/test_plan_activations.py checks them):
+                 autograd graph on CPU with saved-tensor hooks (tests/plan/test_plan_activations.py checks them):
                    full FT: block input x*d, the two norms' bf16 outputs 2*c*d, q/k/v c*(d + 2kv),
                             attention out c*d + 4h and o_proj's contiguous copy of it c*d, gate and up 2*c*f,
                             down input c*f, rstd 8

@@ -6,7 +6,7 @@ parallelism, recomputation or activation offload change. It does not port the fo
 time: `slider_model` exports, for every (tp, recompute, offload) choice, the memory model's items as
 affine coefficients (bytes = const + per_token x tokens, which memory.py guarantees) and which items
 each phase holds. The script only evaluates them, takes the largest phase, and adds fragmentation and
-context exactly as `plan_memory` does; tests/test_plan_html.py runs it under node against Python.
+context exactly as `plan_memory` does; tests/plan/test_plan_html.py runs it under node against Python.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the peak, which is the largest phase and not the sum of every item's maximum.
 Static items (P = parameters on this GPU after tp/pp/ep, see params.py; fsdp = dp_shard * cp). The
 trainer builds every data-parallel flavour on FSDP2, so every ZeRO stage shards weights, gradients and
 AdamW states over fsdp; the stages differ in the gathered copies they keep (FSDP buffers below). Measured
-by storage on gloo for ZeRO-1/2/3 and DDP: tests/test_plan_zero_measured.py.
+by storage on gloo for ZeRO-1/2/3 and DDP: tests/plan/test_plan_zero_measured.py.
   weights            4P for tracetrain's fp32 full-FT params; LoRA: frozen base at its dtype (2 for bf16)
                      + 4 per fp32 adapter (under fp8 the two E4M3 copies of a block weight replace its bf16 copy, which moves to the host); with optimizer offload the GPU keeps 2-byte bf16 weights
   gradients          4 per trainable param; optimizer offload (tracetrain.memory.optimizer_offload)

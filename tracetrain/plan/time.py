@@ -94,7 +94,7 @@ ATTENTION_HALF_SEQ = 512.0
 # forced cuDNN run alike (benchmarks/speed_checks.check_attention: 0.274 vs 0.277 ms forward, 4 x 32 heads
 # x 2048 x 128). It matches the FlashAttention-3 paper's H100 SXM cuDNN figures (Shah et al. 2024,
 # arXiv:2407.08608, fig. 5, causal forward, hd 128: 484 / 529 / 539 TFLOP/s at 2k / 8k / 16k; fig. 6
-# backward: 465 / 518 / 516 at 2.5x the forward FLOPs), to within 10% (tests/test_plan_published.py). Earlier
+# backward: 465 / 518 / 516 at 2.5x the forward FLOPs), to within 10% (tests/plan/test_plan_published.py). Earlier
 # torch (and torchtitan's and torchao's published H100 runs of Dec 2024 and early 2025) ran
 # FlashAttention-2, which the same figures put at 0.62 of cuDNN in both passes from 2k tokens on
 # (forward 298 / 333 / 335, backward 291 / 318 / 322): `PlanInput.sdpa_kernel = "fa2"`.

@@ -24,7 +24,7 @@ Per step and parameter (not per token): autocast weight casts 6 bytes per cast w
 fp32 weight-grad casts 6 (bf16 -> fp32), accumulation into .grad 12 from the second micro-batch on,
 fused AdamW 28 (read p, g, m, v; write p, m, v), foreach AdamW ~80 (eight passes), grad-norm clipping 12
 (4, the norm alone, where the clip factor is folded into the fused update: one process, no loss scaler).
-The test in tests/test_plan_time.py checks the per-token totals against every aten op of a real
+The test in tests/plan/test_plan_time.py checks the per-token totals against every aten op of a real
 forward + backward on CPU.
 """
 

@@ -5,7 +5,7 @@ the frozen `RunSpec`), what it does, and why it sits where it does; `assemble` w
 A new transform is a new row here: the model (models/llama.py), the loop (train/loop.py) and the step
 (train/step.py) do not change. The same path builds the trainer's run, inference's model (rows up to
 `compile`), the benchmarks' variants (a spec changed with `RunSpec.replace`) and the tests' runs and layouts
-(tests/test_architecture.py checks that tests and benchmarks build no run by hand).
+(tests/house/test_architecture.py checks that tests and benchmarks build no run by hand).
 
 The model is built on the meta device; the layout rows cut, shard and wrap this rank's part(s) of it
 there, and `materialise` then allocates only this rank's shards on the target device, in their final
