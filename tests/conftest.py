@@ -12,9 +12,23 @@ import subprocess
 import warnings
 from pathlib import Path
 
-import fixtures_gen
-import pytest
-import torch
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker (and each process it starts) gets cores // workers OpenMP threads.
+    torch's pool takes every core by default and its idle threads spin: on 2 cores, 2 workers that each spin
+    2 threads (plus the CLI processes the tests start) ran the README tour in 638 s inside the suite against
+    38 s alone. Set before torch is imported (OpenMP reads it once); an explicit OMP_NUM_THREADS is kept.
+    Thread count does not change the tests' numbers (the golden losses hold with 1 and 2 threads)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+
+_share_the_cores()
+
+import fixtures_gen  # noqa: E402  # after the thread count: it imports torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
