@@ -51,27 +51,10 @@ def _imports() -> dict[str, dict[str, set[str]]]:
 
 def test_no_import_cycle_between_folders():
     edges = _imports()
-    graph = {a: set(b) for a, b in edges.items()}
-    # Any cycle (not only two-way pairs): depth-first search with colours.
-    colour: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        colour[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if colour.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in colour and (found := visit(nxt)):
-                return found
-        stack.pop()
-        colour[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in colour and (cycle := visit(start)):
-            hops = [f"{a} -> {b} ({', '.join(sorted(edges[a][b]))})" for a, b in zip(cycle, cycle[1:])]
-            raise AssertionError("import cycle between folders:\n  " + "\n  ".join(hops))
+    cycle = _cycle({a: set(b) for a, b in edges.items()})  # any cycle, not only two-way pairs
+    if cycle:
+        hops = [f"{a} -> {b} ({', '.join(sorted(edges[a][b]))})" for a, b in zip(cycle, cycle[1:])]
+        raise AssertionError("import cycle between folders:\n  " + "\n  ".join(hops))
 
 
 # Calls of a transform outside the table, each with its reason: not a step of assembling a run.
