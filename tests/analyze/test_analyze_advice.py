@@ -53,7 +53,7 @@ CASES = {
 
 def test_every_rule_has_cases():
     # exposed_comm: below; host_bound: tests/analyze/test_analyze_advice_foreign.py; cpu_optimizer and
-    # recompilation: tests/test_analyze_host_gaps.py
+    # recompilation: the measured corpus (tests/analyze/test_advice_truth.py, cases cpu_optimizer, recompile)
     assert {rule.__name__ for rule in RULES} == set(CASES) | {
         "exposed_comm",
         "host_bound",
