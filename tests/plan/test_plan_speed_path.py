@@ -39,24 +39,30 @@ def _saved_block_bytes_per_token(model: torch.nn.Module, batch: int, seq: int) -
     return sum(v for k, v in sizes.items() if k not in rope_tables) / (batch * seq)
 
 
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL = (*QKVO, "gate_proj", "up_proj", "down_proj")
+
+
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
-@pytest.mark.parametrize("mode", ["full", "lora"])
-def test_compiled_block_saves_what_the_planner_counts(mode: str) -> None:
-    from tracetrain.kernels.apply import apply_compile
-    cfg = load_config(None, SHAPE + [f"--train.mode={mode}", '--lora.targets=["q_proj","k_proj","v_proj","o_proj"]'])
+@pytest.mark.parametrize(("mode", "targets", "quant"), [("full", (), "none"), ("lora", QKVO, "none"),
+                                                        ("lora", ALL, "nf4")])
+def test_compiled_block_saves_what_the_planner_counts(mode: str, targets: tuple[str, ...], quant: str) -> None:
+    from tracetrain.kernels.apply import apply_compile, recomputes_pointwise
+    cfg = load_config(None, SHAPE + [f"--train.mode={mode}"])
     args = model_args_from_config(cfg)
     torch.manual_seed(0)
     model = materialize(args, torch.device("cpu"), 0)
     if mode == "lora":
         from tracetrain.models.lora import apply_lora
-        apply_lora(model, rank=8, alpha=16, dropout=0.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
-                   base_dtype=torch.bfloat16, adapter_dtype=torch.float32)
-    inp = PlanInput(model=args, mode=mode, lora_rank=8, compile=True)  # type: ignore[arg-type]
+        apply_lora(model, rank=8, alpha=16, dropout=0.0, targets=list(targets), base_dtype=torch.bfloat16,
+                   adapter_dtype=torch.float32, base_quant=quant)
+    inp = PlanInput(model=args, mode=mode, lora_rank=8, lora_targets=targets, lora_base_quant=quant,  # type: ignore[arg-type]
+                    compile=True)
     nm = act.numerics(inp)
     eager_planned = act.shard(act.block_items(args, nm), 1, True).per_token
     assert _saved_block_bytes_per_token(model, 3, 96) == pytest.approx(eager_planned, rel=0.01)
-    apply_compile(model)
+    apply_compile(model, recomputes_pointwise(mode))
     compiled_planned = act.shard(act.block_items(args, nm, path="compile"), 1, True).per_token
     assert compiled_planned < eager_planned
     assert _saved_block_bytes_per_token(model, 3, 96) == pytest.approx(compiled_planned, rel=0.01)

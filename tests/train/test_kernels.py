@@ -220,14 +220,15 @@ def test_apply_fused_kernels_keeps_the_state_dict_and_the_numbers():
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
                     reason="torch.compile's CPU backend needs a C++ compiler")
-def test_apply_compile_matches_eager_and_compiles_one_graph_for_all_blocks():
+@pytest.mark.parametrize("recompute_pointwise", [False, True])
+def test_apply_compile_matches_eager_and_compiles_one_graph_for_all_blocks(recompute_pointwise: bool):
     model, batch = _model(), _batch()
     apply_fused_kernels(model, ["rope"])  # custom ops inside a compiled block stay opaque nodes
     keys = list(model.state_dict())
     ref_loss, ref_grads = _loss_and_grads(model, batch, fused=False)
     torch._dynamo.reset()
     graphs_before = compiled_frame_count()
-    assert apply_compile(model) == ARGS.n_layers
+    assert apply_compile(model, recompute_pointwise) == ARGS.n_layers
     assert all(is_compiled(b) for b in model.layers) and list(model.state_dict()) == keys
     loss, grads = _loss_and_grads(model, batch, fused=False)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)

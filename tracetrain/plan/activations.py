@@ -50,9 +50,10 @@ Speed paths (`PlanInput.compile`, `fused_kernels`, `attention`):
                    full FT: block input x*d, the two norms' bf16 outputs 2*c*d, q/k/v c*(d + 2kv),
                             attention out c*d + 4h and o_proj's contiguous copy of it c*d, gate and up 2*c*f,
                             down input c*f, rstd 8
-                   LoRA:    block input and mid residual 2*x*d, attention as above, o_proj input a*d when
-                            adapted, gate/up input a*d when adapted, gate and up 2*c*f, down input when
-                            adapted, lora_A outputs, rstd 8
+                   LoRA:    block input and mid residual 2*x*d, attention as above, gate and up 2*c*f,
+                            lora_A outputs, rstd 8; the adapters' pointwise inputs (o_proj's copy of the
+                            attention out, the gate/up input, the down input) are recomputed in backward
+                            (kernels/apply.py `recomputes_pointwise`; without it each is kept when adapted)
   fused_kernels  the Triton RMSNorm keeps its input and rstd (x*d + 4 per norm, no fp32 copy and no
                  normalised copy), SwiGLU keeps gate and up (2*c*f), RoPE only cos/sin; the linears
                  (and their autocast input casts) stay eager.
@@ -83,6 +84,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tracetrain.kernels.apply import recomputes_pointwise
 from tracetrain.models.llama import ModelArgs
 from tracetrain.plan.inputs import PlanInput
 
@@ -105,6 +107,7 @@ class Numerics:
     targets: frozenset[str]
     rank: int
     dora: bool = False  # DoRA adapters (lora.dora): two more outputs per adapted projection
+    recompute_pointwise: bool = False  # compiled blocks recompute pointwise matmul inputs (kernels/apply.py)
 
 
 def numerics(inp: PlanInput) -> Numerics:
@@ -121,7 +124,9 @@ def numerics(inp: PlanInput) -> Numerics:
     x = max(w, c) if autocast else w
     a = c if autocast else 4
     targets = frozenset(() if full else inp.lora_targets)
-    return Numerics(full, autocast, c, w, x, a, targets, inp.lora_rank, inp.lora_dora and not full)
+    return Numerics(
+        full, autocast, c, w, x, a, targets, inp.lora_rank, inp.lora_dora and not full, recomputes_pointwise(inp.mode)
+    )
 
 
 def dora_items(args: ModelArgs, nm: Numerics) -> list[Item]:
@@ -277,18 +282,24 @@ def compiled_block_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0)
         Item("block input" + ("" if nm.full else " + mid residual"), (1 if nm.full else 2) * nm.x * d, "sp"),
         Item("norms: rstd", 8, "sp"),
     ]
+
+    # With `recompute_pointwise` the adapters' inputs that are pointwise results (the post-attention norm's
+    # output, o_proj's contiguous copy of the attention output, SwiGLU's output) are recomputed in backward.
+    def kept(name: str) -> bool:
+        return trains(name) and not nm.recompute_pointwise
+
     if nm.full:
         items.append(Item("norm outputs (compute dtype)", 2 * nm.c * d))
-    elif any(trains(n) for n in GATE_UP):
+    elif any(kept(n) for n in GATE_UP):
         items.append(Item("gate/up input", width * d, mlp=True))
     items += [
         Item("q, k, v after RoPE", nm.c * (d + 2 * kv), "tp"),
         Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
     ]
-    if trains("o_proj"):
+    if kept("o_proj"):
         items.append(Item("o_proj input (contiguous copy)", width * d, "tp"))
     items.append(Item("SwiGLU gate, up", 2 * nm.c * f * moe_factor, "tp", mlp=True))
-    if trains("down_proj"):
+    if kept("down_proj"):
         items.append(Item("down input", width * f * moe_factor, "tp", mlp=True))
     if nm.targets:
         items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
