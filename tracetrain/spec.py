@@ -2,7 +2,8 @@
 
 The config says what the user asked for ('auto' included); the spec says what will run: precision,
 dtypes, attention backend, compile, fused kernels, fused cross-entropy (and its adaptive chunk), the
-tiled norm + MLP, FSDP compute dtype, fused AdamW. It is frozen and is the single input of `assemble` (the model, its transforms and the optimizer),
+tiled norm + MLP, LoRA's pointwise recompute in compiled blocks, FSDP compute dtype, fused AdamW.
+It is frozen and is the single input of `assemble` (the model, its transforms and the optimizer),
 of the training step's `StepContext`, of inference (`tracetrain.inference.load_trained`), of the planner
 (`tracetrain.plan.inputs`) and of the benchmarks, which change a spec with `dataclasses.replace`
 instead of patching library functions. A rule written here is never restated elsewhere.
@@ -63,6 +64,9 @@ class RunSpec:
     fused_ce_chunk: int  # > 0: chunked fused lm_head + cross-entropy, tokens per chunk
     fused_ce_adaptive: bool  # the chunk shrinks when free GPU memory cannot hold its logits
     tiled_mlp_tokens: int  # > 0: each block's norm + MLP over sequence tiles of this many tokens
+    # LoRA, compiled blocks: the adapters' pointwise inputs are recomputed in backward (kernels/apply.py
+    # `apply_compile`); memory.recompute_pointwise, opt-in.
+    recompute_pointwise: bool
     fsdp_param_dtype: torch.dtype | None  # FSDP compute dtype (None: the parameters' own, fp32)
     optimizer_fused: bool  # fused AdamW kernel (honours found_inf on the device)
     adapters_only: bool  # LoRA checkpoints hold only adapters (the base reloads from init_from)
@@ -231,6 +235,24 @@ def resolve_tiled_mlp(cfg: Config, device: torch.device, d: _Decisions) -> tuple
     return (mem.tiled_mlp_tokens if tiled else 0), compile_on
 
 
+def resolve_recompute_pointwise(cfg: Config, compile_on: bool, d: _Decisions) -> bool:
+    """memory.recompute_pointwise as asked (config.py refuses it without LoRA); it acts on the compiled
+    blocks' partitioner, so a run whose blocks are not compiled refuses it (ConfigError)."""
+    from tracetrain.errors import ConfigError
+
+    on = cfg.memory.recompute_pointwise
+    if on and not compile_on:
+        raise ConfigError(
+            "config key 'memory.recompute_pointwise' = true needs compiled blocks, but train.compile resolves to "
+            "off for this run (see its decision); set train.compile = 'on' (CUDA) or memory.recompute_pointwise = false"
+        )
+    if on:
+        d.add("memory.recompute_pointwise", "true", "on", "")
+    elif cfg.train.mode == "lora" and compile_on:
+        d.add("memory.recompute_pointwise", None, "off", "the default: the adapters' pointwise inputs are saved")
+    return on
+
+
 def resolve(
     cfg: Config, device: torch.device, world_size: int = 1, model_args: ModelArgs | None = None, *, probe: bool = True
 ) -> RunSpec:
@@ -274,6 +296,7 @@ def resolve(
     else:
         d.add("train.attention", t.attention, attention, _attention_reason(cfg, device, attention, packed))
     tiled_tokens, compile_on = resolve_tiled_mlp(cfg, device, d)
+    recompute_pointwise = resolve_recompute_pointwise(cfg, compile_on, d)
     kernels_on = resolve_switch(t.fused_kernels, device, unless=compile_on)
     d.add(
         "train.fused_kernels",
@@ -333,6 +356,7 @@ def resolve(
         fused_ce_chunk=ce_chunk,
         fused_ce_adaptive=t.fused_ce_adaptive,
         tiled_mlp_tokens=tiled_tokens,
+        recompute_pointwise=recompute_pointwise,
         fsdp_param_dtype=fsdp_dtype,
         optimizer_fused=optimizer_fused,
         adapters_only=adapters_only,

@@ -208,6 +208,7 @@ DECIDED_KEYS = {
     ("train", "fused_ce_chunk"),
     ("optim", "fused"),
     ("lora", "base_dtype"),
+    ("memory", "recompute_pointwise"),
 }
 VALIDATORS = {"spec.py", "config.py", "config_sections.py", "validate.py", "parallel/mesh.py"}
 

@@ -45,10 +45,13 @@ ALL = (*QKVO, "gate_proj", "up_proj", "down_proj")
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
-@pytest.mark.parametrize(("mode", "targets", "quant"), [("full", (), "none"), ("lora", QKVO, "none"),
-                                                        ("lora", ALL, "nf4")])
-def test_compiled_block_saves_what_the_planner_counts(mode: str, targets: tuple[str, ...], quant: str) -> None:
-    from tracetrain.kernels.apply import apply_compile, recomputes_pointwise
+@pytest.mark.parametrize(("mode", "targets", "quant", "pointwise"), [
+    ("full", (), "none", False), ("lora", QKVO, "none", False), ("lora", QKVO, "none", True),
+    ("lora", ALL, "nf4", False), ("lora", ALL, "nf4", True)])
+def test_compiled_block_saves_what_the_planner_counts(mode: str, targets: tuple[str, ...], quant: str,
+                                                      pointwise: bool) -> None:
+    """`pointwise`: memory.recompute_pointwise (off by default: the adapters' pointwise inputs are saved)."""
+    from tracetrain.kernels.apply import apply_compile
     cfg = load_config(None, SHAPE + [f"--train.mode={mode}"])
     args = model_args_from_config(cfg)
     torch.manual_seed(0)
@@ -58,13 +61,17 @@ def test_compiled_block_saves_what_the_planner_counts(mode: str, targets: tuple[
         apply_lora(model, rank=8, alpha=16, dropout=0.0, targets=list(targets), base_dtype=torch.bfloat16,
                    adapter_dtype=torch.float32, base_quant=quant)
     inp = PlanInput(model=args, mode=mode, lora_rank=8, lora_targets=targets, lora_base_quant=quant,  # type: ignore[arg-type]
-                    compile=True)
+                    compile=True, recompute_pointwise=pointwise)
     nm = act.numerics(inp)
     eager_planned = act.shard(act.block_items(args, nm), 1, True).per_token
     assert _saved_block_bytes_per_token(model, 3, 96) == pytest.approx(eager_planned, rel=0.01)
-    apply_compile(model, recomputes_pointwise(mode))
+    torch._dynamo.reset()  # the blocks' code is cached per process: a graph of the other setting would be reused
+    apply_compile(model, pointwise)
     compiled_planned = act.shard(act.block_items(args, nm, path="compile"), 1, True).per_token
+    saving_planned = act.shard(act.block_items(args, act.numerics(inp.replace(recompute_pointwise=True)),
+                                               path="compile"), 1, True).per_token
     assert compiled_planned < eager_planned
+    assert (saving_planned < compiled_planned) == (mode == "lora" and not pointwise)  # o_proj is adapted
     assert _saved_block_bytes_per_token(model, 3, 96) == pytest.approx(compiled_planned, rel=0.01)
 
 

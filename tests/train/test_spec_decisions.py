@@ -62,3 +62,31 @@ def test_plan_prints_decisions_and_explain_prints_its_inputs():
     assert "decided (on a CUDA GPU):\n  train.precision = bf16" in out
     assert "planned as: seq_len=" in out and "precision=bf16" in out
     assert "planned as" not in cli_here("plan").stdout
+
+
+def test_recompute_pointwise_is_opt_in_decided_once_and_refused_where_it_cannot_act():
+    import pytest
+
+    from tracetrain.errors import ConfigError
+    from tracetrain.plan import plan_input_from_config, plan_spec
+
+    lora = ["--train.mode=lora"]
+    off = plan_spec(load_config(None, lora))  # a CUDA GPU: compile 'auto' -> on
+    assert not off.recompute_pointwise and _by_key(off)["memory.recompute_pointwise"].value == "off"
+    assert not off.asked("memory.recompute_pointwise")
+    assert not plan_input_from_config(load_config(None, lora)).recompute_pointwise
+    on_cfg = load_config(None, [*lora, "--memory.recompute_pointwise=true"])
+    on = plan_spec(on_cfg)
+    assert on.recompute_pointwise and _by_key(on)["memory.recompute_pointwise"].line() == (
+        "memory.recompute_pointwise = on (asked: true)"
+    )
+    assert plan_input_from_config(on_cfg).recompute_pointwise
+    with pytest.raises(ConfigError) as full:  # no adapters
+        load_config(None, ["--memory.recompute_pointwise=true"])
+    with pytest.raises(ConfigError) as cpu:  # compile 'auto' is off on the CPU
+        resolve(on_cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError) as eager:
+        plan_spec(load_config(None, [*lora, "--memory.recompute_pointwise=true", "--train.compile=off"]))
+    for e, allowed in ((full, "train.mode = 'lora'"), (cpu, "train.compile = 'on'"), (eager, "train.compile = 'on'")):
+        message = str(e.value)
+        assert "\n" not in message and "'memory.recompute_pointwise'" in message and allowed in message, message

@@ -102,13 +102,6 @@ def _compiled_class(cls: type[nn.Module], attention_only: bool = False) -> type[
     return type(f"Compiled{cls.__name__}", (mixin, cls), {})
 
 
-def recomputes_pointwise(mode: str) -> bool:
-    """Whether the compiled blocks of a `train.mode` run recompute, in backward, the pointwise results the
-    backward reads (`apply_compile(recompute_pointwise=...)`): LoRA runs. The trainer and the planner's
-    activation items (plan/activations.py) both ask here."""
-    return mode == "lora"
-
-
 def apply_compile(model: Transformer, recompute_pointwise: bool = False) -> int:
     """Compile each TransformerBlock on its own (regional compilation), in place; returns the count.
 
@@ -126,7 +119,10 @@ def apply_compile(model: Transformer, recompute_pointwise: bool = False) -> int:
     those: a LoRA block then keeps SwiGLU's output (the down adapter's input) beside gate and up, and the
     norm outputs beside the residual stream they are computed from. Recomputed, they cost one extra write
     each in backward (fused with the pointwise backward that reads gate/up anyway) and a LoRA block keeps
-    (f + 1.5 d) x 2 bytes per token less: for llama3-8b at 4 x 2048, ~10 GiB of the step's peak.
+    (f + 1.5 d) x 2 bytes per token less: for llama3-8b at 4 x 2048, ~10 GiB of the step's peak. Opt-in
+    (config `memory.recompute_pointwise`, decided in spec.py): its speed cost is not measured on a GPU yet.
+    Dynamo caches a block's graph per process, so a process that already compiled these blocks with the
+    other setting reuses that graph unless `torch._dynamo.reset()` runs first.
     """
     for block in model.layers:
         if is_compiled(block):

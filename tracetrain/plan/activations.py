@@ -53,7 +53,8 @@ Speed paths (`PlanInput.compile`, `fused_kernels`, `attention`):
                    LoRA:    block input and mid residual 2*x*d, attention as above, gate and up 2*c*f,
                             lora_A outputs, rstd 8; the adapters' pointwise inputs (o_proj's copy of the
                             attention out, the gate/up input, the down input) are recomputed in backward
-                            (kernels/apply.py `recomputes_pointwise`; without it each is kept when adapted)
+                            with `recompute_pointwise` (memory.recompute_pointwise, kernels/apply.py
+                            `apply_compile`); without it (the default) each is kept when adapted
   fused_kernels  the Triton RMSNorm keeps its input and rstd (x*d + 4 per norm, no fp32 copy and no
                  normalised copy), SwiGLU keeps gate and up (2*c*f), RoPE only cos/sin; the linears
                  (and their autocast input casts) stay eager.
@@ -84,7 +85,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tracetrain.kernels.apply import recomputes_pointwise
 from tracetrain.models.llama import ModelArgs
 from tracetrain.plan.inputs import PlanInput
 
@@ -125,7 +125,16 @@ def numerics(inp: PlanInput) -> Numerics:
     a = c if autocast else 4
     targets = frozenset(() if full else inp.lora_targets)
     return Numerics(
-        full, autocast, c, w, x, a, targets, inp.lora_rank, inp.lora_dora and not full, recomputes_pointwise(inp.mode)
+        full,
+        autocast,
+        c,
+        w,
+        x,
+        a,
+        targets,
+        inp.lora_rank,
+        inp.lora_dora and not full,
+        inp.recompute_pointwise and not full,
     )
 
 

@@ -156,6 +156,7 @@ class PlanInput:
     activation_offload: ActOffload = "none"
     activation_offload_fraction: float = 1.0  # streamed: share of blocks offloaded, the first ones
     tiled_mlp_tokens: int = 0  # memory.tiled_mlp: norm + MLP over tiles of this many tokens (0 = off)
+    recompute_pointwise: bool = False  # memory.recompute_pointwise: compiled LoRA blocks recompute adapter inputs
     optimizer_offload: bool = False
     unified_memory: Literal["none", "optimizer", "model"] = "none"
     expandable_segments: bool = True

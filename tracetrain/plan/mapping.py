@@ -151,6 +151,12 @@ FIELDS: tuple[Field, ...] = (
     Field("optimizer_offload", "memory.optimizer_offload", _cfg("memory.optimizer_offload")),
     Field("tiled_mlp_tokens", "memory.tiled_mlp", lambda s: s.tiled_mlp_tokens, lambda i: _on_off(i.tiled_mlp_tokens)),
     Field("tiled_mlp_tokens", "memory.tiled_mlp_tokens", None, when=lambda i: i.tiled_mlp_tokens > 0),
+    Field(
+        "recompute_pointwise",
+        "memory.recompute_pointwise",
+        lambda s: s.recompute_pointwise,
+        when=lambda i: i.recompute_pointwise,
+    ),
     Field("unified_memory", "memory.unified_memory", _cfg("memory.unified_memory")),
     Field("expandable_segments", "memory.expandable_segments", _cfg("memory.expandable_segments")),
     Field("load_checkpoint", "model.init_from", lambda s: bool(s.cfg.model.init_from), when=lambda i: False),

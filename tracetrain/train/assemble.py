@@ -215,11 +215,10 @@ def _recompute(a: Assembly) -> None:
 
 
 def _compile(a: Assembly) -> None:
-    from tracetrain.kernels.apply import apply_compile, recomputes_pointwise
+    from tracetrain.kernels.apply import apply_compile
 
-    recompute_pointwise = recomputes_pointwise(a.spec.cfg.train.mode)
     for part in a.parts:
-        apply_compile(_blocks(part), recompute_pointwise)  # type: ignore[arg-type]  # only `.layers` is read
+        apply_compile(_blocks(part), a.spec.recompute_pointwise)  # type: ignore[arg-type]  # only `.layers` is read
 
 
 def _data_parallel(a: Assembly) -> None:
