@@ -212,3 +212,19 @@ def test_layout_candidates_are_distinct_layouts_and_never_combined():
     assert _knobs(layouts[0].change_dict) & _knobs(layouts[1].change_dict)  # alternatives: never merged
     planned = planner.predict(layouts[0].change_dict)[1]  # the planner plans both GPUs; a trial measures one
     assert planned is not None and layouts[0].predicted_tokens_per_s == pytest.approx(planned.tokens_per_s / 2)
+
+
+def test_recompute_pointwise_is_a_gpu_candidate_of_compiled_lora_runs_with_the_planners_memory():
+    from tracetrain.config import from_dict
+    from tracetrain.tune.space import Planner, knob_changes, make_candidate
+
+    lora = from_dict({"train": {"mode": "lora"}, "lora": {"targets": ["all-linear"]}})
+    labels = {label for label, _, _ in knob_changes(lora, True, ())}
+    assert "recompute pointwise on" in labels
+    assert "recompute pointwise on" not in {label for label, _, _ in knob_changes(lora, False, ())}  # the CPU
+    for cfg in (from_dict({}), lora.replace({"train.compile": "off"})):  # no adapters; blocks not compiled
+        assert not any(label.startswith("recompute pointwise") for label, _, _ in knob_changes(cfg, True, ()))
+    planner = Planner.of(lora, "h100-sxm", 1, None)
+    c = make_candidate(planner, "recompute pointwise on", {"memory.recompute_pointwise": True}, "", "what-if")
+    assert c is not None and planner.base is not None and c.predicted_peak_gib is not None
+    assert c.predicted_peak_gib < planner.base.memory.peak_bytes / 2**30

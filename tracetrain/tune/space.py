@@ -24,7 +24,7 @@ from typing import Any
 from tracetrain.config import Config
 from tracetrain.errors import TracetrainError
 from tracetrain.plan import Plan, plan, plan_input_from_config, plan_to_config_overrides, search, search_layouts
-from tracetrain.plan.mapping import FIELDS, LAYOUT_FIELDS
+from tracetrain.plan.mapping import FIELDS, LAYOUT_FIELDS, plan_spec
 from tracetrain.plan.memory import GIB
 
 # Config keys the planner reads (plan/mapping.py's one table, the batch and the layout): a what-if on
@@ -103,7 +103,8 @@ def _divisors(n: int) -> list[int]:
 
 def knob_changes(cfg: Config, cuda: bool, allow: Sequence[str]) -> list[tuple[str, dict[str, Any], str]]:
     """(label, changes, reason) for each single-knob what-if of `cfg`'s resolved switches. GPU-only
-    switches (compile, Triton kernels, FlexAttention, offload to the host, FP8) are offered on CUDA only:
+    switches (compile, LoRA's pointwise recompute in compiled blocks, Triton kernels, FlexAttention, offload to
+    the host, FP8) are offered on CUDA only:
     on the CPU they are either off by rule (spec.py) or mean nothing (offloading the CPU to itself)."""
     t, m, d = cfg.train, cfg.memory, cfg.data
     out: list[tuple[str, dict[str, Any], str]] = []
@@ -135,6 +136,11 @@ def _gpu_knobs(cfg: Config, allow: Sequence[str]) -> list[tuple[str, dict[str, A
     out: list[tuple[str, dict[str, Any], str]] = []
     compile_on = t.compile != "off"
     out.append((f"compile {'off' if compile_on else 'on'}", {"train.compile": "off" if compile_on else "on"}, "fusion"))
+    if t.mode == "lora" and plan_spec(cfg).compile:  # acts on compiled blocks only (spec.py refuses it without)
+        on = not m.recompute_pointwise
+        label = f"recompute pointwise {'on' if on else 'off'}"
+        why = "adapter inputs recomputed in backward" if on else "adapter inputs saved"
+        out.append((label, {"memory.recompute_pointwise": on}, why))
     if t.fused_kernels != "on":
         out.append(("Triton kernels on", {"train.fused_kernels": "on"}, "fused RMSNorm/RoPE/SwiGLU"))
     for backend in ("sdpa", "flex"):
