@@ -129,6 +129,20 @@ TINY_RUN = [
 ]
 
 
+# A 3-step run of a tiny family checkpoint (model.init_from), for the Gemma and Phi end-to-end tests.
+FAMILY_RUN = [
+    "--train.steps=3",
+    "--train.micro_batch_size=2",
+    "--data.synthetic_examples=60",
+    "--data.seq_len=32",
+    "--train.eval_interval=0",
+    "--train.eval_batches=1",
+    "--train.eval_generate=0",
+    "--optim.warmup_steps=1",
+    "--logging.progress=false",
+]
+
+
 TINY_MODEL = ["--model.dim=64", "--model.n_layers=2", "--model.ffn_dim=128"]  # runs without model.init_from
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
+from helpers import FAMILY_RUN
 
 from tracetrain.errors import CheckpointError, ConfigError
 from tracetrain.models.build import build_on_meta, materialize_parts
@@ -120,17 +121,6 @@ def test_packed_documents_equal_separate_rows(saved) -> None:
         torch.testing.assert_close(together[:, 14:], ours(b), atol=2e-5, rtol=0)
 
 
-RUN = [
-    "--train.steps=3",
-    "--train.micro_batch_size=2",
-    "--data.synthetic_examples=60",
-    "--data.seq_len=32",
-    "--train.eval_interval=0",
-    "--train.eval_batches=1",
-    "--train.eval_generate=0",
-    "--optim.warmup_steps=1",
-    "--logging.progress=false",
-]
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -140,7 +130,7 @@ def test_finetune_and_export_round_trip(saved, mode: str, tmp_path: Path) -> Non
 
     family, base, _ = saved
     runs = tmp_path / "runs"
-    proc = cli_here("train", *RUN, f"--model.init_from={base}", f"--train.mode={mode}", f"--train.output_dir={runs}")
+    proc = cli_here("train", *FAMILY_RUN, f"--model.init_from={base}", f"--train.mode={mode}", f"--train.output_dir={runs}")
     assert proc.returncode == 0, proc.stderr
     run = next(runs.iterdir())
     assert all(

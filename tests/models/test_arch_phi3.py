@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
+from helpers import FAMILY_RUN
 
 from tracetrain.errors import CheckpointError
 from tracetrain.models.build import build_on_meta, materialize_parts
@@ -136,17 +137,6 @@ def test_export_fuses_and_keeps_the_config(saved, tmp_path: Path) -> None:
     torch.testing.assert_close(fused, hf.model.layers[0].mlp.gate_up_proj.weight.detach())
 
 
-RUN = [
-    "--train.steps=3",
-    "--train.micro_batch_size=2",
-    "--data.synthetic_examples=60",
-    "--data.seq_len=32",
-    "--train.eval_interval=0",
-    "--train.eval_batches=1",
-    "--train.eval_generate=0",
-    "--optim.warmup_steps=1",
-    "--logging.progress=false",
-]
 
 
 @pytest.mark.parametrize(("mode", "targets"), [("lora", "q_proj,v_proj,o_proj,up_proj"), ("full", "")])
@@ -158,7 +148,7 @@ def test_finetune_and_export_round_trip(saved, mode: str, targets: str, tmp_path
     base, _ = saved
     runs = tmp_path / "runs"
     extra = [f"--lora.targets={targets}"] if targets else []
-    args = ("train", *RUN, f"--model.init_from={base}", f"--train.mode={mode}", f"--train.output_dir={runs}", *extra)
+    args = ("train", *FAMILY_RUN, f"--model.init_from={base}", f"--train.mode={mode}", f"--train.output_dir={runs}", *extra)
     proc = cli_here(*args)
     assert proc.returncode == 0, proc.stderr
     run = next(runs.iterdir())
