@@ -76,7 +76,7 @@ def train(folder: Path, out: Path, mode: str, compile_: str, a: argparse.Namespa
     code = main(["train", f"--model.init_from={folder}", f"--train.mode={mode}", f"--train.compile={compile_}",
                  f"--train.steps={a.steps}", f"--data.seq_len={a.seq}", "--train.micro_batch_size=2",
                  "--data.synthetic_examples=4000", "--train.eval_interval=0", "--train.eval_generate=0",
-                 "--train.save_final=false", "--logging.progress=false", f"--train.output_dir={out}",
+                 "--checkpoint.save_final=false", "--logging.progress=false", f"--train.output_dir={out}",
                  f"--train.run_name={name}"])  # fmt: skip
     if code != 0:
         return {"run": name, "ok": False, "exit_code": code}

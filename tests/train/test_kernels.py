@@ -4,6 +4,7 @@ float64 references and the eager model; the custom-op registrations; the swap an
 The Triton twins are checked on the GPU by benchmarks/speed.py --checks (rel error vs float32 <= 1e-2).
 """
 
+import dataclasses
 import shutil
 
 import pytest
@@ -240,6 +241,24 @@ def test_apply_compile_matches_eager_and_compiles_one_graph_for_all_blocks(recom
     other["document_ids"][:, 5:] += 1  # different documents, same shapes: no recompilation
     _loss_and_grads(model, other, fused=False)
     assert compiled_frame_count() == graphs
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_each_compiled_model_has_its_own_recompile_budget():
+    # Found on the GPU: runs one after another in one process (benchmarks/arch_gemma_phi_gpu.py, a sweep, a
+    # notebook) shared one Dynamo cache for the block code, so their train / eval / shape variants added up
+    # to the recompile limit and fullgraph turned it into FailOnRecompileLimitHit. With the limit at 1, a
+    # second model of other widths needs a second graph: it must get a cache of its own.
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for dim, heads in ((64, 4), (48, 2)):
+            torch.manual_seed(0)
+            model = Transformer(dataclasses.replace(ARGS, dim=dim, n_heads=heads, n_kv_heads=heads))
+            model.init_weights()
+            apply_compile(model)
+            loss, _ = _loss_and_grads(model, _batch(), fused=False)
+            assert torch.isfinite(loss)
 
 
 @pytest.mark.parametrize("autocast", [False, True])

@@ -15,6 +15,7 @@ either way.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterable
 
 import torch
@@ -120,19 +121,35 @@ def apply_compile(model: Transformer, recompute_pointwise: bool = False) -> int:
     norm outputs beside the residual stream they are computed from. Recomputed, they cost one extra write
     each in backward (fused with the pointwise backward that reads gate/up anyway) and a LoRA block keeps
     (f + 1.5 d) x 2 bytes per token less: for llama3-8b at 4 x 2048, ~10 GiB of the step's peak. Opt-in
-    (config `memory.recompute_pointwise`, decided in spec.py): its speed cost is not measured on a GPU yet.
-    Dynamo caches a block's graph per process, so a process that already compiled these blocks with the
-    other setting reuses that graph unless `torch._dynamo.reset()` runs first.
+    (config `memory.recompute_pointwise`, decided in spec.py).
+
+    Each call compiles a private copy of the block's forward code (`_own_code`): Dynamo keeps graphs, and
+    counts them against `torch._dynamo.config.recompile_limit` (8), per code object, and with
+    `fullgraph=True` reaching the limit is an error. Shared by every model of a process, the train, eval
+    and batch-shape variants of a few models (runs one after another from Python, a sweep, a notebook)
+    would reach it; per model they stay a handful, and a model's graphs go with it.
     """
+    own: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}
     for block in model.layers:
         if is_compiled(block):
             raise ValueError("model blocks are already compiled")
         block.__class__ = _compiled_class(type(block), attention_only=hasattr(block.mlp, "experts"))  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
-        compiled = torch.compile(block._block_forward, fullgraph=True, dynamic=False)  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        fn = type(block)._block_forward  # type: ignore[attr-defined]  # set just above: the class is now a _CompiledBlock
+        if fn not in own:  # one copy for all blocks of a model
+            own[fn] = _own_code(fn)
+        forward = types.MethodType(own[fn], block)
+        compiled = torch.compile(forward, fullgraph=True, dynamic=False)
         if recompute_pointwise:  # read when the first call partitions the graph (forward and backward at once)
             compiled = torch._functorch.config.patch(ban_recompute_materialized_backward=False)(compiled)
         block._compiled_forward = compiled  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     return len(model.layers)
+
+
+def _own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` with a code object of its own (same bytecode, globals, defaults and closure: zero-argument
+    `super()` still finds its class), so that Dynamo's cache for it starts empty."""
+    assert isinstance(fn, types.FunctionType)
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def is_compiled(block: nn.Module) -> bool:
