@@ -19,6 +19,7 @@ which also offloads the checkpoints to the host, is the `--unsloth-gc-70b unslot
   PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b --no-peer
   PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b,8b-bf16 --no-peer     # what the 4-bit base costs us
   PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b,8b-pointwise --no-peer   # memory.recompute_pointwise
+  PYTHONPATH=. python3 benchmarks/qlora.py --cases 70b-offload   # streamed offload vs unsloth's gc "unsloth"
 
 Writes qlora_<gpu>.json under $OUT (when set) or benchmarks/results/, rows of earlier calls kept with their
 own `call` stamp, so ratios are read within one call.
@@ -49,6 +50,10 @@ CASES = {
     # The 8b case with memory.recompute_pointwise (compiled blocks recompute the adapters' pointwise inputs in
     # backward): its speed cost and memory saving against the 8b row of the same call (no peer).
     "8b-pointwise": dict(preset="llama3-8b", batch=4, seq=2048, recompute="none", unsloth_gc="", warmup=3, pointwise=True),
+    # The 70b case with the checkpointed block inputs streamed to pinned host memory (memory.activation_offload
+    # = streamed), next to unsloth's gradient checkpointing "unsloth", which also offloads them to the host.
+    "70b-offload": dict(preset="llama3-70b", batch=2, seq=2048, recompute="full", unsloth_gc="unsloth", warmup=2,
+                        offload="streamed"),
 }
 
 
@@ -70,7 +75,8 @@ def ours(case: str, steps: int, targets: str) -> dict:
                              f"--data.seq_len={c['seq']}", f"--train.micro_batch_size={c['batch']}",
                              "--train.precision=bf16", "--train.compile=on", "--train.attention=sdpa",
                              f"--memory.recompute={c['recompute']}", "--optim.lr=1e-4",
-                             f"--memory.recompute_pointwise={str(c.get('pointwise', False)).lower()}"])
+                             f"--memory.recompute_pointwise={'on' if c.get('pointwise') else 'off'}",
+                             f"--memory.activation_offload={c.get('offload', 'none')}"])
     predicted = plan(plan_input_from_config(cfg, 1, torch.cuda.get_device_name(0)))
     t0 = time.time()
     built = assemble(resolve(cfg, torch.device("cuda")))
@@ -97,7 +103,8 @@ def ours(case: str, steps: int, targets: str) -> dict:
     base_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".codes" in n or ".scaler" in n)
     return {"system": "tracetrain", "model": c["preset"], "mode": "qlora" if quant == "nf4" else "lora", "targets": targets,
             "batch": c["batch"], "seq": c["seq"], "recompute": c["recompute"],
-            "recompute_pointwise": c.get("pointwise", False), "step_s_median": step_s,
+            "recompute_pointwise": c.get("pointwise", False), "activation_offload": c.get("offload", "none"),
+            "step_s_median": step_s,
             "step_s_all": times, "tokens_per_s": c["batch"] * c["seq"] / step_s, "loss": float(loss),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "nf4_base_gib": base_bytes / 2**30,
             "plan_peak_gib": predicted.peak_gib, "plan_step_s": predicted.step_s, "build_s": build_s,
@@ -160,6 +167,7 @@ def main() -> None:
         out = child([sys.executable, __file__, "--child", case, "--steps", str(a.steps), "--targets", a.targets],
                     own_env, a.timeout_s)
         kind = ("qlora" if c.get("quant", "nf4") == "nf4" else "lora-bf16") + ("-pointwise" if c.get("pointwise") else "")
+        kind += "-offload" if c.get("offload") else ""
         rows.append({"system": "tracetrain", "case": f"{c['preset']}-{kind}", **out, **stamp})
         print(f"tracetrain {case}: {out.get('tokens_per_s', out.get('error'))}", flush=True)
         save(rows)  # after every row: a call cut short keeps what it measured
@@ -169,7 +177,7 @@ def main() -> None:
         tgt = "all-linear" if a.targets == "all-linear" else "qkvo"
         out = child([sys.executable, str(REPO / "benchmarks" / "peers" / "unsloth_qlora_peer.py"), c["preset"],
                      str(c["batch"]), str(c["seq"]), gc_mode, tgt], {**os.environ, "PYTHONPATH": site}, a.timeout_s)
-        rows.append({"system": out.get("peer", "unsloth 4-bit"), "case": f"{c['preset']}-qlora", **out, **stamp})
+        rows.append({"system": out.get("peer", "unsloth 4-bit"), "case": f"{c['preset']}-{kind}", **out, **stamp})
         print(f"unsloth {case}: {out.get('tokens_per_s', out.get('error'))}", flush=True)
         save(rows)
     if not a.no_peer and site is None:

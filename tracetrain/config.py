@@ -272,10 +272,10 @@ def _check_cross_fields(cfg: Config, where: str) -> None:
             f"{where}config keys 'memory.optimizer_offload' and memory.unified_memory = 'optimizer' "
             "both place optimizer states; choose one"
         )
-    if mem.recompute_pointwise and cfg.train.mode != "lora":
+    if mem.recompute_pointwise == "on" and cfg.train.mode != "lora":
         raise ConfigError(
-            f"{where}config key 'memory.recompute_pointwise' = true recomputes LoRA adapters' inputs; train.mode = "
-            f"'{cfg.train.mode}' has none: set train.mode = 'lora' or memory.recompute_pointwise = false"
+            f"{where}config key 'memory.recompute_pointwise' = 'on' recomputes LoRA adapters' inputs; train.mode = "
+            f"'{cfg.train.mode}' has none: set train.mode = 'lora' or memory.recompute_pointwise = 'auto' or 'off'"
         )
     if cfg.data.num_workers == 0 and cfg.data.prefetch_factor != 2:
         raise ConfigError(f"{where}config key 'data.prefetch_factor' needs data.num_workers > 0")

@@ -83,6 +83,10 @@ def check_value(key: str, f: dataclasses.Field, value: Any, owner: type) -> Any:
     if list in kinds and isinstance(value, str):
         # --lora.targets=all-linear, --lora.targets=q_proj,v_proj: a word or comma-separated words.
         value = [v.strip() for v in value.split(",") if v.strip()]
+    choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+    if choices and not isinstance(value, str):  # e.g. true for an "auto" / "on" / "off" switch
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"config key '{key}': {value!r} is not allowed; choose one of {allowed}")
     # bool is a subclass of int: reject true/false where a number is expected.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise ConfigError(f"config key '{key}': {value!r} is not {_describe(tp)}")
@@ -94,7 +98,6 @@ def check_value(key: str, f: dataclasses.Field, value: Any, owner: type) -> Any:
     if list in kinds and not all(isinstance(v, str) for v in value):
         raise ConfigError(f"config key '{key}': {value!r} must be a list of strings")
     meta = f.metadata
-    choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
     if choices and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"config key '{key}': {value!r} is not allowed; choose one of {allowed}")

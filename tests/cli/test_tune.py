@@ -225,6 +225,8 @@ def test_recompute_pointwise_is_a_gpu_candidate_of_compiled_lora_runs_with_the_p
     for cfg in (from_dict({}), lora.replace({"train.compile": "off"})):  # no adapters; blocks not compiled
         assert not any(label.startswith("recompute pointwise") for label, _, _ in knob_changes(cfg, True, ()))
     planner = Planner.of(lora, "h100-sxm", 1, None)
-    c = make_candidate(planner, "recompute pointwise on", {"memory.recompute_pointwise": True}, "", "what-if")
+    c = make_candidate(planner, "recompute pointwise on", {"memory.recompute_pointwise": "on"}, "", "what-if")
     assert c is not None and planner.base is not None and c.predicted_peak_gib is not None
     assert c.predicted_peak_gib < planner.base.memory.peak_bytes / 2**30
+    qlora = lora.replace({"lora.base_quant": "nf4"})  # on by default there: the what-if turns it off
+    assert "recompute pointwise off" in {label for label, _, _ in knob_changes(qlora, True, ())}

@@ -113,9 +113,13 @@ def test_longest_context_within_10_percent_of_the_measured_line() -> None:
     assert found.limited_by == "GPU memory" and abs(found.seq_len / measured - 1) <= TOLERANCE
 
 
-def test_train_preflight_says_in_one_line_what_does_not_fit() -> None:
+def test_train_preflight_says_in_one_line_what_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """`train` at a length past the longest: one line, before loading, from the same plan."""
+    from tracetrain.train import oom
     from tracetrain.train.oom import _host_available_gib, preflight_line
+
+    available = _host_available_gib()  # read once: other processes (test workers) move it between reads
+    monkeypatch.setattr(oom, "_host_available_gib", lambda: available)
 
     longest = longest_context(load_config(None, _overrides(2048, 32)), GPU, multiple=4096).seq_len
     seq = (longest * 5 // 4) // 4096 * 4096
@@ -125,5 +129,5 @@ def test_train_preflight_says_in_one_line_what_does_not_fit() -> None:
     line = preflight_line(cfg, GPU, p.memory.required_bytes / GIB, p.memory.capacity_bytes / GIB)
     assert "\n" not in line and line.startswith(f"data.seq_len = {seq:,} x micro-batch 1 will likely not fit")
     # The line's longest is planned with this machine's available host memory (the offload's limit here).
-    host_fit = longest_context(cfg, GPU, host_memory_gib=_host_available_gib()).seq_len
+    host_fit = longest_context(cfg, GPU, host_memory_gib=available).seq_len
     assert f"the longest data.seq_len these settings fit is {host_fit:,}" in line and host_fit < seq

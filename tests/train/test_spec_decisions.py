@@ -64,29 +64,41 @@ def test_plan_prints_decisions_and_explain_prints_its_inputs():
     assert "planned as" not in cli_here("plan").stdout
 
 
-def test_recompute_pointwise_is_opt_in_decided_once_and_refused_where_it_cannot_act():
+def test_recompute_pointwise_is_on_for_a_4bit_base_decided_once_and_refused_where_it_cannot_act():
     import pytest
 
     from tracetrain.errors import ConfigError
     from tracetrain.plan import plan_input_from_config, plan_spec
 
     lora = ["--train.mode=lora"]
-    off = plan_spec(load_config(None, lora))  # a CUDA GPU: compile 'auto' -> on
+    off = plan_spec(load_config(None, lora))  # a CUDA GPU: compile 'auto' -> on; a bf16 base: 'auto' -> off
     assert not off.recompute_pointwise and _by_key(off)["memory.recompute_pointwise"].value == "off"
     assert not off.asked("memory.recompute_pointwise")
     assert not plan_input_from_config(load_config(None, lora)).recompute_pointwise
-    on_cfg = load_config(None, [*lora, "--memory.recompute_pointwise=true"])
+    qlora_cfg = load_config(None, [*lora, "--lora.base_quant=nf4"])
+    qlora = plan_spec(qlora_cfg)  # a 4-bit base: 'auto' -> on, and the planner plans what runs
+    assert qlora.recompute_pointwise and not qlora.asked("memory.recompute_pointwise")
+    assert _by_key(qlora)["memory.recompute_pointwise"].line().startswith("memory.recompute_pointwise = on (a 4-bit")
+    assert plan_input_from_config(qlora_cfg).recompute_pointwise
+    qlora_off = load_config(None, [*lora, "--lora.base_quant=nf4", "--memory.recompute_pointwise=off"])
+    assert not plan_spec(qlora_off).recompute_pointwise and not plan_input_from_config(qlora_off).recompute_pointwise
+    assert not resolve(qlora_cfg, torch.device("cpu")).recompute_pointwise  # 'auto' without compiled blocks: off
+    on_cfg = load_config(None, [*lora, "--memory.recompute_pointwise=on"])
     on = plan_spec(on_cfg)
     assert on.recompute_pointwise and _by_key(on)["memory.recompute_pointwise"].line() == (
-        "memory.recompute_pointwise = on (asked: true)"
+        "memory.recompute_pointwise = on (asked: on)"
     )
     assert plan_input_from_config(on_cfg).recompute_pointwise
+    assert not plan_spec(load_config(None, ["--memory.recompute_pointwise=auto"])).recompute_pointwise  # full FT
     with pytest.raises(ConfigError) as full:  # no adapters
-        load_config(None, ["--memory.recompute_pointwise=true"])
+        load_config(None, ["--memory.recompute_pointwise=on"])
     with pytest.raises(ConfigError) as cpu:  # compile 'auto' is off on the CPU
         resolve(on_cfg, torch.device("cpu"))
     with pytest.raises(ConfigError) as eager:
-        plan_spec(load_config(None, [*lora, "--memory.recompute_pointwise=true", "--train.compile=off"]))
-    for e, allowed in ((full, "train.mode = 'lora'"), (cpu, "train.compile = 'on'"), (eager, "train.compile = 'on'")):
+        plan_spec(load_config(None, [*lora, "--memory.recompute_pointwise=on", "--train.compile=off"]))
+    with pytest.raises(ConfigError) as old_bool:  # the switch was a boolean before 'auto'
+        load_config(None, [*lora, "--memory.recompute_pointwise=true"])
+    for e, allowed in ((full, "train.mode = 'lora'"), (cpu, "train.compile = 'on'"), (eager, "train.compile = 'on'"),
+                       (old_bool, "auto")):
         message = str(e.value)
         assert "\n" not in message and "'memory.recompute_pointwise'" in message and allowed in message, message

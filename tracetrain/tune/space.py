@@ -136,11 +136,12 @@ def _gpu_knobs(cfg: Config, allow: Sequence[str]) -> list[tuple[str, dict[str, A
     out: list[tuple[str, dict[str, Any], str]] = []
     compile_on = t.compile != "off"
     out.append((f"compile {'off' if compile_on else 'on'}", {"train.compile": "off" if compile_on else "on"}, "fusion"))
-    if t.mode == "lora" and plan_spec(cfg).compile:  # acts on compiled blocks only (spec.py refuses it without)
-        on = not m.recompute_pointwise
+    spec = plan_spec(cfg) if t.mode == "lora" else None
+    if spec is not None and spec.compile:  # acts on compiled blocks only (spec.py refuses 'on' without)
+        on = not spec.recompute_pointwise
         label = f"recompute pointwise {'on' if on else 'off'}"
         why = "adapter inputs recomputed in backward" if on else "adapter inputs saved"
-        out.append((label, {"memory.recompute_pointwise": on}, why))
+        out.append((label, {"memory.recompute_pointwise": "on" if on else "off"}, why))
     if t.fused_kernels != "on":
         out.append(("Triton kernels on", {"train.fused_kernels": "on"}, "fused RMSNorm/RoPE/SwiGLU"))
     for backend in ("sdpa", "flex"):
