@@ -18,7 +18,7 @@ which also offloads the checkpoints to the host, is the `--unsloth-gc-70b unslot
   PYTHONPATH=. python3 benchmarks/qlora.py                     # 8b and 70b, ours and unsloth: ~6-7 minutes
   PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b --no-peer
   PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b,8b-bf16 --no-peer     # what the 4-bit base costs us
-  PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b,8b-pointwise --no-peer   # memory.recompute_pointwise
+  PYTHONPATH=. python3 benchmarks/qlora.py --cases 8b,8b-saved --no-peer   # memory.recompute_pointwise on / off
   PYTHONPATH=. python3 benchmarks/qlora.py --cases 70b-offload   # streamed offload vs unsloth's gc "unsloth"
 
 Writes qlora_<gpu>.json under $OUT (when set) or benchmarks/results/, rows of earlier calls kept with their
@@ -47,9 +47,9 @@ CASES = {
     "70b": dict(preset="llama3-70b", batch=2, seq=2048, recompute="full", unsloth_gc="true", warmup=2),
     # Our own bf16-base LoRA of the 8b case (no peer): what the 4-bit base costs in speed and saves in memory.
     "8b-bf16": dict(preset="llama3-8b", batch=4, seq=2048, recompute="none", unsloth_gc="", warmup=3, quant="none"),
-    # The 8b case with memory.recompute_pointwise (compiled blocks recompute the adapters' pointwise inputs in
-    # backward): its speed cost and memory saving against the 8b row of the same call (no peer).
-    "8b-pointwise": dict(preset="llama3-8b", batch=4, seq=2048, recompute="none", unsloth_gc="", warmup=3, pointwise=True),
+    # The 8b case with memory.recompute_pointwise = "off" (the default for a 4-bit base is on: compiled blocks
+    # recompute the adapters' pointwise inputs in backward): what the switch costs and saves (no peer).
+    "8b-saved": dict(preset="llama3-8b", batch=4, seq=2048, recompute="none", unsloth_gc="", warmup=3, pointwise="off"),
     # The 70b case with the checkpointed block inputs streamed to pinned host memory (memory.activation_offload
     # = streamed), next to unsloth's gradient checkpointing "unsloth", which also offloads them to the host.
     "70b-offload": dict(preset="llama3-70b", batch=2, seq=2048, recompute="full", unsloth_gc="unsloth", warmup=2,
@@ -75,11 +75,12 @@ def ours(case: str, steps: int, targets: str) -> dict:
                              f"--data.seq_len={c['seq']}", f"--train.micro_batch_size={c['batch']}",
                              "--train.precision=bf16", "--train.compile=on", "--train.attention=sdpa",
                              f"--memory.recompute={c['recompute']}", "--optim.lr=1e-4",
-                             f"--memory.recompute_pointwise={'on' if c.get('pointwise') else 'off'}",
+                             f"--memory.recompute_pointwise={c.get('pointwise', 'auto')}",
                              f"--memory.activation_offload={c.get('offload', 'none')}"])
     predicted = plan(plan_input_from_config(cfg, 1, torch.cuda.get_device_name(0)))
     t0 = time.time()
-    built = assemble(resolve(cfg, torch.device("cuda")))
+    spec = resolve(cfg, torch.device("cuda"))
+    built = assemble(spec)
     torch.cuda.synchronize()
     build_s = time.time() - t0
     model, opt = built.module, built.optimizer
@@ -103,7 +104,7 @@ def ours(case: str, steps: int, targets: str) -> dict:
     base_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".codes" in n or ".scaler" in n)
     return {"system": "tracetrain", "model": c["preset"], "mode": "qlora" if quant == "nf4" else "lora", "targets": targets,
             "batch": c["batch"], "seq": c["seq"], "recompute": c["recompute"],
-            "recompute_pointwise": c.get("pointwise", False), "activation_offload": c.get("offload", "none"),
+            "recompute_pointwise": spec.recompute_pointwise, "activation_offload": c.get("offload", "none"),
             "step_s_median": step_s,
             "step_s_all": times, "tokens_per_s": c["batch"] * c["seq"] / step_s, "loss": float(loss),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "nf4_base_gib": base_bytes / 2**30,
@@ -166,7 +167,7 @@ def main() -> None:
         c = CASES[case]
         out = child([sys.executable, __file__, "--child", case, "--steps", str(a.steps), "--targets", a.targets],
                     own_env, a.timeout_s)
-        kind = ("qlora" if c.get("quant", "nf4") == "nf4" else "lora-bf16") + ("-pointwise" if c.get("pointwise") else "")
+        kind = ("qlora" if c.get("quant", "nf4") == "nf4" else "lora-bf16") + ("-saved" if c.get("pointwise") else "")
         kind += "-offload" if c.get("offload") else ""
         rows.append({"system": "tracetrain", "case": f"{c['preset']}-{kind}", **out, **stamp})
         print(f"tracetrain {case}: {out.get('tokens_per_s', out.get('error'))}", flush=True)
