@@ -74,6 +74,75 @@ def test_compiled_block_saves_what_the_planner_counts(mode: str, targets: tuple[
     assert _saved_block_bytes_per_token(model, 3, 96) == pytest.approx(compiled_planned, rel=0.01)
 
 
+def _backward_peak_bytes_per_token(block: torch.nn.Module, model: torch.nn.Module, batch: int, seq: int) -> float:
+    """The largest total of CPU bytes allocated during the block's backward over what was allocated when it
+    started (the allocator's own running count, from the profiler), per token. The incoming gradient, the
+    block input and its output exist before."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, 256, (batch, seq))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cos, sin = model.rope(torch.arange(seq).expand(batch, seq))
+        x = model.embed_tokens(ids).detach().to(torch.bfloat16).requires_grad_()
+        out = block(x, cos, sin, None)
+    grad = torch.randn_like(out)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out.backward(grad)
+
+    def walk(nodes):  # type: ignore[no-untyped-def]
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+
+    events = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
+    allocations = sorted((n for n in walk(events) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
+    total = peak = 0
+    for n in allocations:
+        total += n.extra_fields.alloc_size
+        peak = max(peak, total)
+    return peak / (batch * seq)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.parametrize("targets", [ALL, QKVO, ()], ids=["lora-all", "lora-qkvo", "full"])
+def test_compiled_recomputed_block_backward_holds_what_the_planner_counts(targets: tuple[str, ...]) -> None:
+    """A compiled block under full recomputation (recompute wraps it first, as the trainer orders them):
+    its backward reruns the forward in the compiled graph and holds, at its SwiGLU backward, what
+    `compiled_recomputed_mlp_backward_items` adds to the rematerialised saved tensors (11 ffn-wide tensors
+    with every MLP projection adapted, the planner's long-context rows). Where down_proj has no adapter,
+    Inductor writes one gradient over a dead input of that kernel, which the planner does not count: it
+    may be one ffn-wide tensor high there. ffn = 8 dim, so the MLP's tensors decide."""
+    from tracetrain.kernels.apply import apply_compile
+    from tracetrain.memory.recompute import apply_recompute
+    from tracetrain.plan.memory import memory_model
+
+    mode = "lora" if targets else "full"
+    cfg = load_config(None, ["--model.dim=64", "--model.n_layers=1", "--model.n_heads=4", "--model.n_kv_heads=1",
+                             "--model.ffn_dim=512", "--model.vocab_size=256", f"--train.mode={mode}"])
+    args = model_args_from_config(cfg)
+    torch.manual_seed(0)
+    model = materialize(args, torch.device("cpu"), 0)
+    if targets:
+        from tracetrain.models.lora import apply_lora
+        apply_lora(model, rank=8, alpha=8, dropout=0.0, targets=list(targets), base_dtype=torch.bfloat16,
+                   adapter_dtype=torch.float32)
+    torch._dynamo.reset()  # the blocks' code is cached per process
+    apply_recompute(model, "full")
+    apply_compile(model)
+    batch, seq = 2, 1024
+    _backward_peak_bytes_per_token(model.layers[0], model, batch, seq)  # compiles forward and backward
+    measured = _backward_peak_bytes_per_token(model.layers[0], model, batch, seq)
+    inp = PlanInput(model=args, mode=mode, lora_rank=8, lora_targets=targets, lora_base_dtype="bf16",  # type: ignore[arg-type]
+                    compile=True, recompute="full", micro_batch=batch, seq_len=seq)
+    nm = act.numerics(inp)
+    working = memory_model(inp, batch * seq, seq).items["block backward (MLP)"].per_token
+    planned = working - act.residual_gradient(args, nm).per_token  # the incoming gradient was there before
+    in_place = 0 if "down_proj" in targets else nm.c * args.ffn_dim
+    assert 0.95 * measured <= planned <= 1.05 * measured + in_place, (measured, planned)
+
+
 def test_fused_ce_replaces_the_logits_buffers_and_follows_the_trainer() -> None:
     base = PlanInput(model=get_preset("llama3.2-1b"), micro_batch=4, seq_len=2048, gpu="h100-sxm")
     eager, fused = plan(base), plan(base.replace(fused_ce_chunk=4096))

@@ -65,7 +65,10 @@ Tiled norm + MLP (`PlanInput.tiled_mlp_tokens`, memory/tiled_mlp.py): the items 
 tokens at a time, a constant; the block keeps its mid residual (the tiles' input) instead.
 
 A block's backward (`attention_backward_items`, `mlp_backward_items`): besides the saved tensors, the
-residual-stream gradient (x*d), at the SwiGLU backward its output's gradient and gate's and up's (3*c*f),
+residual-stream gradient (x*d), at the SwiGLU backward its output's gradient and gate's and up's (3*c*f;
+a compiled block under full recomputation also holds each adapted gate/up's base and adapter outputs
+apart, a scaled gradient copy for its adapter and down's adapter input gradient:
+`compiled_recomputed_mlp_backward_items`; 11 ffn-wide tensors live in all for an all-linear LoRA block),
 at the attention backward the output's gradient, dq/dk/dv and the kernel's own buffers (flash: a float32
 dq accumulator 4*q_dim and, with GQA, dk/dv for every query head 2*c*q_dim). For Llama 3.1 8B that is
 61,568 bytes per token at the attention backward, which a bf16 LoRA step's allocator peak shows exactly
@@ -366,6 +369,36 @@ def mlp_backward_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -
         Item("SwiGLU output gradient", nm.c * f, "tp", mlp=True),
         Item("gate, up gradients", 2 * nm.c * f, "tp", mlp=True),
     ]
+
+
+def compiled_recomputed_mlp_backward_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:
+    """Buffers of a compiled block's SwiGLU backward under full recomputation, beyond the block's saved
+    tensors (`compiled_block_items`, rematerialised), bytes per token.
+
+    The compiled backward reruns the block's forward inside its own graph, and Inductor fuses the LoRA
+    adds (base output + scaled adapter output) of gate and up into the SwiGLU backward kernel: the base
+    and adapter matmul outputs of each adapted projection are that kernel's separate inputs, beside the
+    two parts of the SwiGLU output's gradient (down_proj's base and adapter input gradients). Its outputs:
+    the gate and up gradients for the base matmuls, one more of each, scaled, for the adapted ones' LoRA
+    matmuls, and SwiGLU's output when down_proj's adapter needs it (the "down input" of the saved set;
+    a tensor of its own here when `recompute_pointwise` left it out of the saved set). All are live at
+    the kernel: 11 ffn-wide tensors with every MLP projection adapted, as the compiled block's backward
+    allocates them on the CPU (tests/plan/test_plan_speed_path.py) and the H200 allocator's history
+    shows them (benchmarks/results/long_context_peak_NVIDIA-H200.json, the compiled rows). Where
+    down_proj has no adapter Inductor writes one gradient over a dead input, not counted here (one
+    ffn-wide tensor high). Without adapters in the MLP this is `mlp_backward_items`."""
+    f = args.ffn_dim * moe_factor
+    adapted = sum(n in nm.targets for n in GATE_UP)
+    down = "down_proj" in nm.targets
+    items = [
+        Item("SwiGLU output gradient (base + adapter parts)", (nm.c + (nm.a if down else 0)) * f, "tp", mlp=True),
+        Item("gate, up gradients", 2 * nm.c * f, "tp", mlp=True),
+        Item("gate/up adapter outputs (apart from the base outputs)", adapted * nm.a * f, "tp", mlp=True),
+        Item("gate/up gradients scaled for their adapters", adapted * nm.a * f, "tp", mlp=True),
+    ]
+    if down and nm.recompute_pointwise:
+        items.append(Item("SwiGLU output (down adapter's input)", nm.a * f, "tp", mlp=True))
+    return [i for i in items if i.per_token]
 
 
 def selective_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> list[Item]:

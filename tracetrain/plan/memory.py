@@ -242,7 +242,10 @@ def _backward_working_sets(
     less the block input the checkpoint kept (`block_input_alias`); without recomputation they are in
     "activations" already. Then, MLP first (backward runs the block in reverse):
       MLP backward        the saved tensors, the residual-stream gradient and the SwiGLU backward's
-                          gradients (`mlp_backward_items`). Tiled: the feed-forward half's saved tensors
+                          gradients (`mlp_backward_items`; a compiled block under full recomputation:
+                          `compiled_recomputed_mlp_backward_items`, whose kernel also takes each
+                          adapted gate/up's base and adapter outputs apart and writes scaled gradient
+                          copies for the adapters). Tiled: the feed-forward half's saved tensors
                           and gradients exist for one tile (a constant); the block keeps the tiles' input
                           (the mid residual) and holds the residual gradient twice (the incoming one and
                           the mid residual's, summed from the tiles' slices).
@@ -263,6 +266,8 @@ def _backward_working_sets(
         mlp = attn_saved + (mid if recomputed else Affine()) + residual * 2 + tile
     else:
         mlp = (act.shard(block, tp, sp_on) + unalias if recomputed else Affine()) + residual
+        if recomputed and inp.recompute == "full" and act.block_path(inp) == "compile":
+            mlp_grads = act.compiled_recomputed_mlp_backward_items(args, nm, moe)  # the LoRA adds fused into it
         mlp += act.shard(mlp_grads, tp, sp_on)
     attention = attn_saved + act.shard(act.attention_backward_items(args, nm, backend), tp, sp_on)
     return {"block backward (MLP)": mlp * (1 / cp), "block backward (attention)": attention * (1 / cp)}
