@@ -1,17 +1,25 @@
 """Prefill (#32): a whole unpadded prompt in one forward, attending to its own keys with plain causal
-attention; chunks only where they are needed; the same tokens and logits either way."""
+attention; chunks only where they are needed; the same tokens and logits either way. The compiled prefill
+(models/prefill.py) generates the tokens the eager one does, for every model family, with one graph for
+all prompt lengths, and runs eagerly, saying why, where it cannot."""
+
+import shutil
+import warnings
 
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+from tracetrain.kernels.apply import compiled_frame_count
 from tracetrain.models.attention import cached_attention, lower_right_causal_mask
-from tracetrain.models.generate import (
+from tracetrain.models.families import transformer_class
+from tracetrain.models.generate import GenerationRequest, generate_batch, make_cache
+from tracetrain.models.llama import ModelArgs
+from tracetrain.models.prefill import (
     DEFAULT_PREFILL_CHUNK,
-    GenerationRequest,
+    compiled_prefill_refusal,
     forward_last,
-    generate_batch,
-    make_cache,
+    prefill,
     prefill_bytes_per_token,
     prefill_chunk_tokens,
 )
@@ -57,6 +65,7 @@ def test_square_causal_bias_is_plain_causal(gqa: bool) -> None:
     got = cached_attention(q, k, v, causal_lower_right(12, 12))
     ref = cached_attention(q, k, v, lower_right_causal_mask(12, 12, q.device).expand(1, 1, 12, 12).clone())
     torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(cached_attention(q, k, v, None), ref)  # None: the compiled prefill's own keys
 
 
 def test_whole_prompt_equals_chunked(gen_model) -> None:
@@ -79,3 +88,157 @@ def test_whole_prompt_equals_chunked(gen_model) -> None:
     with torch.no_grad():
         full = gen_model(tokens)[:, -1]
     torch.testing.assert_close(logits[0], full, rtol=1e-5, atol=1e-5)
+
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("cc") is None, reason="torch.compile on CPU needs a C++ compiler"
+)
+SAME_LENGTH = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 2, 9, 4, 4], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]]  # no padding
+
+
+def _tokens(model, prompts, mode, **options) -> list[list[int]]:
+    requests = [GenerationRequest(p, 8) for p in prompts]
+    return [r.tokens for r in generate_batch(model, requests, NEVER, 0, prefill_mode=mode, **options)]
+
+
+def _compiled_tokens(model, prompts) -> list[list[int]]:
+    """Greedy tokens through the compiled prefill, which must not fall back to eager (a warning would say so)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="prefill = 'compiled' runs eagerly")
+        return _tokens(model, prompts, "compiled")
+
+
+@needs_compiler
+def test_compiled_prefill_generates_the_eager_tokens_with_one_graph_per_batch_shape(gen_model) -> None:
+    eager = _tokens(gen_model, SAME_LENGTH, "eager")
+    before = compiled_frame_count()
+    assert _compiled_tokens(gen_model, SAME_LENGTH) == eager
+    assert compiled_frame_count() == before + 1  # every block shares one graph (parameters are inputs)
+    shorter = [p[:7] for p in SAME_LENGTH]
+    assert _compiled_tokens(gen_model, shorter) == _tokens(gen_model, shorter, "eager")
+    assert compiled_frame_count() == before + 1  # another prompt length: the same graph (dynamic length)
+    assert _compiled_tokens(gen_model, SAME_LENGTH[:1]) == [eager[0]]  # batch 1: its own graph
+    assert compiled_frame_count() == before + 2
+    tokens = torch.tensor(SAME_LENGTH)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    logits = []
+    for mode in ("eager", "compiled"):
+        cache = make_cache(gen_model, 2, 32, torch.float32, kv_offload=False, gpu_window=0)
+        cache.set_prompt_mask(torch.ones_like(tokens, dtype=torch.bool))
+        with torch.no_grad():
+            logits.append(prefill(gen_model, tokens, positions, cache, tokens.shape[1], mode))
+        assert cache.length == tokens.shape[1]
+        if mode == "eager":
+            written = [(layer.k.clone(), layer.v.clone()) for layer in cache.layers]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    for (k, v), layer in zip(written, cache.layers):  # the compiled prefill wrote the same keys and values
+        torch.testing.assert_close(layer.k, k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.v, v, rtol=1e-5, atol=1e-5)
+
+
+BASE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97, init_std=0.3)
+FAMILIES = {
+    "qwen3": dict(qk_norm=True, head_dim_override=24),
+    "qwen2": dict(qkv_bias=True),
+    "mistral": dict(sliding_window=5),  # shorter than the prompts: a dense windowed mask in the graph
+    "moe": dict(num_experts=4, experts_top_k=2, dense_layers=(0,)),  # block 1 compiles its attention half
+    "gemma2": dict(
+        family="gemma2",
+        head_dim_override=32,
+        query_pre_attn_scalar=24,
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+        local_window=6,
+        layer_types=("sliding", "full"),
+    ),
+    "gemma3": dict(
+        family="gemma3",
+        qk_norm=True,
+        local_window=6,
+        layer_types=("sliding", "full"),
+        rope_local_theta=10000.0,
+        rope_theta=1e6,
+        rope_linear_factor=8.0,
+    ),
+    "phi3": dict(
+        family="phi3",
+        partial_rotary_factor=0.5,
+        rope_short_factor=(1.0, 1.5, 2.0, 2.5),
+        rope_long_factor=(3.0, 4.0, 5.0, 6.0),
+        rope_original_max_len=8,  # the prompts are longer: the long factors
+        rope_attention_factor=1.2,
+    ),
+}
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compiled_prefill_matches_eager_for_every_family(family: str) -> None:
+    args = ModelArgs(**BASE, **FAMILIES[family])
+    torch.manual_seed(0)
+    model = transformer_class(args)(args)
+    model.init_weights()
+    model.eval()
+    assert _compiled_tokens(model, SAME_LENGTH) == _tokens(model, SAME_LENGTH, "eager")
+
+
+@needs_compiler
+def test_compiled_prefill_of_a_lora_run_with_compiled_blocks() -> None:
+    # As `tracetrain generate` loads a run on CUDA: adapters unmerged, blocks compiled (their KV-cache path
+    # eager, which the compiled prefill traces).
+    from tracetrain.config import load_config
+    from tracetrain.kernels.apply import is_compiled
+    from tracetrain.train.assemble import build_model
+
+    cfg = load_config(None, ["--train.mode=lora", "--train.compile=on", "--model.n_layers=2"])
+    model = build_model(cfg, torch.device("cpu")).eval()
+    assert all(is_compiled(block) for block in model.layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)  # adapters that change the output (B starts at zero)
+    prompts = [[t % model.args.vocab_size for t in p] for p in SAME_LENGTH]
+    assert _compiled_tokens(model, prompts) == _tokens(model, prompts, "eager")
+
+
+@needs_compiler
+def test_compiled_prefill_is_private_to_each_model() -> None:
+    # Dynamo's recompile limit counts per code object: a second model of other widths gets code of its own,
+    # so with the limit at 1 it still compiles (a shared function would hit the limit and fail, fullgraph).
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for dim in (64, 48):
+            args = ModelArgs(**{**BASE, "dim": dim})
+            torch.manual_seed(0)
+            model = transformer_class(args)(args).eval()
+            model.init_weights()
+            assert len(_compiled_tokens(model, SAME_LENGTH)[0]) == 8
+
+
+def test_compiled_prefill_runs_eagerly_where_it_cannot_and_says_why(gen_model) -> None:
+    padded = [SAME_LENGTH[0], SAME_LENGTH[1][:9]]
+    with pytest.warns(UserWarning, match="left-padded rows"):
+        assert _tokens(gen_model, padded, "compiled") == _tokens(gen_model, padded, "eager")
+    with pytest.warns(UserWarning, match="offloaded cache"):
+        assert _tokens(gen_model, SAME_LENGTH, "compiled", kv_offload=True) == _tokens(gen_model, SAME_LENGTH, "eager")
+    with pytest.warns(UserWarning, match="chunks of 4 tokens"):
+        assert _tokens(gen_model, SAME_LENGTH, "compiled", prefill_chunk=4) == _tokens(gen_model, SAME_LENGTH, "eager")
+    cache = make_cache(gen_model, 2, 32, torch.float32, kv_offload=False, gpu_window=0)
+    cache.set_prompt_mask(torch.ones(2, 13, dtype=torch.bool))
+    assert compiled_prefill_refusal(gen_model, cache, 13, 13) is None
+    handle = gen_model.layers[1].register_forward_pre_hook(lambda module, args: None)
+    assert "forward hooks" in compiled_prefill_refusal(gen_model, cache, 13, 13)
+    handle.remove()
+    cache.advance(3)
+    assert "already holds positions" in compiled_prefill_refusal(gen_model, cache, 13, 13)
+    with pytest.raises(ValueError, match="prefill mode 'jit' is not allowed; must be one of eager, compiled"):
+        _tokens(gen_model, SAME_LENGTH, "jit")
+
+
+def test_tiled_blocks_refuse_the_compiled_prefill() -> None:
+    from tracetrain.config import load_config
+    from tracetrain.train.assemble import build_model
+
+    model = build_model(load_config(None, ["--memory.tiled_mlp=on", "--model.n_layers=2"]), torch.device("cpu"))
+    cache = make_cache(model, 1, 32, torch.float32, kv_offload=False, gpu_window=0)
+    cache.set_prompt_mask(torch.ones(1, 13, dtype=torch.bool))
+    assert "tiled feed-forward blocks" in compiled_prefill_refusal(model, cache, 13, 13)

@@ -3,13 +3,16 @@
 Order (rows of the transform table, `train/assemble.py` TRANSFORMS, which says why each sits where it
 does): LoRA -> attention backend -> fused kernels -> fused cross-entropy -> FP8 -> the layout rows ->
 recomputation -> compile. Kernels and the attention core are swapped before recomputation and compile so
-that both see the final modules (a recomputed block reruns the fused ops; a compiled block captures them
-as opaque custom ops).
+that both see the final modules (a recomputed block reruns the fused ops).
 
 Under `apply_compile`, Inductor already fuses RMSNorm, RoPE, SwiGLU, the residual adds and the LoRA
 scale-and-add of each block into a few generated kernels, so the hand-written block kernels matter
-mostly for the eager path; the fused cross-entropy (fused_ce.py) lives outside the blocks and helps
-either way.
+for the eager path only: inside a compiled region (`torch.compiler.is_compiling()`) the fused RMSNorm,
+RoPE and SwiGLU run their plain PyTorch formulas, which Inductor fuses with their neighbours (an opaque
+custom op would stop it). A model with both therefore runs the kernels exactly where its blocks run
+eagerly: generation's KV-cache forwards (decode steps, chunked prefill), which `apply_compile` leaves
+eager (spec.py turns the kernels on for generation). The fused cross-entropy (fused_ce.py) lives outside
+the blocks and helps either way.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tracetrain.kernels.rope import fused_rope_qk
 from tracetrain.kernels.swiglu import FusedFeedForward
 from tracetrain.models.llama import Attention, FeedForward, KVCacheLayer, RMSNorm, Transformer
 from tracetrain.models.lora import LoRALinear
+from tracetrain.models.prefill import own_code
 
 FUSED_KERNELS: tuple[str, ...] = ("rmsnorm", "rope", "swiglu", "lora")
 
@@ -63,7 +67,8 @@ class _CompiledBlock(nn.Module):
     """Mixin placed in front of a block's own class: forwards without a KV cache run the compiled graph.
 
     Generation (a KV cache) runs eagerly: the cache grows every token, so each length would be a new
-    static shape, and with `fullgraph=True` Dynamo's recompile limit would turn that into an error.
+    static shape, and with `fullgraph=True` Dynamo's recompile limit would turn that into an error. (The
+    compiled prefill, models/prefill.py, traces the block's eager code with a cache of its own.)
     """
 
     _compiled_forward: Callable[..., torch.Tensor]
@@ -94,7 +99,7 @@ class _CompiledAttentionBlock(_CompiledBlock):
         return x + self.ffn(x)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
 
     def _block_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask, None)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+        return self.attend(x, cos, sin, mask, None)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs; the block class behind this mixin defines attend
 
 
 @functools.cache
@@ -123,7 +128,7 @@ def apply_compile(model: Transformer, recompute_pointwise: bool = False) -> int:
     (f + 1.5 d) x 2 bytes per token less: for llama3-8b at 4 x 2048, ~10 GiB of the step's peak. Opt-in
     (config `memory.recompute_pointwise`, decided in spec.py).
 
-    Each call compiles a private copy of the block's forward code (`_own_code`): Dynamo keeps graphs, and
+    Each call compiles a private copy of the block's forward code (`own_code`, models/prefill.py): Dynamo keeps graphs, and
     counts them against `torch._dynamo.config.recompile_limit` (8), per code object, and with
     `fullgraph=True` reaching the limit is an error. Shared by every model of a process, the train, eval
     and batch-shape variants of a few models (runs one after another from Python, a sweep, a notebook)
@@ -136,20 +141,13 @@ def apply_compile(model: Transformer, recompute_pointwise: bool = False) -> int:
         block.__class__ = _compiled_class(type(block), attention_only=hasattr(block.mlp, "experts"))  # type: ignore[arg-type]  # nn.Module attributes are typed Tensor | Module in torch's stubs
         fn = type(block)._block_forward  # type: ignore[attr-defined]  # set just above: the class is now a _CompiledBlock
         if fn not in own:  # one copy for all blocks of a model
-            own[fn] = _own_code(fn)
+            own[fn] = own_code(fn)
         forward = types.MethodType(own[fn], block)
         compiled = torch.compile(forward, fullgraph=True, dynamic=False)
         if recompute_pointwise:  # read when the first call partitions the graph (forward and backward at once)
             compiled = torch._functorch.config.patch(ban_recompute_materialized_backward=False)(compiled)
         block._compiled_forward = compiled  # type: ignore[assignment]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     return len(model.layers)
-
-
-def _own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` with a code object of its own (same bytecode, globals, defaults and closure: zero-argument
-    `super()` still finds its class), so that Dynamo's cache for it starts empty."""
-    assert isinstance(fn, types.FunctionType)
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def is_compiled(block: nn.Module) -> bool:

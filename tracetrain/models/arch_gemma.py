@@ -136,7 +136,7 @@ class GemmaBlock(TransformerBlock):
         self.pre_feedforward_layernorm = GemmaRMSNorm(args.dim, args.norm_eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(args.dim, args.norm_eps)
 
-    def forward(
+    def attend(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
@@ -144,8 +144,8 @@ class GemmaBlock(TransformerBlock):
         mask: torch.Tensor | BlockMask | CausalBias | None,
         cache: KVCacheLayer | None = None,
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
-        return x + self.ffn(x)
+        """Gemma's attention half: norm, attention, norm, add (`TransformerBlock.forward` runs it, then ffn)."""
+        return x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         """Gemma's feed-forward half: norm, MLP, norm (token by token, so the tiled MLP can tile it)."""
@@ -223,21 +223,21 @@ class GemmaTransformer(Transformer):
         causal = lower_right_causal_mask(s, keys, device) if full is None else full
         return full, causal & band
 
-    def forward_hidden(
+    def layer_inputs(
         self,
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """Final normed hidden states (batch, seq, dim), as `Transformer.forward_hidden`."""
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | BlockMask | CausalBias | None]]]:
+        """The scaled embeddings and each block's (cos, sin, mask): full and sliding layers differ in both."""
         position_ids = self.positions(tokens, position_ids, cache)
         mask_full, mask_local = self.layer_masks(tokens.shape[1], document_ids, cache, tokens.device)
         full = (*self._rope_with(self.rope_inv_freq, position_ids), mask_full)
         local = (*self._rope_with(self.rope_inv_freq_local, position_ids), mask_local)
         h = self.embed_tokens(tokens)  # (batch, seq, dim)
         h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype)  # HF rounds the scale to the dtype first
-        return self.run_layers(h, [local if sliding else full for sliding in self.sliding], cache)
+        return h, [local if sliding else full for sliding in self.sliding]
 
     def forward(
         self,

@@ -46,10 +46,12 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None
 ) -> torch.Tensor:
     """Attention of a forward with a KV cache: q (batch, heads, s, head_dim), k/v (batch, kv_heads, keys,
-    head_dim), `mask` from the cache's `attention_mask(s)`.
+    head_dim), `mask` from the cache's `attention_mask(s)`, or None for a whole prompt from position 0
+    attending to its own keys (s == keys; the compiled prefill, models/prefill.py, which cannot take a
+    `CausalBias` into its graph): plain causal, as the square `CausalBias` below.
 
     SDPA's kernels (torch 2.11, CUDA): flash takes GQA but no mask and no non-square causal; the
     memory-efficient kernel takes a mask but not GQA; anything else falls to the math backend, which
@@ -65,15 +67,16 @@ def cached_attention(
       memory-efficient kernel takes it.
     """
     gqa = q.shape[1] != k.shape[1]
-    if isinstance(mask, CausalBias):
+    if mask is None or isinstance(mask, CausalBias):
+        s, keys = (q.shape[2], k.shape[2]) if mask is None else (mask.seq_len_q, mask.seq_len_kv)
         if not gqa or q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16):
-            if mask.seq_len_q == 1:  # one query at the last position sees every key
+            if s == 1 and mask is not None:  # one query at the last position sees every key
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-            if mask.seq_len_q == mask.seq_len_kv:  # a whole prompt from the start: plain causal (flash)
+            if mask is None or s == keys:  # a whole prompt from the start: plain causal (flash)
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         # GQA in fp32 on CUDA: flash does not run fp32, so SDPA would take its math backend
-        mask = lower_right_causal_mask(mask.seq_len_q, mask.seq_len_kv, q.device)
+        mask = lower_right_causal_mask(s, keys, q.device)
     return grouped_masked_attention(q, k, v, mask)
 
 

@@ -18,7 +18,9 @@ keys and values, no mask tensor and no read back of the cache it has just writte
 and a sixteenth of the kernel launches of 2048-token chunks at 32k. Chunks of `prefill_chunk` tokens
 remain for what needs them: a forward whose activations would not fit in half of the free GPU memory
 (the chunk is then the largest that does), a padded batch (its dense mask grows with chunk x keys) and
-the offloaded cache. Only the last position goes through the output head.
+the offloaded cache. Only the last position goes through the output head. `prefill_mode="compiled"` runs
+that one forward through compiled block functions instead (models/prefill.py); "eager", the default,
+runs the model's own eager forward.
 
 Attention kernel (`attention.cached_attention`): a batch without left padding attends with no mask
 tensor (flash, GQA included, for prefill chunks and eager decode steps); left padding or a fixed-shape
@@ -48,7 +50,8 @@ from typing import Any, Literal
 import torch
 
 from tracetrain.models.kv_cache import OffloadedKVCache, StaticKVCache
-from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.llama import Transformer
+from tracetrain.models.prefill import PrefillMode, check_prefill_mode, forward_last, prefill, prefill_chunk_tokens
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -175,50 +178,6 @@ def left_pad(
     return tokens.to(device), valid.to(device), positions.to(device)
 
 
-DEFAULT_PREFILL_CHUNK = 2048  # tokens per row and forward for padded batches and the offloaded cache
-PREFILL_CHUNK_MULTIPLE = 1024  # a chunk sized from free memory is a multiple of this
-
-
-def prefill_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
-    """Bytes per prompt token alive at once inside one block of a no-grad forward, the larger of its two
-    halves: the MLP (residual and normed input, 2 d, with gate, up, SiLU(gate) and their product, 4 f, in
-    the compute dtype) and the attention (residual, normed input, q, k, v and output, 4 d + 2 kv, plus
-    RoPE's float32 copies of q and k with their rotated halves and products, 16 (d + kv))."""
-    kv = args.n_kv_heads * args.head_dim
-    mlp = dtype_bytes * (2 * args.dim + 4 * args.ffn_dim)
-    attention = dtype_bytes * (4 * args.dim + 2 * kv) + 16 * (args.dim + kv)
-    return max(mlp, attention)
-
-
-def prefill_chunk_tokens(
-    model: Transformer, batch: int, prompt_len: int, cache: Any, dtype: torch.dtype, chunk: int | None
-) -> int:
-    """Tokens per row of each prefill forward (module docstring). `chunk` given: as asked. Otherwise the
-    whole prompt, for an unpadded batch on an in-GPU cache whose forward fits in half of the free device
-    memory (on the CPU: always); else the largest multiple of 1024 that fits (at least 1024), or
-    DEFAULT_PREFILL_CHUNK for padded rows and the offloaded cache."""
-    if chunk is not None:
-        return chunk
-    if cache.padded or isinstance(cache, OffloadedKVCache):
-        return DEFAULT_PREFILL_CHUNK
-    device = model.embed_tokens.weight.device
-    if device.type != "cuda":
-        return prompt_len
-    from tracetrain.devices import free_device_bytes
-
-    per_token = batch * prefill_bytes_per_token(model.args, torch.empty((), dtype=dtype).element_size())
-    fit = free_device_bytes(device) // 2 // per_token
-    if fit >= prompt_len:
-        return prompt_len
-    return max(PREFILL_CHUNK_MULTIPLE, fit // PREFILL_CHUNK_MULTIPLE * PREFILL_CHUNK_MULTIPLE)
-
-
-def forward_last(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-    """Run (batch, s) tokens through the model with the cache; logits of the last position (batch, vocab)."""
-    hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
-    return model.lm_head(hidden[:, -1])
-
-
 class GraphedDecodeStep:
     """A decode step (batch, 1) -> logits captured as one CUDA graph over static input buffers.
 
@@ -305,6 +264,7 @@ def generate_batch(
     gpu_window: int = 0,
     cuda_graph: bool = False,
     prefill_chunk: int | None = None,
+    prefill_mode: PrefillMode = "eager",
     timings: dict[str, float] | None = None,
 ) -> list[GenerationResult]:
     """Continue every request in one left-padded batch; one result per request, in order.
@@ -313,7 +273,9 @@ def generate_batch(
     ends the row with finish reason "eos". `decode` (ids -> text) is needed for stop strings and fills
     `GenerationResult.text`. `dtype`: the
     autocast and cache dtype (default: the model's). `cuda_graph` (CUDA, in-GPU cache only) replays the
-    decode step as a graph (on CPU the step runs eagerly, with the graph's fixed shapes). `timings`, when
+    decode step as a graph (on CPU the step runs eagerly, with the graph's fixed shapes). `prefill_mode`
+    "compiled" runs an unpadded prompt on the in-GPU cache through compiled block functions
+    (models/prefill.py; elsewhere it warns and runs eagerly). `timings`, when
     given, receives prefill_s, decode_s (decode steps after the first, which includes graph capture),
     decode_steps and prefill_tokens; it adds two device syncs.
     """
@@ -323,6 +285,7 @@ def generate_batch(
         raise ValueError("every request needs a prompt of at least one token")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    check_prefill_mode(prefill_mode)
     check_generation_options(temperature=temperature, top_k=top_k, top_p=top_p, gpu_window=gpu_window)
     if kv_offload and cuda_graph:
         raise ValueError("cuda_graph needs the in-GPU cache: the offloaded cache's copies change size every step")
@@ -347,8 +310,7 @@ def generate_batch(
         # Autocast's cast cache would hold tensors allocated inside the capture: off with graphs.
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=not graphed):
             start = time.perf_counter()
-            for a in range(0, longest, chunk):
-                logits = forward_last(model, tokens[:, a : a + chunk], positions[:, a : a + chunk], cache)
+            logits = prefill(model, tokens, positions, cache, chunk, prefill_mode)
             prefill_end = decode_start = _sync(device) if timings is not None else 0.0
             next_pos = positions[:, -1:] + 1  # (batch, 1)
             num_forwards = 0
@@ -402,7 +364,7 @@ def generate(
     """Continue each prompt; returns only the new tokens, cut at (and excluding) EOS (`eos_id`: one id or
     several stop ids).
 
-    `options` are passed to `generate_batch` (kv_offload, gpu_window, cuda_graph, prefill_chunk)."""
+    `options` are passed to `generate_batch` (kv_offload, gpu_window, cuda_graph, prefill_chunk, prefill_mode)."""
     requests = [GenerationRequest(p, max_new_tokens) for p in prompts]
     results = generate_batch(
         model,

@@ -254,8 +254,19 @@ class TransformerBlock(nn.Module):
         mask: torch.Tensor | BlockMask | CausalBias | None,
         cache: KVCacheLayer | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = self.attend(x, cos, sin, mask, cache)
         return x + self.ffn(x)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | BlockMask | CausalBias | None,
+        cache: KVCacheLayer | None = None,
+    ) -> torch.Tensor:
+        """The attention half with its residual: norm, attention, add (an MoE block's compiled part)."""
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         """The feed-forward half without its residual: norm, then MLP, token by token (memory/tiled_mlp.py
@@ -327,6 +338,18 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states (batch, seq, dim); the loss may apply lm_head itself (chunked)."""
+        h, layer_inputs = self.layer_inputs(tokens, position_ids, document_ids, cache)
+        return self.run_layers(h, layer_inputs, cache)
+
+    def layer_inputs(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | BlockMask | CausalBias | None]]]:
+        """The embedded tokens (batch, seq, dim) and each block's (cos, sin, mask): what `run_layers` takes.
+        With a cache the mask is the cache's (`attention_mask`), else built from `document_ids`."""
         b, s = tokens.shape
         cos, sin = self.rope(self.positions(tokens, position_ids, cache))
         if document_ids is None and cache is None and 0 < self.args.sliding_window < s:
@@ -335,7 +358,7 @@ class Transformer(nn.Module):
         if cache is not None:
             mask = cache.attention_mask(s)
         h = self.embed_tokens(tokens)  # (batch, seq, dim)
-        return self.run_layers(h, [(cos, sin, mask)] * len(self.layers), cache)
+        return h, [(cos, sin, mask)] * len(self.layers)
 
     def positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
         """`position_ids` (batch, seq), or by default the positions after the cache's (from 0 without one)."""

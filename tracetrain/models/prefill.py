@@ -1,0 +1,210 @@
+"""Prefill: a prompt into the KV cache, and the logits of its last position; eager or compiled.
+
+Eager (`prefill(..., mode="eager")`, the default): the prompt goes through the model's own forward with the
+cache, in chunks of `prefill_chunk_tokens` (the whole prompt where its activations fit; see
+models/generate.py's docstring). Every op runs as PyTorch's eager kernel: RMSNorm, RoPE (with float32
+copies of q and k) and SwiGLU each make several passes over memory.
+
+Compiled (`mode="compiled"`): for the case that already takes one forward (an unpadded batch written into
+an in-GPU `StaticKVCache` from position 0, the whole prompt in one chunk), each block runs one
+`torch.compile`d function of (block, x, cos, sin, mask) that returns (block output, k, v), and the caller
+writes k and v into the cache. Inside, the block sees a `PromptKV` as its cache layer: the prompt attends to
+its own keys and values, causal, exactly what `StaticKVLayer.update` returns for a prompt from position 0,
+so the block's own code (every family's, LoRA and compiled or recomputed blocks included) is traced
+unchanged, and Inductor fuses the norms, the rotary embedding, the MLP's activation and the residual adds
+around the matmuls and the attention kernel. The cache write stays outside the graph (the cache's length
+changes every call). MoE blocks compile their attention half only (`TransformerBlock.attend`): the expert
+dispatch reads token counts on the host (as `kernels/apply.py`'s `_CompiledAttentionBlock`).
+
+Shapes: the sequence dimension is marked dynamic (`maybe_mark_dynamic`), so prompts of any length share a
+graph; batch 1 has a graph of its own (size-1 dimensions are specialised), and the second batch size makes
+the batch dimension dynamic too: about two graphs per model, plus one for a masked (windowed) variant.
+Each model compiles a private copy of the functions' code (`own_code`): Dynamo keeps graphs, and counts
+them against its recompile limit, per code object.
+
+Where the compiled prefill cannot run, `compiled_prefill_refusal` says why and the prompt goes the eager
+way (with a warning naming the reason): padded rows, the offloaded cache, a prompt that needs chunks, a
+cache already holding positions, tiled feed-forward blocks (their tile loop would recompile per length),
+blocks with forward hooks (FP8 bases re-quantise in one, which must run eagerly).
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.attention.bias import CausalBias
+
+from tracetrain.models.kv_cache import OffloadedKVCache, StaticKVCache
+from tracetrain.models.llama import ModelArgs, Transformer
+
+PrefillMode = Literal["eager", "compiled"]
+PREFILL_MODES: tuple[str, ...] = ("eager", "compiled")
+DEFAULT_PREFILL_CHUNK = 2048  # tokens per row and forward for padded batches and the offloaded cache
+PREFILL_CHUNK_MULTIPLE = 1024  # a chunk sized from free memory is a multiple of this
+
+
+def prefill_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
+    """Bytes per prompt token alive at once inside one block of a no-grad forward, the larger of its two
+    halves: the MLP (residual and normed input, 2 d, with gate, up, SiLU(gate) and their product, 4 f, in
+    the compute dtype) and the attention (residual, normed input, q, k, v and output, 4 d + 2 kv, plus
+    RoPE's float32 copies of q and k with their rotated halves and products, 16 (d + kv)). The eager
+    forward's count; the compiled one keeps less (no float32 copies), so the rule stays on the safe side."""
+    kv = args.n_kv_heads * args.head_dim
+    mlp = dtype_bytes * (2 * args.dim + 4 * args.ffn_dim)
+    attention = dtype_bytes * (4 * args.dim + 2 * kv) + 16 * (args.dim + kv)
+    return max(mlp, attention)
+
+
+def prefill_chunk_tokens(
+    model: Transformer, batch: int, prompt_len: int, cache: Any, dtype: torch.dtype, chunk: int | None
+) -> int:
+    """Tokens per row of each prefill forward (models/generate.py's docstring). `chunk` given: as asked.
+    Otherwise the whole prompt, for an unpadded batch on an in-GPU cache whose forward fits in half of the
+    free device memory (on the CPU: always); else the largest multiple of 1024 that fits (at least 1024),
+    or DEFAULT_PREFILL_CHUNK for padded rows and the offloaded cache."""
+    if chunk is not None:
+        return chunk
+    if cache.padded or isinstance(cache, OffloadedKVCache):
+        return DEFAULT_PREFILL_CHUNK
+    device = model.embed_tokens.weight.device
+    if device.type != "cuda":
+        return prompt_len
+    from tracetrain.devices import free_device_bytes
+
+    per_token = batch * prefill_bytes_per_token(model.args, torch.empty((), dtype=dtype).element_size())
+    fit = free_device_bytes(device) // 2 // per_token
+    if fit >= prompt_len:
+        return prompt_len
+    return max(PREFILL_CHUNK_MULTIPLE, fit // PREFILL_CHUNK_MULTIPLE * PREFILL_CHUNK_MULTIPLE)
+
+
+def forward_last(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Run (batch, s) tokens through the model with the cache; logits of the last position (batch, vocab)."""
+    hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
+    return model.lm_head(hidden[:, -1])
+
+
+def check_prefill_mode(mode: str) -> None:
+    """ValueError naming `mode` and the allowed ones."""
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"prefill mode {mode!r} is not allowed; must be one of {', '.join(PREFILL_MODES)}")
+
+
+def compiled_prefill_refusal(model: Transformer, cache: Any, prompt_len: int, chunk: int) -> str | None:
+    """Why a prompt of `prompt_len` tokens per row, in chunks of `chunk`, cannot take the compiled prefill
+    (it then runs eagerly); None when it can."""
+    if not isinstance(cache, StaticKVCache):
+        return "the compiled prefill writes an in-GPU StaticKVCache; the offloaded cache streams K/V per layer"
+    if cache.padded:
+        return "left-padded rows attend through a dense mask over the cache (prompts of one length avoid it)"
+    if cache.length:
+        return "the cache already holds positions; the compiled prefill writes a prompt from position 0"
+    if chunk < prompt_len:
+        return f"the prompt runs in chunks of {chunk} tokens (one forward would not fit); later chunks read the cache"
+    # memory/tiled_mlp.py's blocks carry their tile size; their tile loop would specialise the length.
+    if any(hasattr(block, "_tile_tokens") for block in model.layers):
+        return "tiled feed-forward blocks (memory.tiled_mlp) loop over tiles, one graph per prompt length"
+    if any(block._forward_pre_hooks or block._forward_hooks for block in model.layers):
+        return "the blocks have forward hooks (FP8's re-quantisation), which run eagerly, outside compiled code"
+    return None
+
+
+def prefill(
+    model: Transformer,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    cache: Any,
+    chunk: int,
+    mode: PrefillMode = "eager",
+) -> torch.Tensor:
+    """(batch, prompt) tokens at `positions` into `cache`, `chunk` tokens per forward; logits of the last
+    position (batch, vocab). `mode` "compiled" takes the compiled block functions where
+    `compiled_prefill_refusal` allows (module docstring), else warns with the reason and runs eagerly."""
+    check_prefill_mode(mode)
+    prompt_len = tokens.shape[1]
+    if mode == "compiled":
+        why = compiled_prefill_refusal(model, cache, prompt_len, chunk)
+        if why is None:
+            return _compiled_prefill(model, tokens, positions, cache)
+        warnings.warn(f"prefill = 'compiled' runs eagerly here: {why}", stacklevel=2)
+    for a in range(0, prompt_len, chunk):
+        logits = forward_last(model, tokens[:, a : a + chunk], positions[:, a : a + chunk], cache)
+    return logits
+
+
+class PromptKV:
+    """The cache layer a block sees inside the compiled prefill: a prompt from position 0 attends to its own
+    keys and values (as `StaticKVLayer.update` returns them then); they are kept for the caller to write."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k, self.v = k, v
+        return k, v
+
+
+BlockOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # block output (batch, s, dim), k and v of the prompt
+
+
+def _block_prefill(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> BlockOut:
+    kv = PromptKV()
+    out = block(x, cos, sin, mask, kv)  # a compiled or recomputed block runs its eager code with a cache
+    return out, kv.k, kv.v  # type: ignore[return-value]  # the block's attention called kv.update, which set both
+
+
+def _attention_prefill(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> BlockOut:
+    kv = PromptKV()
+    out = block.attend(x, cos, sin, mask, kv)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+    return out, kv.k, kv.v  # type: ignore[return-value]  # the block's attention called kv.update, which set both
+
+
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with a code object of its own (same bytecode, globals, defaults and closure: zero-argument
+    `super()` still finds its class), so that Dynamo's cache for it starts empty."""
+    assert isinstance(fn, types.FunctionType)
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+# Per model: the compiled whole-block and attention-half functions (lazy: nothing compiles before a call).
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[..., BlockOut]]] = weakref.WeakKeyDictionary()
+
+
+def _compiled_functions(model: Transformer) -> dict[str, Callable[..., BlockOut]]:
+    if model not in _COMPILED:
+        # fullgraph: a graph break inside a block is a bug to fix, not something to run slowly.
+        _COMPILED[model] = {
+            name: torch.compile(own_code(fn), fullgraph=True)
+            for name, fn in (("block", _block_prefill), ("attention", _attention_prefill))
+        }
+    return _COMPILED[model]
+
+
+def _compiled_prefill(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    """The whole unpadded prompt from position 0 through the compiled block functions; last logits."""
+    s = tokens.shape[1]
+    functions = _compiled_functions(model)
+    h, layer_inputs = model.layer_inputs(tokens, positions, None, cache)  # (batch, s, dim); the cache's masks
+    for i, block in enumerate(model.layers):
+        cos, sin, mask = layer_inputs[i]
+        if isinstance(mask, CausalBias):  # square: the prompt's own keys, plain causal (cached_attention's None)
+            mask = None
+        for t in (h, cos, sin):  # (batch, s, ...): any prompt length, one graph
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        if mask is not None:  # a dense (batch | 1, 1, s, s) mask: a sliding window (Mistral, Gemma)
+            torch._dynamo.maybe_mark_dynamic(mask, 2)
+            torch._dynamo.maybe_mark_dynamic(mask, 3)
+        moe = hasattr(block.mlp, "experts")  # the dispatcher reads counts on the host: attention half only
+        h, k, v = functions["attention" if moe else "block"](block, h, cos, sin, mask)
+        cache.layers[i].update(k, v)  # positions [0, s) of layer i
+        if moe:
+            h = h + block.ffn(h)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
+    cache.advance(s)
+    return model.lm_head(model.norm(h[:, -1]))
