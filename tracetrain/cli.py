@@ -100,6 +100,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
                 metavar="N",
                 help="with --kv-offload: keep the N most recent positions of every layer on the GPU",
             )
+            s.add_argument(
+                "--prefill",
+                default="eager",
+                metavar="MODE",
+                help="eager (default) or compiled: an unpadded prompt goes through torch.compile'd blocks "
+                "(compiled once per model; padded batches and --kv-offload run eagerly)",
+            )
             s.add_argument("--max-new-tokens", type=int, default=128, help=">= 0")
             s.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy")
             s.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off")

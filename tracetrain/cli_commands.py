@@ -84,6 +84,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.data.prompts import prompt_record, read_prompts_jsonl
     from tracetrain.inference import load_trained
     from tracetrain.models.generate import bad_generation_option, generate_records
+    from tracetrain.models.prefill import PREFILL_MODES
 
     if bool(a.prompt) == bool(a.prompts_file):
         raise TracetrainError("generate needs --prompt TEXT (repeatable) or --prompts-file FILE.jsonl, not both")
@@ -103,6 +104,8 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     )
     if bad is not None:
         raise TracetrainError(f"--{bad[0].replace('_', '-')} {bad[1]}: must be {bad[2]}")
+    if a.prefill not in PREFILL_MODES:
+        raise TracetrainError(f"--prefill {a.prefill}: must be one of {', '.join(PREFILL_MODES)}")
     if not 0 <= a.seed < 2**63:  # torch.Generator.manual_seed takes a 64-bit seed
         raise TracetrainError(f"--seed {a.seed}: must be from 0 to 2**63 - 1")
     if "" in a.stop:  # every continuation contains '', so every completion would come back empty
@@ -112,7 +115,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
         raise TracetrainError(f"--output {output} is a folder; name a file such as {output / 'out.jsonl'}")
     if output is not None and not output.parent.is_dir():
         raise TracetrainError(f"--output {output}: folder {output.parent} does not exist")
-    loaded = load_trained(a.path, a.device, overrides)
+    loaded = load_trained(a.path, a.device, overrides, generation=True)
     _print_decisions(loaded.spec.decision_lines(), str(loaded.device), file=sys.stderr)  # stdout: the completions
     data = loaded.cfg.data
     sampling: dict[str, Any] = {  # the same for chat and for plain prompts
@@ -125,6 +128,7 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
         "dtype": {"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded.precision),
         "kv_offload": a.kv_offload,
         "gpu_window": a.gpu_window,
+        "prefill_mode": a.prefill,
     }
     if a.chat:  # the run's chat template around each --prompt (and --system), answered until end-of-turn
         from tracetrain.data.chat import chat_messages, chat_prompt_ids

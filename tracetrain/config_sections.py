@@ -189,7 +189,9 @@ class TrainSection:
         "or 'auto' (flex for packed rows on CUDA, else sdpa).",
     )
     fused_kernels: Literal["auto", "on", "off"] = fld(
-        "auto", "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off)."
+        "auto",
+        "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off, and for "
+        "`generate` on CUDA: its KV-cache forwards run eagerly).",
     )
     fused_ce: bool = fld(True, "Chunked fused lm_head + cross-entropy: full-vocabulary fp32 logits never exist.")
     fused_ce_chunk: int = fld(4096, "Tokens per chunk of the fused lm_head + cross-entropy.", gt=0)

@@ -55,8 +55,12 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{p} is neither a checkpoint folder nor a run directory with checkpoints")
 
 
-def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | None = None) -> Loaded:
-    """Rebuild the model from a checkpoint's own config and load its weights (adapters stay unmerged)."""
+def load_trained(
+    path: str | Path, device: str = "auto", overrides: list[str] | None = None, *, generation: bool = False
+) -> Loaded:
+    """Rebuild the model from a checkpoint's own config and load its weights (adapters stay unmerged).
+    `generation`: assembled for `tracetrain generate` (spec.py `resolve(..., generation=True)`: the fused
+    kernels for the KV-cache forwards); otherwise exactly as the run trained (eval scores as training did)."""
     ckpt = find_checkpoint(path)
     cfg = load_config(ckpt / "config.toml", overrides)
     dev = resolve_device(device)
@@ -70,7 +74,7 @@ def load_trained(path: str | Path, device: str = "auto", overrides: list[str] | 
         cfg = load_config(ckpt / "config.toml", [*(overrides or []), "--train.fp8=none"])
     # The training run's own spec on this device (lora.base_dtype honoured, as training did), and its
     # model rows: model (meta), MoE, LoRA, attention, kernels, FP8, recompute, compile, materialise (no optimizer).
-    spec = resolve(cfg, dev)
+    spec = resolve(cfg, dev, generation=generation)
     precision = spec.precision
     model = assemble(spec, until="materialise").plain()
     if (ckpt / "dcp" / ".metadata").is_file():

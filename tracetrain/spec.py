@@ -235,6 +235,22 @@ def resolve_tiled_mlp(cfg: Config, device: torch.device, d: _Decisions) -> tuple
     return (mem.tiled_mlp_tokens if tiled else 0), compile_on
 
 
+def resolve_kernels(asked: str, device: torch.device, compile_on: bool, generation: bool, d: _Decisions) -> bool:
+    """The fused RMSNorm / RoPE / SwiGLU kernels. Inside compiled blocks they run the plain ops, which
+    Inductor fuses (kernels/apply.py), so they matter where blocks run eagerly: every block without
+    compile, and generation's KV-cache forwards (decode steps, chunked prefill) with it. 'auto' = on for
+    CUDA without compile (measured to win in training, docs/speed.md), and for CUDA generation."""
+    on = resolve_switch(asked, device, unless=compile_on and not generation)
+    if not on:
+        why = "not CUDA" if device.type != "cuda" else "train.compile covers them"
+    elif compile_on:
+        why = "generation: KV-cache forwards run the blocks eagerly; compiled blocks trace the plain ops"
+    else:
+        why = "CUDA without compile"
+    d.add("train.fused_kernels", asked, "on" if on else "off", why)
+    return on
+
+
 def resolve_recompute_pointwise(cfg: Config, compile_on: bool, d: _Decisions) -> bool:
     """memory.recompute_pointwise: 'on' / 'off' as asked (config.py refuses 'on' without LoRA); 'auto' = on
     for a LoRA run on a 4-bit base (lora.base_quant = 'nf4') whose blocks are compiled: QLoRA is chosen to
@@ -265,13 +281,21 @@ def resolve_recompute_pointwise(cfg: Config, compile_on: bool, d: _Decisions) ->
 
 
 def resolve(
-    cfg: Config, device: torch.device, world_size: int = 1, model_args: ModelArgs | None = None, *, probe: bool = True
+    cfg: Config,
+    device: torch.device,
+    world_size: int = 1,
+    model_args: ModelArgs | None = None,
+    *,
+    probe: bool = True,
+    generation: bool = False,
 ) -> RunSpec:
     """The RunSpec of `cfg` on `device` with `world_size` processes (see module docstring).
 
     `model_args`: the architecture when already read (it may come from a checkpoint's config.json).
     `probe` False: decide for a device this process does not have (the planner: a Hopper GPU assumed,
-    no capability query).
+    no capability query). `generation`: the spec `tracetrain generate` runs the trained model with
+    (`inference.load_trained`): 'auto' fused kernels are on for CUDA also with compiled blocks, since a
+    KV-cache forward runs its blocks eagerly (`resolve_kernels`).
     """
     from tracetrain.errors import ConfigError
     from tracetrain.kernels.apply import FUSED_KERNELS
@@ -308,13 +332,7 @@ def resolve(
         d.add("train.attention", t.attention, attention, _attention_reason(cfg, device, attention, packed))
     tiled_tokens, compile_on = resolve_tiled_mlp(cfg, device, d)
     recompute_pointwise = resolve_recompute_pointwise(cfg, compile_on, d)
-    kernels_on = resolve_switch(t.fused_kernels, device, unless=compile_on)
-    d.add(
-        "train.fused_kernels",
-        t.fused_kernels,
-        "on" if kernels_on else "off",
-        "CUDA without compile" if kernels_on else ("train.compile covers them" if compile_on else "not CUDA"),
-    )
+    kernels_on = resolve_kernels(t.fused_kernels, device, compile_on, generation, d)
     for key, value, reason in architecture_notes(args, kernels_on, t.fp8):
         d.add(key, None, value, reason)
     ce_chunk = fused_ce_chunk(cfg)

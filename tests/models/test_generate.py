@@ -2,6 +2,7 @@
 the fixed-shape decode step, chunked prefill, and the prompts-file path (`generate_jsonl`)."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -264,7 +265,8 @@ def test_generate_jsonl_fields_order_and_templates(tmp_path):
 
 
 def test_cli_prompts_file_end_to_end(tmp_path):
-    """`tracetrain generate --prompts-file` on a real run; plain and offloaded caches write the same lines."""
+    """`tracetrain generate --prompts-file` on a real run; plain and offloaded caches, and the compiled prefill
+    (one prompt per batch: no padding), write the same lines."""
     from conftest import cli_here
     from helpers import SMALL, run_cli
 
@@ -286,25 +288,27 @@ def test_cli_prompts_file_end_to_end(tmp_path):
     )
     (tmp_path / "p.jsonl").write_text('{"prompt": "reverse: abc"}\n{"instruction": "upper: q", "stop": "Q"}\n')
     outs = []
-    for run, extra in ((run_cli, []), (cli_here, ["--kv-offload", "--gpu-window", "2"])):
+    variants = [(run_cli, []), (cli_here, ["--kv-offload", "--gpu-window", "2"])]
+    if shutil.which("g++") or shutil.which("cc"):  # torch.compile on CPU needs a C++ compiler
+        variants.append((cli_here, ["--prefill", "compiled", "--batch-size", "1"]))
+    for run, extra in variants:
         out = tmp_path / f"out{len(outs)}.jsonl"
-        summary = json.loads(
-            run(
-                "generate",
-                "--json",
-                str(tmp_path / "r"),
-                "--prompts-file",
-                str(tmp_path / "p.jsonl"),
-                "--output",
-                str(out),
-                "--max-new-tokens",
-                "6",
-                *extra,
-            ).stdout
+        proc = run(
+            "generate",
+            "--json",
+            str(tmp_path / "r"),
+            "--prompts-file",
+            str(tmp_path / "p.jsonl"),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "6",
+            *extra,
         )
-        assert summary["prompts"] == 2
+        assert json.loads(proc.stdout)["prompts"] == 2
+        assert "runs eagerly" not in proc.stderr  # the compiled prefill ran where asked
         outs.append([json.loads(x) for x in out.read_text().splitlines()])
-    assert outs[0] == outs[1] and [o["prompt"] for o in outs[0]] == ["reverse: abc", "upper: q"]
+    assert all(o == outs[0] for o in outs) and [o["prompt"] for o in outs[0]] == ["reverse: abc", "upper: q"]
     assert all(o["finish_reason"] in ("eos", "stop", "length") for o in outs[0])
 
 
@@ -393,6 +397,7 @@ def test_generate_records_stops_at_an_end_of_turn_id(tmp_path, bpe_json):
         (["--top-p=nan"], "--top-p nan"),
         (["--output", "."], "--output . is a folder"),
         (["--output", "no/such/dir/out.jsonl"], "does not exist"),
+        (["--prefill=jit"], "--prefill jit: must be one of eager, compiled"),
     ],
 )
 def test_cli_refuses_bad_generation_options(flags, named, capsys):

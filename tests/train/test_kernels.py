@@ -224,7 +224,7 @@ def test_apply_fused_kernels_keeps_the_state_dict_and_the_numbers():
 @pytest.mark.parametrize("recompute_pointwise", [False, True])
 def test_apply_compile_matches_eager_and_compiles_one_graph_for_all_blocks(recompute_pointwise: bool):
     model, batch = _model(), _batch()
-    apply_fused_kernels(model, ["rope"])  # custom ops inside a compiled block stay opaque nodes
+    apply_fused_kernels(model, ["rope"])  # inside a compiled block the fused op runs its plain formula
     keys = list(model.state_dict())
     ref_loss, ref_grads = _loss_and_grads(model, batch, fused=False)
     torch._dynamo.reset()
@@ -259,6 +259,43 @@ def test_each_compiled_model_has_its_own_recompile_budget():
             apply_compile(model)
             loss, _ = _loss_and_grads(model, _batch(), fused=False)
             assert torch.isfinite(loss)
+
+
+def test_fused_block_ops_trace_their_plain_formulas_inside_compiled_code():
+    # Inductor fuses the plain ops with their neighbours; the custom ops run only where blocks run eagerly
+    # (generation's KV-cache forwards), so a model can have both (spec.py: generation on CUDA).
+    model = _model()
+    apply_fused_kernels(model)
+    block = model.layers[0]
+    x = torch.randn(2, 5, ARGS.dim)
+    cos, sin = model.rope(torch.arange(5).expand(2, 5))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    with torch.no_grad():
+        compiled = torch.compile(block, backend=record, fullgraph=True)(x, cos, sin, None)
+        with torch.profiler.profile() as prof:
+            eager = block(x, cos, sin, None)
+    assert len(graphs) == 1 and "tracetrain" not in graphs[0] and "rsqrt" in graphs[0]
+    ran = {e.name for e in prof.events()}
+    assert {"tracetrain::rms_norm_fwd", "tracetrain::rope_qk", "tracetrain::swiglu_fwd"} <= ran  # eager: the kernels
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_generation_turns_the_kernels_on_beside_compiled_blocks():
+    cfg = load_config(None, [])
+    cuda = torch.device("cuda")
+    train, generation = (resolve(cfg, cuda, probe=False, generation=g) for g in (False, True))
+    assert train.compile and not train.fused_kernels  # training: compiled blocks fuse the ops themselves
+    assert generation.compile and set(generation.fused_kernels) == {"rmsnorm", "rope", "swiglu", "lora"}
+    (line,) = [d.line() for d in generation.decisions if d.key == "train.fused_kernels"]
+    assert "KV-cache forwards run the blocks eagerly" in line
+    assert not resolve(cfg, torch.device("cpu"), generation=True).fused_kernels  # no CUDA: no kernels
+    off = load_config(None, ["--train.fused_kernels=off"])
+    assert not resolve(off, cuda, probe=False, generation=True).fused_kernels
 
 
 @pytest.mark.parametrize("autocast", [False, True])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tracetrain.kernels import triton_available
+from tracetrain.models.llama import apply_rope_qk
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
@@ -77,4 +78,6 @@ def fused_rope_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for `models.llama.apply_rope_qk` (the `Attention.rope_fn` seam)."""
+    if torch.compiler.is_compiling():  # a compiled block: Inductor fuses the plain ops (kernels/apply.py)
+        return apply_rope_qk(q, k, cos, sin)
     return rope_qk_op(q, k, cos, sin, False)
