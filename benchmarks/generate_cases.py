@@ -6,12 +6,24 @@ from __future__ import annotations
 import statistics
 
 import torch
-from generate_measure import GIB, autocast, does_not_fit, failure, free_memory, median_s, prefill, refetch_bytes, sync
+from generate_measure import (
+    GIB,
+    PREFILL_VARIANTS,
+    autocast,
+    does_not_fit,
+    failure,
+    free_memory,
+    median_s,
+    prefill,
+    refetch_bytes,
+    sync,
+)
 
 from tracetrain.models.attention import cached_attention, sdpa_attention
 from tracetrain.models.generate import GraphedDecodeStep, forward_last, make_cache
 from tracetrain.models.kv_cache import OffloadedKVCache, causal_valid_mask
 from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.prefill import PrefillMode
 from tracetrain.plan import plan_generation
 
 
@@ -54,12 +66,12 @@ def attention_kernels(s: dict) -> list[dict]:
     return rows
 
 
-def run_ours(model: Transformer, method: str, batch: int, context: int, s: dict) -> dict:
+def run_ours(model: Transformer, method: str, batch: int, context: int, s: dict, mode: PrefillMode = "eager") -> dict:
     warmup, steps, repeats = s["decode"]["offload" if method == "offload" else "gpu"]
     prompt, dev, graph = context - warmup - steps * repeats, s["device"], method == "gpu+graph"
     cache = make_cache(model, batch, context, s["dtype"], method == "offload", 0, fixed_shape=method == "gpu+graph")
     cache.set_prompt_mask(torch.ones(batch, prompt, dtype=torch.bool, device=dev))
-    logits, prefill_s = prefill(model, cache, batch, prompt, s)
+    logits, prefill_s, path = prefill(model, cache, batch, prompt, s, mode)
     use_graph = graph and dev.type == "cuda"
     step = GraphedDecodeStep(model, cache, batch, dev) if use_graph else (lambda t, p, c: forward_last(model, t, p, c))
     token, pos = logits.argmax(-1, keepdim=True), torch.full((batch, 1), prompt, device=dev)
@@ -75,6 +87,7 @@ def run_ours(model: Transformer, method: str, batch: int, context: int, s: dict)
     if isinstance(cache, OffloadedKVCache):
         cache.synchronize()
     row = {
+        "prefill_path": path,
         "prefill_tok_s": batch * prompt / prefill_s if prefill_s else None,
         "decode_tok_s": statistics.median(tok_s),
         "decode_tok_s_repeats": [round(x, 1) for x in tok_s],
@@ -129,8 +142,14 @@ def logits_difference(ours: Transformer, hf, s: dict) -> dict:
     }
 
 
-def run_case(ours, hf, name: str, args: ModelArgs, method: str, batch: int, context: int, s: dict) -> dict:
+def run_case(
+    ours, hf, name: str, args: ModelArgs, method: str, batch: int, context: int, s: dict, variant: str = "eager"
+) -> dict:
+    """One row: `hf`, or ours (`ours`: {"plain": model, "fused": its fused-kernel twin}) with a prefill
+    variant of PREFILL_VARIANTS (the offloaded cache runs the eager one)."""
     row = {"model": name, "batch": batch, "context": context, "method": method}
+    if method != "hf":
+        row["variant"] = variant
     dtype_bytes = torch.empty((), dtype=s["dtype"]).element_size()
     plan = plan_generation(args, batch, context, dtype_bytes, s["gpu"], offload=method == "offload")
     row["plan_decode_tok_s"] = round(plan.decode_tokens_per_s, 1)
@@ -142,7 +161,11 @@ def run_case(ours, hf, name: str, args: ModelArgs, method: str, batch: int, cont
     if reason:
         return {**row, "status": f"does not fit (predicted): {reason}"}
     try:
-        result = run_hf(hf, batch, context, s) if method == "hf" else run_ours(ours, method, batch, context, s)
+        if method == "hf":
+            result = run_hf(hf, batch, context, s)
+        else:
+            which, mode = PREFILL_VARIANTS[variant]
+            result = run_ours(ours[which], method, batch, context, s, mode)
         row.update(status="ok", **{k: round(v, 1) if isinstance(v, float) else v for k, v in result.items()})
     except Exception as e:
         row["status"] = failure(e)

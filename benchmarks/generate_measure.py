@@ -1,5 +1,6 @@
 """Measuring helpers of benchmarks/generate.py: synchronised clocks, freeing memory between cases, an
-out-of-memory row, the two models on the same random weights, the planner's fit check and the timed prefill."""
+out-of-memory row, the two models on the same random weights (and a fused-kernel twin of ours on them), the
+planner's fit check and the timed prefill of each prefill variant."""
 
 from __future__ import annotations
 
@@ -7,14 +8,28 @@ import gc
 import statistics
 import time
 import traceback
+import warnings
 
 import torch
 
+from tracetrain.config import load_config
 from tracetrain.models.accounting import kv_cache_bytes
-from tracetrain.models.generate import forward_last, prefill_chunk_tokens
 from tracetrain.models.kv_cache import OffloadedKVCache
 from tracetrain.models.llama import ModelArgs, Transformer, rope_inv_freq
+from tracetrain.models.prefill import PrefillMode, compiled_prefill_refusal, prefill_chunk_tokens
+from tracetrain.models.prefill import prefill as library_prefill
 from tracetrain.plan import plan_generation
+from tracetrain.spec import resolve
+from tracetrain.train.assemble import assemble
+
+# Prefill variants (`--prefill-variants`): (model: "plain" or "fused", prefill mode). "fused" is the plain
+# model's twin with the Triton RMSNorm / RoPE / SwiGLU kernels (also in its decode steps), as `tracetrain
+# generate` assembles it on CUDA; "compiled" runs the plain model's prefill through compiled block functions.
+PREFILL_VARIANTS: dict[str, tuple[str, PrefillMode]] = {
+    "eager": ("plain", "eager"),
+    "compiled": ("plain", "compiled"),
+    "fused": ("fused", "eager"),
+}
 
 GIB = 2**30
 
@@ -118,6 +133,21 @@ def build_models(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> t
     return ours.eval(), hf
 
 
+def fused_twin(ours: Transformer, device: torch.device) -> Transformer:
+    """`ours` with the fused kernels, on the same weight tensors (no second copy): the model rows of the
+    generation spec (spec.py `resolve(..., generation=True)`, kernels asked 'on' so that the CPU smoke run
+    swaps them too) up to the kernel row, then `ours`' tensors assigned."""
+    cfg = load_config(
+        None, ["--train.mode=full", "--data.pack=false", "--train.attention=sdpa", "--train.fused_kernels=on"]
+    )
+    spec = resolve(cfg, device, model_args=ours.args, generation=True)
+    twin = assemble(spec, until="fused_kernels").plain()
+    twin.load_state_dict(ours.state_dict(), assign=True)
+    twin.rope_inv_freq = ours.rope_inv_freq  # a non-persistent buffer: not in the state dict
+    twin.tie_weights()
+    return twin.eval()
+
+
 def refetch_bytes(args: ModelArgs, batch: int, prompt: int, s: dict) -> int:
     """Bytes an offloaded chunked prefill copies host-to-device: every chunk fetches all earlier positions."""
     dtype_bytes = torch.empty((), dtype=s["dtype"]).element_size()
@@ -141,20 +171,26 @@ def does_not_fit(args: ModelArgs, offload: bool, batch: int, context: int, s: di
     return None
 
 
-def prefill(model: Transformer, cache, batch: int, prompt: int, s: dict) -> tuple[torch.Tensor, float | None]:
-    """Random prompt ids through the cache in chunks; (last logits, seconds), or a cache that only claims
-    the prompt's positions (seconds None) when an offloaded prefill would copy too much."""
+def prefill(
+    model: Transformer, cache, batch: int, prompt: int, s: dict, mode: PrefillMode = "eager"
+) -> tuple[torch.Tensor, float | None, str]:
+    """Random prompt ids through the cache as `generate_batch` runs them (`prefill_mode=mode`); (last logits,
+    seconds, the path it took: "eager", "compiled", or "eager: <why the compiled prefill could not run>"),
+    or a cache that only claims the prompt's positions (seconds None) when an offloaded prefill would copy
+    too much."""
     dev = s["device"]
     if isinstance(cache, OffloadedKVCache) and refetch_bytes(model.args, batch, prompt, s) > s["refetch_limit"]:
         cache.length = prompt
         cache.fetch(0)
-        return torch.zeros(batch, model.args.vocab_size, device=dev), None
+        return torch.zeros(batch, model.args.vocab_size, device=dev), None, "not run"
     tokens = torch.randint(0, model.args.vocab_size, (batch, prompt), device=dev)
     positions = torch.arange(prompt, device=dev).expand(batch, prompt)
     # The library's rule (generate_batch's default): the whole prompt when it fits, else chunks.
     chunk = prefill_chunk_tokens(model, batch, prompt, cache, s["dtype"], None)
+    why = compiled_prefill_refusal(model, cache, prompt, chunk) if mode == "compiled" else None
+    path = mode if why is None else f"eager: {why}"
     start = sync(dev)
-    with torch.no_grad(), autocast(s):
-        for a in range(0, prompt, chunk):
-            logits = forward_last(model, tokens[:, a : a + chunk], positions[:, a : a + chunk], cache)
-    return logits, sync(dev) - start
+    with torch.no_grad(), autocast(s), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a refusal warns; the row records it as `path`
+        logits = library_prefill(model, tokens, positions, cache, chunk, mode)
+    return logits, sync(dev) - start, path

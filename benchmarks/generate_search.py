@@ -8,10 +8,11 @@ import time
 from collections.abc import Callable
 
 import torch
-from generate_measure import GIB, autocast, does_not_fit, failure, free_memory, prefill, sync
+from generate_measure import GIB, PREFILL_VARIANTS, autocast, does_not_fit, failure, free_memory, prefill, sync
 
-from tracetrain.models.generate import forward_last, make_cache, prefill_chunk_tokens
+from tracetrain.models.generate import make_cache
 from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.prefill import PrefillMode, forward_last, prefill_chunk_tokens
 
 
 def fits(model: Transformer, context: int, offload: bool, s: dict) -> None:
@@ -119,19 +120,20 @@ def hf_prefill(hf, batch: int, context: int, s: dict) -> dict:
     return prefill_row(measure, dev)
 
 
-def ours_prefill(model: Transformer, batch: int, context: int, s: dict) -> dict:
-    """tracetrain's prefill of the same prompt into an in-GPU cache (generate_batch's chunk rule)."""
+def ours_prefill(model: Transformer, batch: int, context: int, s: dict, mode: PrefillMode = "eager") -> dict:
+    """tracetrain's prefill of the same prompt into an in-GPU cache (generate_batch's chunk rule, `mode`)."""
 
     def measure() -> dict:
         cache = make_cache(model, batch, context, s["dtype"], False, 0)
         cache.set_prompt_mask(torch.ones(batch, context - 1, dtype=torch.bool, device=s["device"]))
         if s["device"].type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        _, seconds = prefill(model, cache, batch, context - 1, s)
+        _, seconds, path = prefill(model, cache, batch, context - 1, s, mode)
         return {
             "status": "ok",
             "prefill_tok_s": round(batch * (context - 1) / seconds, 1),
             "prefill_chunk": prefill_chunk_tokens(model, batch, context - 1, cache, s["dtype"], None),
+            "prefill_path": path,
         }
 
     return prefill_row(measure, s["device"])
@@ -151,15 +153,17 @@ def prefill_row(measure: Callable[[], dict], device: torch.device) -> dict:
         free_memory()
 
 
-def hf_longest(ours: Transformer, hf, name: str, batch: int, known: int, s: dict, deadline: float) -> dict:
+def hf_longest(
+    ours: dict[str, Transformer], hf, name: str, batch: int, known: int, s: dict, deadline: float, variants: list[str]
+) -> dict:
     """The longest prompt transformers prefills at `batch`: doubling from the longest case it ran (`known`),
     then bisection to 1/8 of the length (multiples of 1024), at most `hf_cap` tokens and 6 probes; then
-    tracetrain's prefill of that length, same call. A length the planner says cannot hold the cache is
-    a failure without a probe."""
+    tracetrain's prefill of that length in each prefill variant, same call. A length the planner says cannot
+    hold the cache is a failure without a probe."""
     lo, hi, probes, best = known, None, [], None
     n = 2 * known if known else 2048
     while n <= s["hf_cap"] and len(probes) < 6 and time.perf_counter() < deadline:
-        reason = does_not_fit(ours.args, False, batch, n, s)
+        reason = does_not_fit(ours["plain"].args, False, batch, n, s)
         r = {"status": f"does not fit (predicted): {reason}"} if reason else hf_prefill(hf, batch, n, s)
         probes.append({"context": n, **r})
         print(json.dumps({"hf_longest": name, "batch": batch, **probes[-1]}), flush=True)
@@ -182,8 +186,12 @@ def hf_longest(ours: Transformer, hf, name: str, batch: int, known: int, s: dict
         "hf": best,
         "hf_probes": probes,
     }
-    if lo and time.perf_counter() < deadline:
-        row["ours"] = ours_prefill(ours, batch, lo, s)
-        if best and row["ours"].get("status") == "ok":
-            row["prefill_ratio"] = round(row["ours"]["prefill_tok_s"] / best["prefill_tok_s"], 3)
+    row["ours"], row["prefill_ratio"] = {}, {}
+    for variant in variants:
+        if not lo or time.perf_counter() > deadline:
+            break
+        which, mode = PREFILL_VARIANTS[variant]
+        ours_row = row["ours"][variant] = ours_prefill(ours[which], batch, lo, s, mode)
+        if best and ours_row.get("status") == "ok":
+            row["prefill_ratio"][variant] = round(ours_row["prefill_tok_s"] / best["prefill_tok_s"], 3)
     return row
