@@ -171,6 +171,25 @@ FAMILIES = {
 }
 
 
+def test_last_position_logits_are_the_models_own_for_every_family() -> None:
+    # Generation samples from forward_last's logits: Gemma 2 soft-caps its logits (cap 30 here, which
+    # init_std 0.3 exceeds), and a head without the cap would sample from other probabilities.
+    for family, extra in FAMILIES.items():
+        args = ModelArgs(**BASE, **extra)
+        torch.manual_seed(0)
+        model = transformer_class(args)(args)
+        model.init_weights()
+        model.eval()
+        tokens = torch.randint(0, args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            full = model(tokens)[:, -1]
+            cache = make_cache(model, 2, 16, torch.float32, kv_offload=False, gpu_window=0)
+            last = forward_last(model, tokens, torch.arange(9).expand(2, 9), cache)
+        torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5, msg=family)
+        if args.final_logit_softcap:
+            assert full.abs().max() < args.final_logit_softcap
+
+
 @needs_compiler
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_compiled_prefill_matches_eager_for_every_family(family: str) -> None:

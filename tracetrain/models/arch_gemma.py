@@ -253,7 +253,10 @@ class GemmaTransformer(Transformer):
         if labels is not None:
             assert not self.args.final_logit_softcap, "fused cross-entropy does not soft-cap the logits"
             return super().forward(tokens, position_ids, document_ids, cache, labels=labels)
-        logits = self.lm_head(self.forward_hidden(tokens, position_ids, document_ids, cache))
+        return self.logits(self.forward_hidden(tokens, position_ids, document_ids, cache))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
         cap = self.args.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -401,6 +401,11 @@ class Transformer(nn.Module):
             if self.fused_loss is None:
                 raise RuntimeError("forward(labels=...) needs the fused cross-entropy head: apply_fused_ce first")
             return self.fused_loss(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten())
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head over final hidden states (..., dim) -> (..., vocab); a family that transforms
+        its logits (Gemma 2's soft-capping) overrides it, so generation's last-position head agrees."""
         return self.lm_head(hidden)
 
 

@@ -87,7 +87,7 @@ def prefill_chunk_tokens(
 def forward_last(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
     """Run (batch, s) tokens through the model with the cache; logits of the last position (batch, vocab)."""
     hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
-    return model.lm_head(hidden[:, -1])
+    return model.logits(hidden[:, -1])  # Gemma 2's soft-capped logits too
 
 
 def check_prefill_mode(mode: str) -> None:
@@ -207,4 +207,4 @@ def _compiled_prefill(model: Transformer, tokens: torch.Tensor, positions: torch
         if moe:
             h = h + block.ffn(h)  # type: ignore[operator]  # nn.Module attributes are typed Tensor | Module in torch's stubs
     cache.advance(s)
-    return model.lm_head(model.norm(h[:, -1]))
+    return model.logits(model.norm(h[:, -1]))
