@@ -59,8 +59,8 @@ def load_trained(
     path: str | Path, device: str = "auto", overrides: list[str] | None = None, *, generation: bool = False
 ) -> Loaded:
     """Rebuild the model from a checkpoint's own config and load its weights (adapters stay unmerged).
-    `generation`: assembled for `tracetrain generate` (spec.py `resolve(..., generation=True)`: the fused
-    kernels for the KV-cache forwards); otherwise exactly as the run trained (eval scores as training did)."""
+    `generation`: assembled for `tracetrain generate` (spec.py `resolve(..., generation=True)`, which words
+    the fused-kernel decision for KV-cache forwards); otherwise exactly as the run trained."""
     ckpt = find_checkpoint(path)
     cfg = load_config(ckpt / "config.toml", overrides)
     dev = resolve_device(device)

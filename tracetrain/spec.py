@@ -239,10 +239,15 @@ def resolve_kernels(asked: str, device: torch.device, compile_on: bool, generati
     """The fused RMSNorm / RoPE / SwiGLU kernels. Inside compiled blocks they run the plain ops, which
     Inductor fuses (kernels/apply.py), so they matter where blocks run eagerly: every block without
     compile, and generation's KV-cache forwards (decode steps, chunked prefill) with it. 'auto' = on for
-    CUDA without compile (measured to win in training, docs/speed.md), and for CUDA generation."""
-    on = resolve_switch(asked, device, unless=compile_on and not generation)
+    CUDA without compile (measured to win in training, docs/speed.md). For generation beside compiled
+    blocks 'auto' stays off until measured (benchmarks/generate.py --prefill-variants eager,fused: the
+    decode and prefill figures in docs/inference.md are without them); `generation` then only words the
+    decision of an asked 'on'."""
+    on = resolve_switch(asked, device, unless=compile_on)
     if not on:
         why = "not CUDA" if device.type != "cuda" else "train.compile covers them"
+        if generation and device.type == "cuda":
+            why = "generation beside compiled blocks: not measured yet (train.fused_kernels = 'on' turns them on)"
     elif compile_on:
         why = "generation: KV-cache forwards run the blocks eagerly; compiled blocks trace the plain ops"
     else:

@@ -141,7 +141,7 @@ HAND_ASSEMBLY: dict[str, tuple[set[str], str]] = {
     "tests/models/test_arch_moe_hf.py": ({"apply_lora"}, _PEFT),
     "tests/plan/test_plan_memory.py": ({"apply_lora", "build_optimizer"}, _PLAN),
     "tests/plan/test_plan_activations.py": ({"apply_lora"}, _PLAN),
-    "tests/plan/test_plan_speed_path.py": ({"apply_lora", "apply_compile"}, _PLAN + ": eager vs compiled step shapes"),
+    "tests/plan/test_plan_speed_path.py": ({"apply_lora", "apply_compile", "apply_recompute"}, _PLAN + ": eager vs compiled step shapes, a recomputed compiled block's backward"),
     "benchmarks/arch_checks.py": ({"apply_fused_kernels"}, "a GPU check that the kernel swap finds each family's modules"),
     "benchmarks/memory_transforms_check.py": (
         {"apply_recompute", "apply_activation_offload"},

@@ -11,7 +11,7 @@ for the eager path only: inside a compiled region (`torch.compiler.is_compiling(
 RoPE and SwiGLU run their plain PyTorch formulas, which Inductor fuses with their neighbours (an opaque
 custom op would stop it). A model with both therefore runs the kernels exactly where its blocks run
 eagerly: generation's KV-cache forwards (decode steps, chunked prefill), which `apply_compile` leaves
-eager (spec.py turns the kernels on for generation). The fused cross-entropy (fused_ce.py) lives outside
+eager (with train.fused_kernels = "on"; spec.py). The fused cross-entropy (fused_ce.py) lives outside
 the blocks and helps either way.
 """
 
