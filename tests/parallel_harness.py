@@ -594,3 +594,18 @@ def _record_model_states(overrides: list[str], world_size: int) -> dict[str, dic
         run_step(built, global_batches(built.spec.cfg, 4, 2, seed=seed), optimizer)
     record["after_step"] = optimizer.after_step
     return record
+
+
+def rendezvous_and_count(out: str) -> None:
+    """Join the job's gloo group through torchrun's environment, all-reduce a one, and (rank 0) write the sum."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo")
+    try:
+        total = torch.ones(1)
+        tdist.all_reduce(total)
+        if tdist.get_rank() == 0:
+            with open(out, "w") as f:
+                f.write(str(int(total.item())))
+    finally:
+        tdist.destroy_process_group()

@@ -42,9 +42,27 @@ def _entry(
 def launch_local(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, env: dict[str, str] | None = None
 ) -> None:
-    """Run `fn(*args)` in `world_size` fresh processes (spawned, importable `fn`) and wait for all."""
+    """Run `fn(*args)` in `world_size` fresh processes (spawned, importable `fn`) and wait for all.
+
+    The rendezvous port is one that was free a moment before rank 0 binds it; another process (a parallel
+    test worker, any socket's ephemeral port) can take it in between, and rank 0's store then fails with
+    EADDRINUSE before `fn` has done anything. Such a start is retried on a new port (up to
+    PORT_ATTEMPTS times); any other failure is re-raised at once."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            _launch_once(fn, world_size, args, timeout_s, env or {})
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
+                raise
+
+
+PORT_ATTEMPTS = 3
+
+
+def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, env: dict[str, str]) -> None:
     ctx = mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), args, env or {}), nprocs=world_size, join=False, start_method="spawn"
+        _entry, args=(fn, world_size, free_port(), args, env), nprocs=world_size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=0.5):
