@@ -227,7 +227,22 @@ def test_preflight_line_names_the_longest_and_the_switches_that_fit() -> None:
     assert "\n" not in line and line.startswith("data.seq_len = 200,000 x micro-batch 1 will likely not fit")
     longest = longest_context(cfg, "h200").seq_len
     assert f"the longest data.seq_len these settings fit is {longest:,}." in line
-    assert line.endswith("GiB).") and "It fits with --memory.recompute=full" in line
+    assert line.endswith("tokens/s).") and "It fits with --memory.recompute=full" in line
+
+
+def test_fitting_remedy_is_the_fastest_planned_row_that_fits() -> None:
+    """At 32k the tiled MLP alone and full recomputation both fit an 80 GB GPU; the planner predicts the
+    tiled MLP faster (no block recomputed), so that is the advice, with its planned speed."""
+    from tracetrain.plan.longest import LONG_CONTEXT_REMEDIES
+
+    cfg = _8b_lora("--data.seq_len=32768")
+    switches, p = fitting_remedy(cfg, 32768, "h100-sxm")  # type: ignore[misc]
+    fitting = [plan_at(cfg, 32768, "h100-sxm", 1, row) for row in LONG_CONTEXT_REMEDIES]
+    fitting = [q for q in fitting if q.fits]
+    assert len(fitting) >= 2 and p.tokens_per_s == max(q.tokens_per_s for q in fitting)
+    assert switches == ("--memory.tiled_mlp=on",)
+    slower = [q for q in fitting if q.input.recompute == "full"]
+    assert slower and all(q.tokens_per_s < p.tokens_per_s for q in slower)
 
 
 def test_offload_pool_carves_large_buffers_without_power_of_two_rounding() -> None:

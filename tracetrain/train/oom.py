@@ -82,8 +82,8 @@ def preflight(spec: RunSpec, note: Callable[[str], None]) -> None:
 
 def preflight_line(cfg: Config, gpu: str, need_gib: float, have_gib: float, world_size: int = 1) -> str:
     """The pre-flight warning: the planned and available memory, the longest data.seq_len these settings
-    fit, and the first long-context switches under which this length fits (plan/longest.py), else the
-    general remedies (`suggestions`)."""
+    fit, and the long-context switches under which this length fits that the planner predicts fastest
+    (plan/longest.py `fitting_remedy`), else the general remedies (`suggestions`)."""
     from tracetrain.plan.longest import fitting_remedy, longest_context
 
     seq, mbs, host = cfg.data.seq_len, cfg.train.micro_batch_size, _host_available_gib()
@@ -97,7 +97,10 @@ def preflight_line(cfg: Config, gpu: str, need_gib: float, have_gib: float, worl
     if remedy is None:
         return f"{line} {suggestions(cfg, gpu, world_size)}"
     switches, p = remedy
-    return f"{line} It fits with {' '.join(switches)} (planned {p.memory.required_bytes / 2**30:.1f} GiB)."
+    return (
+        f"{line} It fits with {' '.join(switches)} (planned {p.memory.required_bytes / 2**30:.1f} GiB, "
+        f"{p.tokens_per_s:,.0f} tokens/s)."
+    )
 
 
 _FALLBACK = "Lower train.micro_batch_size (now {mbs}) or data.seq_len, or use more GPUs."
