@@ -309,7 +309,7 @@ class MemorySection:
     recompute_pointwise: Literal["auto", "on", "off"] = fld(
         "auto",
         "LoRA with compiled blocks: recompute the adapters' pointwise inputs in backward instead of saving them "
-        "(less memory, ~1% slower measured; 'auto' = on for a 4-bit base, lora.base_quant = 'nf4').",
+        "(less memory, ~1% slower measured; 'auto' = on for a 4-bit base, lora.base_quant = 'nf4', without memory.recompute).",
     )
     activation_offload: Literal["none", "save_on_cpu", "streamed"] = fld(
         "none", "Move saved activations to pinned CPU memory during forward."

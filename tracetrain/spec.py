@@ -260,7 +260,8 @@ def resolve_recompute_pointwise(cfg: Config, compile_on: bool, d: _Decisions) ->
     """memory.recompute_pointwise: 'on' / 'off' as asked (config.py refuses 'on' without LoRA); 'auto' = on
     for a LoRA run on a 4-bit base (lora.base_quant = 'nf4') whose blocks are compiled: QLoRA is chosen to
     save memory, and on one H100 (llama3-8b 4 x 2048, benchmarks/qlora.py) it kept 11 GiB less (31.1 vs
-    42.2 GiB) at 0.7% fewer tokens/s. A bf16 base keeps 'off': its measured rows predate the switch. It
+    42.2 GiB) at 0.7% fewer tokens/s. A bf16 base, or blocks recomputed (memory.recompute, where the
+    blocks keep little besides their inputs), keeps 'off': those measured rows are without it. It
     acts on the compiled blocks' partitioner, so 'on' without compiled blocks is a ConfigError."""
     from tracetrain.errors import ConfigError
 
@@ -277,11 +278,12 @@ def resolve_recompute_pointwise(cfg: Config, compile_on: bool, d: _Decisions) ->
         if lora and compile_on:
             d.add("memory.recompute_pointwise", asked, asked, "")
         return on
-    on = lora and compile_on and cfg.lora.base_quant == "nf4"
+    on = lora and compile_on and cfg.lora.base_quant == "nf4" and cfg.memory.recompute == "none"
     if on:
         d.add("memory.recompute_pointwise", None, "on", "a 4-bit base: the adapters' pointwise inputs are recomputed")
     elif lora and compile_on:
-        d.add("memory.recompute_pointwise", None, "off", "a 16-bit base: the adapters' pointwise inputs are saved")
+        why = "a 16-bit base" if cfg.lora.base_quant != "nf4" else "blocks recomputed (measured without it)"
+        d.add("memory.recompute_pointwise", None, "off", f"{why}: the adapters' pointwise inputs are saved")
     return on
 
 

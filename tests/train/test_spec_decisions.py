@@ -83,6 +83,8 @@ def test_recompute_pointwise_is_on_for_a_4bit_base_decided_once_and_refused_wher
     qlora_off = load_config(None, [*lora, "--lora.base_quant=nf4", "--memory.recompute_pointwise=off"])
     assert not plan_spec(qlora_off).recompute_pointwise and not plan_input_from_config(qlora_off).recompute_pointwise
     assert not resolve(qlora_cfg, torch.device("cpu")).recompute_pointwise  # 'auto' without compiled blocks: off
+    recomputed = plan_spec(load_config(None, [*lora, "--lora.base_quant=nf4", "--memory.recompute=full"]))
+    assert not recomputed.recompute_pointwise  # 'auto' with blocks recomputed: off, as measured
     on_cfg = load_config(None, [*lora, "--memory.recompute_pointwise=on"])
     on = plan_spec(on_cfg)
     assert on.recompute_pointwise and _by_key(on)["memory.recompute_pointwise"].line() == (
