@@ -74,3 +74,46 @@ def test_sigterm_saves_one_checkpoint_on_every_rank_and_exits_143(tmp_path: Path
     # The checkpoint is a working one: evaluation loads every rank's shards in one process.
     out = cli_here("eval", str(run_dir), "--train.eval_batches=1")
     assert f"step_{step:08d}" in out.stdout + out.stderr
+
+
+# Two real gloo ranks agree at a step boundary while a real SIGTERM reaches rank 1 inside the reduction: its
+# handler runs when the call returns, after the value it sent (0) was fixed. Rank 1 must then go on with rank
+# 0 (which saw 0) and stop with it at the next boundary; deciding from its own flag stopped it alone, and
+# rank 0 waited in the next step's collectives until the timeout (a CI failure of test above, one_rank).
+_AGREE = """
+import os, sys, signal, time, json
+import torch.distributed as dist
+from tracetrain.train.faults import StopFlag
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+stop = StopFlag()
+if rank == 0:  # rank 1 is inside the first reduction by now; signal it there, then join
+    time.sleep(1.0)
+    os.kill(int(sys.argv[3]), signal.SIGTERM)
+    time.sleep(0.5)
+decisions = [stop.agreed(True), stop.agreed(True)]
+print(json.dumps({"rank": rank, "decisions": decisions, "signal": stop.name}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_signal_inside_the_boundary_reduction_stops_no_rank_alone(tmp_path: Path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    store = tmp_path / "store"
+    one = subprocess.Popen(
+        [sys.executable, "-c", _AGREE, "1", str(store)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    zero = subprocess.Popen(
+        [sys.executable, "-c", _AGREE, "0", str(store), str(one.pid)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out = [json.loads(p.communicate(timeout=120)[0]) for p in (zero, one)]
+    assert [o["decisions"] for o in out] == [[False, True], [False, True]], out
+    assert [o["signal"] for o in out] == ["SIGTERM", "SIGTERM"], out

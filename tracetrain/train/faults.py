@@ -72,18 +72,23 @@ class StopFlag:
         must stop at the same step; yet a signal can reach one rank only (a worker killed alone), or reach
         the ranks on either side of a boundary (torchrun forwards SIGTERM to its workers one by one). So at
         every boundary the ranks take the largest signal number any of them holds, and a rank that got
-        none adopts it (its exit status then says it too). A CPU tensor: gloo carries it, in an NCCL job
-        too (parallel/dist.py), without waiting for the device; 4 bytes and one round trip a step."""
-        if distributed:
-            import torch
-            import torch.distributed as dist
+        none adopts it (its exit status then says it too). The decision is the reduced value alone: a
+        signal that lands during the reduction (its handler runs when the call returns) was not sent, so
+        the other ranks go on; this rank stops with them at the next boundary, not alone at this one. A
+        CPU tensor: gloo carries it, in an NCCL job too (parallel/dist.py), without waiting for the
+        device; 4 bytes and one round trip a step."""
+        if not distributed:
+            return self.signum is not None
+        import torch
+        import torch.distributed as dist
 
-            flag = torch.tensor([self.signum or 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if self.signum is None and int(flag.item()):
-                self.signum = int(flag.item())
-                _say(f"another rank received {self.name}: finishing this step, then saving a checkpoint\n")
-        return self.signum is not None
+        flag = torch.tensor([self.signum or 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        agreed = int(flag.item())
+        if agreed and self.signum is None:
+            self.signum = agreed
+            _say(f"another rank received {self.name}: finishing this step, then saving a checkpoint\n")
+        return agreed != 0
 
     def restore(self) -> None:
         if self.hold and self.signum is not None:
