@@ -1,17 +1,19 @@
-"""Causal attention per SDPA backend on one GPU: which kernel should prefill and long-context training use (#32)?
+"""Causal attention per SDPA backend on one GPU: which kernel do prefill and long-context training run (#32)?
 
 For each shape (the attention of a block of llama2-7b, 32 query and 32 key/value heads, and llama3-8b, 32 and
-8, head dim 128, bf16, a prompt from position 0: causal, no mask tensor) and each of SDPA's fused backends,
-FLASH_ATTENTION (FlashAttention-2, what SDPA picks by default for these inputs, and Hugging Face's "sdpa"),
-CUDNN_ATTENTION (cuDNN's fused attention) and EFFICIENT_ATTENTION (memory-efficient):
+8, head dim 128, bf16, a prompt from position 0: causal, no mask tensor) and each way SDPA can run it:
+`default` (no backend forced: what the trainer, the prefill and Hugging Face's "sdpa" run; on Hopper with
+torch 2.11 that is meant to be cuDNN, plan/time.py), FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION
+(cuDNN's fused attention) and EFFICIENT_ATTENTION (memory-efficient):
 
 - `fwd`: the forward alone (prefill), milliseconds and TFLOP/s (causal: half the score matrix, 4 b h s^2 d / 2);
 - `fwd+bwd`: forward and backward (training; backward counted at 2.5x the forward's FLOPs);
-- `max_abs_diff`: the output's largest difference from FLASH_ATTENTION's on the same inputs.
+- `max_abs_diff`: the output's largest difference from the default's on the same inputs.
 
 Grouped-query shapes run with `enable_gqa=True`; a backend that refuses it runs with the key/value heads
 repeated, and the row says so (`gqa: expanded`, the repeat included in the time). A backend that cannot run a
-shape says why. CUDA events, median of `--steps` calls after `--warmup`.
+shape says why. CUDA events, median of `--steps` calls after `--warmup`. The default's time next to the
+forced backends' says which kernel SDPA picked and whether another one would be faster.
 
     PYTHONPATH=. python3 benchmarks/attention_backends.py          # about 40 s on an H100
 
@@ -21,6 +23,7 @@ Writes attention_backends_<gpu>.json under benchmarks/results (and a copy under 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -32,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, median, time_steps, write_result
 
-BACKENDS = {
+BACKENDS: dict[str, SDPBackend | None] = {
+    "default": None,
     "flash": SDPBackend.FLASH_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -52,8 +56,10 @@ SHAPES = [
 HEAD_DIM = 128
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend, expand: bool) -> torch.Tensor:
-    with sdpa_kernel([backend]):
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend | None, expand: bool
+) -> torch.Tensor:
+    with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
         if q.shape[1] == k.shape[1]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if expand:
@@ -99,7 +105,7 @@ def measure(model: str, batch: int, seq: int, passes: str, warmup: int, steps: i
         del out
         dout = torch.randn(batch, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-        def call(backend: SDPBackend = backend, expand: bool = expand, dout: torch.Tensor = dout) -> None:
+        def call(backend: SDPBackend | None = backend, expand: bool = expand, dout: torch.Tensor = dout) -> None:
             y = attention(q, k, v, backend, expand)
             if grad:
                 y.backward(dout)
@@ -121,6 +127,10 @@ def measure(model: str, batch: int, seq: int, passes: str, warmup: int, steps: i
     return rows
 
 
+def _key(row: dict) -> str:
+    return f"{row['model']} b{row['batch']} {row['seq']} {row['passes']}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=3)
@@ -135,17 +145,13 @@ def main() -> None:
     best = {}
     for r in rows:
         if "ms" in r:
-            key = f"{r['model']} b{r['batch']} {r['seq']} {r['passes']}"
+            key = _key(r)
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
     print("\nfastest per shape:")
     for key, r in best.items():
-        flash = [
-            x["ms"]
-            for x in rows
-            if x["backend"] == "flash" and "ms" in x and f"{x['model']} b{x['batch']} {x['seq']} {x['passes']}" == key
-        ]
-        speedup = f"{flash[0] / r['ms']:.2f}x flash" if flash else "flash did not run"
+        default = [x["ms"] for x in rows if x["backend"] == "default" and "ms" in x and _key(x) == key]
+        speedup = f"{default[0] / r['ms']:.2f}x the default" if default else "the default did not run"
         print(f"  {key:32s} {r['backend']:10s} {speedup}")
     payload = {"env": env, "warmup": args.warmup, "steps": args.steps, "head_dim": HEAD_DIM, "rows": rows}
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
