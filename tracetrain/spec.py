@@ -301,8 +301,9 @@ def resolve(
     `model_args`: the architecture when already read (it may come from a checkpoint's config.json).
     `probe` False: decide for a device this process does not have (the planner: a Hopper GPU assumed,
     no capability query). `generation`: the spec `tracetrain generate` runs the trained model with
-    (`inference.load_trained`): 'auto' fused kernels are on for CUDA also with compiled blocks, since a
-    KV-cache forward runs its blocks eagerly (`resolve_kernels`).
+    (`inference.load_trained`): an asked 'on' for the fused kernels beside compiled blocks is worded for
+    generation's KV-cache forwards, which run the blocks eagerly; 'auto' keeps them off there until
+    measured (`resolve_kernels`).
     """
     from tracetrain.errors import ConfigError
     from tracetrain.kernels.apply import FUSED_KERNELS

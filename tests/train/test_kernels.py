@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+from tracetrain.config import TrainSection, load_config
 from tracetrain.kernels import rmsnorm, rope, swiglu
 from tracetrain.kernels.apply import apply_compile, apply_fused_kernels, compiled_frame_count, is_compiled
 from tracetrain.kernels.fused_ce import apply_fused_ce, fused_linear_cross_entropy
@@ -21,7 +22,6 @@ from tracetrain.kernels.swiglu import FusedFeedForward
 from tracetrain.memory.recompute import apply_recompute
 from tracetrain.models.llama import KVCache, ModelArgs, Transformer, apply_rope_qk, rotate_half
 from tracetrain.models.lora import apply_lora
-from tracetrain.config import load_config
 from tracetrain.spec import resolve
 from tracetrain.train.assemble import step_context
 from tracetrain.train.step import loss_sum
@@ -300,6 +300,9 @@ def test_generation_runs_the_kernels_beside_compiled_blocks_when_asked():
     assert not resolve(cfg, torch.device("cpu"), generation=True).fused_kernels  # no CUDA: no kernels
     off = load_config(None, ["--train.fused_kernels=off"])
     assert not resolve(off, cuda, probe=False, generation=True).fused_kernels
+    # The key's documentation (`tracetrain config --reference`, docs/config.md) says what 'auto' does here.
+    (doc,) = [f.metadata["doc"] for f in dataclasses.fields(TrainSection) if f.name == "fused_kernels"]
+    assert "`generate` beside compiled blocks keeps them off" in doc, doc
 
 
 @pytest.mark.parametrize("autocast", [False, True])
