@@ -6,10 +6,14 @@ committed as golden traces; the analyzer's diagnoses of them are asserted here.
 """
 
 
-import pytest
-from helpers import DATA
+import io
+import re
 
-from tracetrain.profile.analyze import analyze, compare, render_json
+import pytest
+from helpers import DATA, REPO
+from rich.console import Console
+
+from tracetrain.profile.analyze import analyze, compare, render_json, render_terminal
 
 H100 = DATA / "traces" / "h100"
 
@@ -91,3 +95,20 @@ def test_activation_offload_and_unified_memory_seen_in_traces():
     # Unified memory for the optimizer states: same speed; the states leave the caching allocator's books.
     assert abs(unified["utilisation"]["mean_step_us"] / base["utilisation"]["mean_step_us"] - 1) < 0.05
     assert base["memory"]["peak_allocated_bytes"] - unified["memory"]["peak_allocated_bytes"] > 8 * 2**30
+
+
+def test_compare_prints_the_rows_docs_profiling_shows(reports):
+    # docs/profiling.md shows an excerpt of `tracetrain analyze loader_workers0.json.gz --compare
+    # loader_workers4.json.gz`, borders removed: each row it shows is a row of the terminal output now.
+    doc = (REPO / "docs" / "profiling.md").read_text(encoding="utf-8")
+    excerpt = doc.split("--compare loader_workers4.json.gz` prints", 1)[1].split("```", 2)[1]
+    shown = [re.split(r"\s{2,}", line.strip()) for line in excerpt.splitlines()[1:] if line.strip()]
+    out = io.StringIO()
+    render_terminal(compare(reports["loader_workers0"], reports["loader_workers4"]), Console(file=out, width=200))
+    printed = [
+        [cell.strip() for cell in line.strip("│┃").split("│" if "│" in line else "┃") if cell.strip()]
+        for line in out.getvalue().splitlines()
+    ]
+    printed += [[line.strip()] for line in out.getvalue().splitlines()]  # the tables' titles
+    missing = [" | ".join(row) for row in shown if row not in printed]
+    assert len(shown) >= 10 and not missing, f"docs/profiling.md shows rows the compare no longer prints: {missing}"
