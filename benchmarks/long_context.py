@@ -43,8 +43,9 @@ Every probe runs in its own process (an OOM leaves nothing behind; unsloth patch
 
 Budget: a call runs one `--part` (PARTS), and no probe starts after `--budget-s` (default 450 s; each
 probe's timeout is what is left, at most `--probe-timeout-s`); what did not run says "skipped: time
-budget". Expected on one H200 (estimates, not yet measured): speed (32k and 16k, four rows) about 7
-minutes, 64k about 6; longest (2- and 3-block probes at 64k and 128k, then one length near the limit,
+budget". Timed lengths run 11 steps (the median of the 10 after the warm-up one), so a call holds about two
+rows of the speed part (`--systems tracetrain,unsloth --lengths 32768`: estimated 4-5 minutes on one H200)
+and two of the 64k one; longest (2- and 3-block probes at 64k and 128k, then one length near the limit,
 one step each) about 4 minutes per row, so two calls of a tracetrain row and its unsloth row each
 (`--systems tracetrain,unsloth`, `--systems tracetrain:fp8,unsloth:4bit`). The one-step probes' step
 time includes its warm-up (small next to a 300k+ token step).
@@ -476,9 +477,11 @@ def plot(result: dict, png: Path) -> None:
 
 
 PARTS = {  # what one call runs: each part fits the budget on one H200 (module docstring)
-    "speed": dict(lengths="32768,16384", seed_lengths=""),
-    "64k": dict(lengths="65536", seed_lengths=""),
-    "longest": dict(lengths="", seed_lengths="65536,131072"),
+    # steps: the first warms up, the median of the other 10 is the row's (speed comparisons); the longest's
+    # --confirm runs one 300k+ token step after the warm-up one
+    "speed": dict(lengths="32768,16384", seed_lengths="", steps=11),
+    "64k": dict(lengths="65536", seed_lengths="", steps=11),
+    "longest": dict(lengths="", seed_lengths="65536,131072", steps=2),
 }
 
 
@@ -504,7 +507,8 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--lengths", default=None, help="full-depth timed lengths (default: the part's)")
     ap.add_argument("--seed-lengths", default=None, help="lengths probed to seed the search (default: the part's)")
-    ap.add_argument("--steps", type=int, default=3, help="steps per full-depth timed length (the first warms up)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per full-depth timed length, the first warms up (default: the part's, PARTS)")
     ap.add_argument("--probe-steps", type=int, default=1, help="steps per search probe (2- and 3-block models)")
     ap.add_argument("--search-probes", type=int, default=1, help="lengths the search tries after its seeds")
     ap.add_argument("--max-seq", type=int, default=1 << 20)
@@ -533,6 +537,7 @@ def main() -> None:
         ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     a.lengths = PARTS[a.part]["lengths"] if a.lengths is None else a.lengths
     a.seed_lengths = PARTS[a.part]["seed_lengths"] if a.seed_lengths is None else a.seed_lengths
+    a.steps = PARTS[a.part]["steps"] if a.steps is None else a.steps
     result = {"part": a.part, **run(a)}
     from common import write_result
 
