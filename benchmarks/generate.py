@@ -18,8 +18,9 @@ CUDA graph, fixed shapes), `offload` (`OffloadedKVCache`, K/V in pinned host mem
   weights with the Triton RMSNorm / RoPE / SwiGLU kernels (the generation spec's kernel row), eager
   prefill, and those kernels in its decode steps too. Each variant is warmed up at every batch size before
   the timed rows (compilation, Triton's JIT and autotuning are not timed); a row says which path its
-  prefill took (`prefill_path`: a compiled prefill that had to run in chunks says so). A table of ours / HF
-  per variant (prefill and decode) ends the output.
+  prefill took (`prefill_path`: a compiled prefill that had to run in chunks says so). Each in-GPU row
+  carries the planner's prefill tokens/s for its variant (`plan_prefill_tok_s`, `tracetrain.plan.plan_prefill`:
+  the measured figure's prediction). A table of ours / HF per variant (prefill and decode) ends the output.
 - Prefill at the longest prompt transformers holds (#32), per model and batch: doubling from the
   longest case it ran, then bisection to 1/8 (at most 128k tokens and 6 probes), then tracetrain's
   prefill of the same length in each variant; `--no-hf-longest` skips it.
@@ -134,13 +135,13 @@ def render(kernels: list[dict], rows: list[dict], search: list[dict]) -> str:
     lines += [
         "",
         f"{'model':<10} {'batch':>5} {'context':>7} {'method':<9} {'variant':<9} {'prefill tok/s':>13} "
-        f"{'decode tok/s':>12} {'plan decode':>11} {'peak GiB':>8}  status",
+        f"{'plan prefill':>12} {'decode tok/s':>12} {'plan decode':>11} {'peak GiB':>8}  status",
     ]
     for r in rows:
         path = r.get("prefill_path", "")
         lines.append(
             f"{r['model']:<10} {r['batch']:>5} {r['context']:>7} {r['method']:<9} {r.get('variant', ''):<9} "
-            f"{r.get('prefill_tok_s') or '':>13} {r.get('decode_tok_s') or '':>12} "
+            f"{r.get('prefill_tok_s') or '':>13} {r.get('plan_prefill_tok_s', ''):>12} {r.get('decode_tok_s') or '':>12} "
             f"{r.get('plan_decode_tok_s', ''):>11} {r.get('peak_gib', ''):>8}  {r['status']}"
             + (" (decode only: prompt positions claimed, not prefilled)" if "prefill not" in r.get("note", "") else "")
             + (f" (prefill {path})" if path.startswith("eager:") else "")

@@ -24,7 +24,7 @@ from tracetrain.models.generate import GraphedDecodeStep, forward_last, make_cac
 from tracetrain.models.kv_cache import OffloadedKVCache, causal_valid_mask
 from tracetrain.models.llama import ModelArgs, Transformer
 from tracetrain.models.prefill import PrefillMode
-from tracetrain.plan import plan_generation
+from tracetrain.plan import plan_generation, plan_prefill
 
 
 def attention_kernels(s: dict) -> list[dict]:
@@ -153,6 +153,10 @@ def run_case(
     dtype_bytes = torch.empty((), dtype=s["dtype"]).element_size()
     plan = plan_generation(args, batch, context, dtype_bytes, s["gpu"], offload=method == "offload")
     row["plan_decode_tok_s"] = round(plan.decode_tokens_per_s, 1)
+    if method in ("gpu", "gpu+graph"):  # the whole prompt in one forward (the offloaded cache runs chunks)
+        row["plan_prefill_tok_s"] = round(
+            plan_prefill(args, batch, context, dtype_bytes, s["gpu"], variant).tokens_per_s
+        )
     if method == "gpu+graph" and s["device"].type != "cuda":
         row["note"] = "no CUDA: the fixed-shape step runs eagerly"
     if method == "hf" and hf is None:

@@ -19,7 +19,7 @@ overrides: one table both ways).
 
 from tracetrain.plan.core import Plan, advice, max_micro_batch, plan
 from tracetrain.plan.html import render_html
-from tracetrain.plan.inference import GenerationPlan, plan_generation
+from tracetrain.plan.inference import GenerationPlan, PrefillPlan, plan_generation, plan_prefill
 from tracetrain.plan.inputs import GPU_NAMES, LINKS, Links, PlanInput
 from tracetrain.plan.mapping import plan_input_from_config, plan_input_from_spec, plan_spec, plan_to_config_overrides
 from tracetrain.plan.report import render_json, render_terminal
@@ -32,12 +32,14 @@ __all__ = [
     "Links",
     "Plan",
     "PlanInput",
+    "PrefillPlan",
     "advice",
     "max_micro_batch",
     "plan",
     "plan_generation",
     "plan_input_from_config",
     "plan_input_from_spec",
+    "plan_prefill",
     "plan_spec",
     "plan_to_config_overrides",
     "render_html",

@@ -13,6 +13,14 @@ PCIe host-to-device every step (fetch), and land in a staging buffer (one more H
 window is copied device-to-device (read + write). Fetches overlap compute layer by layer (double
 buffering), so the step takes the longer of the two: max(HBM bytes / HBM bandwidth, PCIe bytes / host
 link bandwidth). Both are peak figures: the estimate is an upper bound on tokens/s.
+
+Prefill speed (`plan_prefill`): one no-grad forward of the whole prompt (models/prefill.py), timed with the
+training planner's forward (plan/time.py): every projection as a GEMM of batch x prompt rows at
+`gemm_efficiency`, causal attention at `attention_efficiency` for the prompt's length, the memory-bound
+work of each block (traffic.py: the eager op walk, or Inductor's fused regions for the compiled prefill)
+at HBM_EFFICIENCY of the bandwidth plus a fixed cost per kernel, the gap between eager kernels, the K/V
+written into the cache, and the output head on the last position only. Weights and activations in the
+compute dtype (no autocast), nothing trains.
 """
 
 from __future__ import annotations
@@ -20,9 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tracetrain.models.accounting import kv_cache_bytes, num_matmul_params, num_params
+from tracetrain.models.accounting import attention_forward_flops, kv_cache_bytes, num_matmul_params, num_params
 from tracetrain.models.llama import ModelArgs
-from tracetrain.plan.inputs import device_spec
+from tracetrain.plan import traffic as tr
+from tracetrain.plan.activations import Numerics
+from tracetrain.plan.inputs import Hardware, device_spec
+from tracetrain.plan.time import HBM_EFFICIENCY, KERNEL_FIXED_S, KERNEL_GAP_S, Gemm, attention_efficiency, gemm_time
 
 
 @dataclass(frozen=True)
@@ -80,3 +91,76 @@ def plan_generation(
         decode_tokens_per_s=batch / step_s,
         bound="pcie" if pcie_s > hbm_s else "hbm",
     )
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Seconds of one prefill forward by kind, and the prompt tokens per second it gives."""
+
+    seconds: dict[str, float]  # GEMM, attention, memory-bound, launch gaps, cache write
+    tokens: int  # batch x prompt length
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s
+
+
+def plan_prefill(
+    args: ModelArgs,
+    batch: int,
+    prompt_len: int,
+    dtype_bytes: int = 2,
+    gpu: str = "h100-sxm",
+    mode: Literal["eager", "compiled", "fused"] = "eager",
+) -> PrefillPlan:
+    """Time of one prefill forward of `batch` unpadded prompts of `prompt_len` tokens from position 0 (the
+    module docstring). `mode`: the prefill's path (models/prefill.py): the eager forward, the compiled one,
+    or the eager one with the fused Triton norm / RoPE / SwiGLU kernels (train.fused_kernels = 'on'). Dense
+    and MoE blocks (top_k experts per token, balanced)."""
+    spec, _ = device_spec(gpu)
+    peak = (spec.bf16_tflops if dtype_bytes <= 2 else spec.fp32_tflops) * 1e12
+    hw = Hardware(
+        spec.name, spec.memory_gib * 2**30, peak, spec.bf16_tflops * 1e12, spec.hbm_tb_s * 1e12, 0.0, 0.0, 0.0, 0.0, 0.0
+    )
+    bw = hw.hbm_bytes_s * HBM_EFFICIENCY
+    c = dtype_bytes
+    nm = Numerics(full=False, autocast=False, c=c, w=c, x=c, a=c, targets=frozenset(), rank=0)
+    tokens = batch * prompt_len
+    d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
+    seconds = {"GEMM": 0.0, "attention": 0.0, "memory-bound": 0.0, "launch gaps": 0.0, "cache write": 0.0}
+    blocks = {
+        "eager": tr.block_forward,
+        "compiled": lambda a, n: tr.compiled_block(a, n, False),
+        "fused": lambda a, n: tr.kernels_block(a, n, False),
+    }
+    block = blocks[mode](args, nm)
+    for layer in range(args.n_layers):
+        moe = args.is_moe_layer(layer)
+        f, rows = (args.expert_ffn_dim, tokens * args.experts_top_k) if moe else (args.ffn_dim, tokens)
+        gemms = [
+            Gemm("q", tokens, q, d, False, False),
+            Gemm("k", tokens, kv, d, False, False),
+            Gemm("v", tokens, kv, d, False, False),
+            Gemm("o", tokens, d, q, False, False),
+            Gemm("gate", rows, f, d, False, False),
+            Gemm("up", rows, f, d, False, False),
+            Gemm("down", rows, d, f, False, False),
+        ]
+        if moe:
+            gemms.append(Gemm("router", tokens, args.num_experts, d, False, False))
+        seconds["GEMM"] += sum(gemm_time(g, hw, c)[0] for g in gemms)
+        seconds["launch gaps"] += (len(gemms) + 1 + block.kernels) * KERNEL_GAP_S
+        seconds["cache write"] += 4 * c * kv * tokens / bw + 2 * KERNEL_FIXED_S  # read k, v; write them
+    attention = attention_forward_flops(args, prompt_len) * tokens
+    seconds["attention"] = attention / (hw.bf16_flops * attention_efficiency(args.head_dim, prompt_len, False))
+    outside = tr.outside_forward(args, nm, first=True, last=False)  # embedding lookup, rotary tables
+    memory = block * args.n_layers + outside
+    seconds["memory-bound"] = memory.bytes_per_token * tokens / bw + memory.kernels * KERNEL_FIXED_S
+    # The last position of each row: final norm and the head's GEMM (a weight read, memory-bound).
+    head = Gemm("lm_head", batch, args.vocab_size, d, False, False)
+    seconds["GEMM"] += gemm_time(head, hw, c)[0]
+    return PrefillPlan(seconds, tokens)

@@ -1,0 +1,68 @@
+"""Prefill speed (plan/inference.py `plan_prefill`): the time model of one no-grad forward of a prompt, against
+the eager prefill measured on an H200 (benchmarks/results/generate_NVIDIA-H200.json), and what it says of the
+compiled and fused paths (not measured yet: #32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from helpers import REPO
+
+from tracetrain.models.accounting import num_matmul_params
+from tracetrain.models.presets import get_preset
+from tracetrain.plan import plan_prefill
+from tracetrain.plan import time as T
+
+MEASURED = REPO / "benchmarks" / "results" / "generate_NVIDIA-H200.json"
+
+
+def _eager_rows() -> list[dict]:
+    rows = json.loads(MEASURED.read_text())["cases"]
+    return [
+        r
+        for r in rows
+        if r["method"] in ("gpu", "gpu+graph") and r["status"] == "ok" and r.get("variant", "eager") == "eager"
+    ]
+
+
+@pytest.mark.parametrize("row", _eager_rows(), ids=lambda r: f"{r['model']}-b{r['batch']}-{r['context']}-{r['method']}")
+def test_eager_prefill_plan_is_within_ten_percent_of_the_h200_measurement(row: dict) -> None:
+    planned = plan_prefill(get_preset(row["model"]), row["batch"], row["context"], gpu="h200").tokens_per_s
+    assert abs(planned / row["prefill_tok_s"] - 1) <= 0.10, (planned, row)
+
+
+def test_gemm_time_is_the_forward_flops_at_the_gemm_efficiency() -> None:
+    # What one more block adds: exactly its projections' forward FLOPs over the peak times the GEMM
+    # efficiency of these shapes (all within 1% of the square one's at 4096 rows).
+    a = get_preset("llama3-8b")
+    tokens = 4096
+    one, two = (plan_prefill(dataclasses.replace(a, n_layers=n), 1, tokens, gpu="h200") for n in (1, 2))
+    block = num_matmul_params(dataclasses.replace(a, n_layers=1)) - a.vocab_size * a.dim
+    seconds = 2 * block * tokens / (989.4e12 * T.gemm_efficiency(tokens, a.dim, a.dim))
+    assert two.seconds["GEMM"] - one.seconds["GEMM"] == pytest.approx(seconds, rel=0.02)
+    # The head runs on the last position only: a read of its weight, memory-bound.
+    head = one.seconds["GEMM"] - seconds
+    assert head == pytest.approx(2 * a.vocab_size * a.dim / (4.8e12 * T.HBM_EFFICIENCY), rel=0.05)
+
+
+def test_compiled_and_fused_paths_cut_the_memory_bound_work_not_the_matmuls() -> None:
+    a = get_preset("llama2-7b")
+    eager, compiled, fused = (plan_prefill(a, 1, 4096, gpu="h200", mode=m) for m in ("eager", "compiled", "fused"))
+    assert compiled.seconds["GEMM"] == eager.seconds["GEMM"] == fused.seconds["GEMM"]
+    assert compiled.seconds["attention"] == eager.seconds["attention"]
+    assert compiled.seconds["memory-bound"] < 0.3 * eager.seconds["memory-bound"]
+    assert fused.seconds["memory-bound"] < 0.5 * eager.seconds["memory-bound"]
+    assert compiled.tokens_per_s > 1.2 * eager.tokens_per_s
+
+
+def test_attention_share_grows_with_the_prompt_and_moe_counts_top_k_experts() -> None:
+    a = get_preset("llama3-8b")
+    short, long = plan_prefill(a, 1, 4096, gpu="h200"), plan_prefill(a, 1, 32768, gpu="h200")
+    assert short.seconds["attention"] / short.total_s < 0.1 < 0.3 < long.seconds["attention"] / long.total_s
+    moe = dataclasses.replace(a, num_experts=8, experts_top_k=2, moe_ffn_dim=a.ffn_dim)
+    dense, routed = plan_prefill(a, 1, 4096, gpu="h200"), plan_prefill(moe, 1, 4096, gpu="h200")
+    # two experts per token: the MLP's three GEMMs twice (plus the router's small one)
+    attn, mlp = 2 * a.dim * a.q_dim + 2 * a.dim * a.n_kv_heads * a.head_dim, 3 * a.dim * a.ffn_dim
+    assert routed.seconds["GEMM"] / dense.seconds["GEMM"] == pytest.approx((attn + 2 * mlp) / (attn + mlp), rel=0.03)
