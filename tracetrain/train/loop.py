@@ -140,7 +140,8 @@ def _train(run: _Run, stop: StopFlag) -> TrainResult:
         with tdist.failure_guard(run.watchdog, run.dist.rank), run.oom_guard("step"):
             try:
                 interrupted_at = run.run_steps(stop)
-                summary = run.finish(interrupted_at, stop.name)
+                with run.between_steps("the end of the run (final evaluation, checkpoint, summary)"):
+                    summary = run.finish(interrupted_at, stop.name)
             except Exception as e:
                 if is_out_of_memory(e):
                     raise  # oom_guard explains it
@@ -179,6 +180,7 @@ class _Run(RunSetup):
             data_fingerprint=self.data_fingerprint,
         )
         with (
+            self.between_steps(f"the checkpoint save at step {step}"),
             self.reporter.status(f"saving checkpoint at step {step}") as progress,
             self.prof.phase("checkpoint"),
             self.phases("save"),
@@ -235,6 +237,10 @@ class _Run(RunSetup):
         return RunStopped(
             f"{cause} at step {done}: saved checkpoint {path}; continue with: tracetrain train --resume {self.run_dir}"
         )
+
+    def between_steps(self, where: str) -> contextlib.AbstractContextManager[None]:
+        """A phase that is not a step (an evaluation, a save): the watchdog does not time it as one."""
+        return self.watchdog.between_steps(where) if self.watchdog is not None else contextlib.nullcontext()
 
     def _refuse_non_finite_weights(self, step: int) -> None:
         """A checkpoint never holds NaN/inf weights: an update from finite gradients can still overflow them,
@@ -307,7 +313,12 @@ class _Run(RunSetup):
     def evaluate(self, done: int) -> None:
         if not self.can_evaluate():
             return
-        with self.prof.phase("eval"), self.phases("evaluation"), self.reporter.status("evaluating") as progress:
+        with (
+            self.between_steps(f"the evaluation at step {done}"),
+            self.prof.phase("eval"),
+            self.phases("evaluation"),
+            self.reporter.status("evaluating") as progress,
+        ):
             values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx, progress)
         self.metrics.log_eval(done, values)
         self.reporter.eval_line(done, values)
