@@ -184,6 +184,35 @@ def test_a_data_worker_outlives_the_stop_signals_that_reach_it():
     del loader  # ends the worker
 
 
+class _SignalInTheLastStep:
+    """A real SIGTERM to this process from the callback of the step before the last: it lands in the last."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+
+    def on_step(self, step: int, metrics: dict) -> None:
+        if step == self.last - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_in_the_last_step_saves_once_and_the_resume_only_ends_the_run(tmp_path: Path):
+    config = {"train": {"steps": 4, "output_dir": str(tmp_path), "run_name": "r"}}
+    result = tracetrain.train(config, overrides=TINY, callbacks=[_SignalInTheLastStep(4)])
+    run_dir = tmp_path / "r"
+    assert result.signum == signal.SIGTERM and _saved_step(run_dir) == 4  # one save, at the last step
+    (saved,) = list_checkpoints(run_dir)
+    inode = saved.stat().st_ino
+    # Resumed at its last step, the run trains nothing: the final evaluation and the summary, with the
+    # checkpoint of the signal as the final one; saving it again replaced it with a copy (a moment with
+    # no checkpoint of the run on disk).
+    resumed = cli_here("train", "--resume", str(run_dir), "--logging.report=false")
+    assert resumed.returncode == 0, resumed.stderr
+    assert list_checkpoints(run_dir) == [saved] and saved.stat().st_ino == inode
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["checkpoint"] == str(saved) and "eval_loss" in summary
+    assert "interrupted" not in summary
+
+
 # ---- point 2: files written safely -------------------------------------------------------------------
 
 

@@ -342,7 +342,7 @@ class _Run(RunSetup):
                 self.callbacks("on_eval", done, dict(summary))
             summary.update(_throughput_summary(self.metrics, self.cfg, done))
             if self.cfg.checkpoint.save_final:
-                summary["checkpoint"] = str(self.checkpoint(self.cfg.train.steps))
+                summary["checkpoint"] = str(self._final_checkpoint())
         summary.update(extra, **self.sizing)
         if self.dist.is_distributed:
             summary.update({"world_size": self.dist.world_size, "tokens_per_s_is_per_gpu": True})
@@ -355,6 +355,14 @@ class _Run(RunSetup):
         if "final_steps_skipped" in summary:
             raise self._ended_on_skipped_steps(summary)
         return summary
+
+    def _final_checkpoint(self) -> Path:
+        """The checkpoint of the final weights: saved now, unless this process resumed from a checkpoint
+        of the last step and trained none (a signal in the last step saved it, then the run was resumed):
+        that checkpoint holds them already, and saving it again would only replace it with a copy."""
+        if self.resumed_from is not None and self.done == self.start_step:
+            return self.resumed_from
+        return self.checkpoint(self.cfg.train.steps)
 
     def _ended_on_skipped_steps(self, summary: dict[str, Any]) -> TracetrainError:
         """The rule: a run whose final step diverged (loss or gradient NaN/inf, update not applied) fails,
