@@ -32,6 +32,15 @@ class OutOfMemory(TracetrainError):
         self.quiet = quiet
 
 
+class PeerGone(TracetrainError):
+    """Another rank's process ended without a word (kill -9, the OOM killer, a lost node) while this rank
+    waited for it in a collective (parallel/dist.py `failure_guard`). `quiet`: the rank's log already put
+    the line on this console (rank 0)."""
+
+    exit_code = 1  # not 2: the config was fine, the job lost a process
+    quiet = False
+
+
 def utf8_text(data: bytes, error: Callable[[int, int], Exception]) -> str:
     """`data` as UTF-8 text (whatever the locale says), or `error(line, byte)` raised for the first byte that is
     not UTF-8 (its line counted from 1), so that a damaged file is one line naming where."""

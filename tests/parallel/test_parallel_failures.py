@@ -90,7 +90,8 @@ def test_failure_messages_name_the_rank_and_cause(drills: dict) -> None:
     assert "Timed out" in hung[0] or "stopping because rank 1 made no progress" in hung[0]
     assert ("last made progress" in hung[1] and "at step 2" in hung[1]) or "made no progress" in hung[1]
     exited = drills["exit"]["logs"]
-    assert "rank 0 failed" in exited[0] and "Connection" in exited[0]  # peer vanished mid-collective
+    # Rank 1 vanished mid-collective: rank 0 names it (its heartbeat stopped), not itself as the failed one.
+    assert "rank 1 is gone" in exited[0] and "Connection" in exited[0] and "rank 0 failed" not in exited[0]
 
 
 def _torchrun_node(node_rank: int, port: int, out: Path) -> subprocess.Popen:

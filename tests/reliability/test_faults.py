@@ -3,6 +3,7 @@ writes are written safely. Real processes, real signals, a pipe closed by its re
 RLIMIT_FSIZE, a callback that raises, symbolic links planted in a run directory; no mocks."""
 
 import json
+import multiprocessing
 import os
 import resource
 import shutil
@@ -20,6 +21,8 @@ from helpers import TINY, _steps_logged, _wait_for
 
 import tracetrain
 from tracetrain.data import token_cache
+from tracetrain.data.loader import StatefulLoader
+from tracetrain.data.packing import PackedDataset
 from tracetrain.train.checkpoint import list_checkpoints
 from tracetrain.train.faults import RunStopped
 
@@ -70,12 +73,21 @@ def test_closed_stdout_saves_then_one_line_exit_1_and_the_run_resumes(tmp_path: 
 @pytest.mark.parametrize("first", [signal.SIGHUP, signal.SIGTERM])
 def test_first_signal_saves_and_decides_the_exit_status_whatever_follows(tmp_path: Path, first: signal.Signals):
     # SIGHUP: a closed terminal. SIGTERM then an impatient Ctrl-C that lands after the save, while the
-    # process exits: the status is still 128 + the first signal.
+    # process exits: the status is still 128 + the first signal. The first signal goes to the whole process
+    # group, as a terminal's hangup or Ctrl-C does, so the data workers get it too: they inherited the handler
+    # and must stay silent (it printed "received: finishing this step" as if it were the run).
     log = tmp_path / "log.txt"
     with open(log, "w") as out:  # a file, not a pipe: nothing blocks on an unread pipe
-        proc = _start(tmp_path, "--train.steps=100000", stdout=out, stderr=subprocess.STDOUT)
+        proc = _start(
+            tmp_path,
+            "--train.steps=100000",
+            "--data.num_workers=2",
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a shell job's
+        )
         _wait_for(lambda: _steps_logged(tmp_path / "r") >= 2, proc, "two steps")
-        proc.send_signal(first)
+        os.killpg(proc.pid, first)
         _wait_for(lambda: "received: saved checkpoint" in log.read_text(), proc, "the save")
         while proc.poll() is None:  # SIGINT after SIGINT until the process is gone
             try:
@@ -85,6 +97,7 @@ def test_first_signal_saves_and_decides_the_exit_status_whatever_follows(tmp_pat
             time.sleep(0.005)
         proc.wait(timeout=60)
     assert proc.returncode == 128 + first, log.read_text()
+    assert log.read_text().count("received: finishing this step") == 1, log.read_text()
     assert _saved_step(tmp_path / "r") >= 2
 
 
@@ -151,6 +164,53 @@ def test_callback_that_raises_saves_the_steps_done_then_stops(tmp_path: Path):
     assert _saved_step(tmp_path / "r") == 3
     # The previous handlers are back (the API restores them): the test process can still be interrupted.
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_data_worker_outlives_the_stop_signals_that_reach_it():
+    # A scheduler's stop (Slurm, systemd, `kill -- -PGID`) and a terminal's Ctrl-C reach every process of the
+    # job, the data workers too. Torch's workers die of SIGTERM (their own handler), and the run then ended on
+    # "DataLoader worker ... is killed by signal" instead of saving at the step boundary (under torchrun,
+    # without any save). The real loader, its real worker process, real signals.
+    rows = {key: torch.arange(64).reshape(16, 4) for key in token_cache.ROW_KEYS}
+    loader = StatefulLoader(PackedDataset(rows), 2, shuffle=False, seed=0, drop_last=True, num_workers=1)
+    before = set(multiprocessing.active_children())
+    first = next(loader)
+    (worker,) = set(multiprocessing.active_children()) - before
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(worker.pid, stop)
+    time.sleep(0.5)  # a worker killed by the signal is gone by now
+    assert worker.is_alive()
+    assert next(loader)["input_ids"].tolist() == (first["input_ids"] + 8).tolist()  # it still serves rows
+    del loader  # ends the worker
+
+
+class _SignalInTheLastStep:
+    """A real SIGTERM to this process from the callback of the step before the last: it lands in the last."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+
+    def on_step(self, step: int, metrics: dict) -> None:
+        if step == self.last - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_in_the_last_step_saves_once_and_the_resume_only_ends_the_run(tmp_path: Path):
+    config = {"train": {"steps": 4, "output_dir": str(tmp_path), "run_name": "r"}}
+    result = tracetrain.train(config, overrides=TINY, callbacks=[_SignalInTheLastStep(4)])
+    run_dir = tmp_path / "r"
+    assert result.signum == signal.SIGTERM and _saved_step(run_dir) == 4  # one save, at the last step
+    (saved,) = list_checkpoints(run_dir)
+    inode = saved.stat().st_ino
+    # Resumed at its last step, the run trains nothing: the final evaluation and the summary, with the
+    # checkpoint of the signal as the final one; saving it again replaced it with a copy (a moment with
+    # no checkpoint of the run on disk).
+    resumed = cli_here("train", "--resume", str(run_dir), "--logging.report=false")
+    assert resumed.returncode == 0, resumed.stderr
+    assert list_checkpoints(run_dir) == [saved] and saved.stat().st_ino == inode
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["checkpoint"] == str(saved) and "eval_loss" in summary
+    assert "interrupted" not in summary
 
 
 # ---- point 2: files written safely -------------------------------------------------------------------

@@ -12,6 +12,7 @@ run `num_workers * prefetch_factor` batches ahead, and those are simply produced
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,16 @@ class EpochBatchSampler(Sampler[list[int]]):
             epoch, skip = epoch + 1, 0
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A data worker ignores SIGINT, SIGTERM and SIGHUP. A terminal's Ctrl-C and a scheduler's or systemd's
+    stop reach every process of the job, and torch's workers die of SIGTERM (their own handler): the run
+    then ended on "DataLoader worker exited unexpectedly" instead of saving at the step boundary (under
+    torchrun, without any save). The run's process decides (train/faults.py) and ends its workers itself;
+    a worker whose run died outright sees it gone and exits."""
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # train/faults.py STOP_SIGNALS
+        signal.signal(stop, signal.SIG_IGN)
+
+
 class StatefulLoader:
     """An endless iterator of batches whose position can be saved and restored exactly."""
 
@@ -215,6 +226,7 @@ class StatefulLoader:
             # seed from the global RNG, and recreating the loader on resume would shift
             # the dropout random stream (resume would no longer be exact).
             generator=torch.Generator().manual_seed(self.seed),
+            worker_init_fn=_ignore_stop_signals if workers else None,
         )
         return iter(loader)
 

@@ -11,10 +11,14 @@ Failure handling. A rank that raises, dies or hangs must not leave the others wa
 - `Watchdog` is a daemon thread on every rank. It polls the store once a second; when a peer posted a
   failure it logs "stopping: rank R failed: ..." and ends this rank with `os._exit(1)`: the main
   thread may be blocked inside a collective that will never complete. It also ends the rank, with a
-  stack dump, when the training loop made no `beat()` for `timeout_s` (a hang outside collectives),
-  and when the store itself disappears (the launcher or rank 0 died).
-- A rank stuck in a collective whose peer died without a word (kill -9) gets the collective timeout:
-  gloo raises (the guard then posts it), the NCCL watchdog aborts the process.
+  stack dump, when the training loop made no `beat()` for `timeout_s` (a hang outside collectives;
+  evaluations and checkpoint saves are not steps and are not timed so, `between_steps`), and when the
+  store itself disappears (the launcher or rank 0 died). At each poll it counts up this rank's
+  heartbeat in the store.
+- A rank stuck in a collective whose peer died without a word (kill -9, the OOM killer) gets an error at
+  once (gloo: the connection closed) or at the collective timeout; the NCCL watchdog aborts the process.
+  The guard then looks for the peers whose heartbeat stopped, and posts "rank R is gone" naming them
+  (`PeerGone`), not this rank's own "failed": the survivors all name the dead rank.
 torchrun additionally stops the surviving workers of a job when one of them exits with an error.
 """
 
@@ -24,9 +28,11 @@ import datetime
 import faulthandler
 import logging
 import os
+import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,12 +41,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tracetrain.errors import OutOfMemory
+from tracetrain.errors import OutOfMemory, PeerGone
 
 log = logging.getLogger("tracetrain")
 
 _FAILURE_KEY = "tracetrain/failure"
 _FAILURE_COUNT_KEY = "tracetrain/failure_count"
+_ALIVE_KEY = "tracetrain/alive/"  # + rank: the heartbeat its watchdog counts up at each poll
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,9 @@ class Watchdog:
 
     def __init__(self, rank: int, stall_s: float, poll_s: float = 1.0) -> None:
         self.rank, self.stall_s, self.poll_s = rank, stall_s, poll_s
+        self.world_size = dist.get_world_size()
         self.store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
+        self._posted: str | None = None  # the failure this rank posted itself (its own thread skips it)
         self._last_beat = time.monotonic()
         self._where = "start-up"
         self._beating = False
@@ -151,11 +160,30 @@ class Watchdog:
         """The loop is alive at `where` (e.g. "step 12"). Stall detection starts with the first beat."""
         self._last_beat, self._where, self._beating = time.monotonic(), where, True
 
+    def idle(self) -> None:
+        """This rank stopped stepping (it handles an error): no stall check from now on, while heartbeats
+        and the other ranks' failures are still watched."""
+        self._beating = False
+
+    @contextmanager
+    def between_steps(self, where: str) -> Iterator[None]:
+        """A phase of the loop that is not a step (an evaluation, a checkpoint save, the end of the run): no
+        stall check while it runs. Its length grows with the model, the evaluation set and the disk, not
+        with a step, so `timeout_s` without a beat would end a healthy job. A rank that hangs in it is found
+        as in a step: the others wait for it in the phase's collectives (FSDP's gathers, the save's
+        barriers) until the collective timeout, and post that failure, which ends it."""
+        beating, self._beating, self._where = self._beating, False, where
+        try:
+            yield
+        finally:
+            self._last_beat, self._beating, self._where = time.monotonic(), beating, f"after {where}"
+
     def report(self, message: str) -> bool:
         """Post this rank's failure for the others; False when another rank failed first."""
         try:
             first = self.store.add(_FAILURE_COUNT_KEY, 1) == 1
             if first:
+                self._posted = message
                 self.store.set(_FAILURE_KEY, message)
             return first
         except Exception:  # the store is gone: there is no one left to tell
@@ -165,10 +193,28 @@ class Watchdog:
         """The failure another rank posted, if any."""
         try:
             if self.store.check([_FAILURE_KEY]):
-                return self.store.get(_FAILURE_KEY).decode()
+                posted = self.store.get(_FAILURE_KEY).decode()
+                return None if self._is_own(posted) else posted
         except Exception:
             return None
         return None
+
+    def _is_own(self, posted: str) -> bool:
+        return posted == self._posted or posted.startswith(f"rank {self.rank} ")
+
+    def gone_peers(self) -> list[int]:
+        """The ranks whose heartbeat stands still over three polls: their process is gone (kill -9, the OOM
+        killer, a lost node), while a live rank's watchdog counts on even when its main thread is blocked.
+        Read with add(key, 0), which never waits for a key that a rank dead before its first poll never
+        wrote. Empty when the store is gone too."""
+        keys = [f"{_ALIVE_KEY}{r}" for r in range(self.world_size) if r != self.rank]
+        try:
+            before = [self.store.add(k, 0) for k in keys]
+            time.sleep(3 * self.poll_s)
+            after = [self.store.add(k, 0) for k in keys]
+        except Exception:
+            return []
+        return [int(k.removeprefix(_ALIVE_KEY)) for k, b, a in zip(keys, before, after, strict=True) if a == b]
 
     def _end(self, message: str, dump_stacks: bool = False) -> None:
         log.error(message)
@@ -191,6 +237,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
+                self.store.add(f"{_ALIVE_KEY}{self.rank}", 1)
                 posted = self.store.get(_FAILURE_KEY).decode() if self.store.check([_FAILURE_KEY]) else None
             except Exception as e:
                 if self._stop.is_set():
@@ -201,9 +248,11 @@ class Watchdog:
                 )
                 return
             stalled_s = time.monotonic() - self._last_beat
-            if posted is not None and not posted.startswith(f"rank {self.rank} ") and OutOfMemory.MARK in posted:
+            if posted is not None and self._is_own(posted):
+                posted = None
+            if posted is not None and OutOfMemory.MARK in posted:
                 self._end_out_of_memory(posted)
-            if posted is not None and not posted.startswith(f"rank {self.rank} "):
+            if posted is not None:
                 # Say where this rank was: when it is the one that hung, this is the diagnosis.
                 self._end(
                     f"rank {self.rank}: stopping because {posted} (this rank last made progress "
@@ -239,7 +288,9 @@ def report_out_of_memory(watchdog: Watchdog | None, error: OutOfMemory) -> None:
 
 @contextmanager
 def failure_guard(watchdog: Watchdog | None, rank: int) -> Iterator[None]:
-    """Run a rank's work; on an error, tell the other ranks (via the store) before re-raising."""
+    """Run a rank's work; on an error, tell the other ranks (via the store) before re-raising. An error out
+    of torch.distributed (a collective, a barrier, a save) while a peer's heartbeat stopped is that peer's
+    death, not this rank's failure: `PeerGone`, one line naming the dead ranks, is posted and raised."""
     try:
         yield
     except BaseException as e:
@@ -248,16 +299,45 @@ def failure_guard(watchdog: Watchdog | None, rank: int) -> Iterator[None]:
         if isinstance(e, OutOfMemory):  # already told to the others, as one line (report_out_of_memory)
             watchdog.stop()
             raise
+        watchdog.idle()  # the wait for a peer's heartbeat below is not a stall of this rank
         cause = watchdog.peer_failure()
-        if cause is not None and not cause.startswith(f"rank {rank} "):
+        gone = watchdog.gone_peers() if cause is None and _out_of_torch_distributed(e) else []
+        cause = cause or watchdog.peer_failure()  # a peer's own report, if one came meanwhile, says more
+        if cause is not None:
             log.error(f"rank {rank}: stopping because {cause} (this rank then saw {type(e).__name__}: {e})")
-        else:
-            watchdog.report(f"rank {rank} failed: {type(e).__name__}: {e}")
-            log.exception(f"rank {rank} failed")
-            # Linger for two polls: without an agent, rank 0's process hosts the store the others
-            # read this report from.
             watchdog.stop()
-            time.sleep(2.5 * watchdog.poll_s)
+            _flush_logs()
+            raise
+        if gone:
+            error = PeerGone(_gone_message(gone, rank, e))
+            log.error(str(error))  # the rank's log; rank 0's console too, so its CLI prints no second line
+            error.quiet = rank == 0
+        else:
+            log.exception(f"rank {rank} failed")
+        watchdog.report(str(error) if gone else f"rank {rank} failed: {type(e).__name__}: {e}")
+        # Linger for two polls: without an agent, rank 0's process hosts the store the others read this
+        # report from.
         watchdog.stop()
+        time.sleep(2.5 * watchdog.poll_s)
         _flush_logs()
+        if gone:
+            raise error from e
         raise
+
+
+def _out_of_torch_distributed(error: BaseException) -> bool:
+    """The error came out of torch.distributed (a collective, a barrier, DCP): a peer may have died."""
+    marker = f"{os.sep}torch{os.sep}distributed{os.sep}"
+    return any(marker in frame.filename for frame in traceback.extract_tb(error.__traceback__))
+
+
+def _gone_message(gone: list[int], rank: int, error: BaseException) -> str:
+    ranks = ", ".join(str(r) for r in gone)
+    # gloo's "[.../pair.cc:537] Read error [10.0.0.2]:50899: Connection reset by peer. This is typically...":
+    # the words after the source location, to the first full stop.
+    said = re.sub(r"^\[[^\]]*\]\s*", "", (str(error).splitlines() or [""])[0]).split(". ")[0][:200]
+    return (
+        f"rank {ranks} {'is' if len(gone) == 1 else 'are'} gone: the process ended without a word (killed: "
+        f"kill -9, the OOM killer, a lost node) while rank {rank} waited for it in a collective "
+        f"({type(error).__name__}: {said})"
+    )

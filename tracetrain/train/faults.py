@@ -8,9 +8,11 @@ Two ways a run ends before its last step, both leaving a checkpoint to resume fr
   that let an exception escape) is caught at the top of the loop; the run saves an interruption checkpoint
   of the steps done so far, then ends with one line naming the cause (`RunStopped`, exit status 1).
 Under torchrun a signal stops every rank at the same step boundary (`StopFlag.agreed`), and the ranks save
-one checkpoint together. An error saves only in single-process runs: a save is collective, and a rank that
-failed cannot lead one (parallel/dist.py's failure_guard stops the other ranks instead; the last periodic
-checkpoint stays).
+one checkpoint together; ranks that got different signals before that boundary (SIGINT on one, SIGTERM on
+another) all take the largest number, so that every rank exits with one status and summary.json names it.
+An error saves only in single-process runs: a save is collective, and a rank that failed cannot lead one
+(parallel/dist.py's failure_guard stops the other ranks instead; the last periodic checkpoint stays).
+A data worker ignores these signals (data/loader.py): the run's process decides, and ends its workers.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class StopFlag:
         self.signum: int | None = None
         self.warned = False
         self.hold = hold
+        self.pid = os.getpid()
         self.previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         for s in self.previous:
             signal.signal(s, self._handle)
@@ -59,6 +62,10 @@ class StopFlag:
         return signal.Signals(self.signum).name if self.signum else None
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.pid:
+            # A forked child (a DataLoader worker) inherits the handler; Ctrl-C reaches the whole process
+            # group. The run's own process decides and speaks; a worker ignores the signal, silently.
+            return
         name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum
@@ -71,12 +78,13 @@ class StopFlag:
         """Whether the run stops at this step boundary. Under torchrun the save is collective, so every rank
         must stop at the same step; yet a signal can reach one rank only (a worker killed alone), or reach
         the ranks on either side of a boundary (torchrun forwards SIGTERM to its workers one by one). So at
-        every boundary the ranks take the largest signal number any of them holds, and a rank that got
-        none adopts it (its exit status then says it too). The decision is the reduced value alone: a
-        signal that lands during the reduction (its handler runs when the call returns) was not sent, so
-        the other ranks go on; this rank stops with them at the next boundary, not alone at this one. A
-        CPU tensor: gloo carries it, in an NCCL job too (parallel/dist.py), without waiting for the
-        device; 4 bytes and one round trip a step."""
+        every boundary the ranks take the largest signal number any of them holds, and every rank adopts it,
+        whether it got none or another one (SIGINT here, SIGTERM there): all ranks then exit with one status,
+        the one rank 0's summary names. The decision is the reduced value alone: a signal that lands during
+        the reduction (its handler runs when the call returns) was not sent, so the other ranks go on; this
+        rank stops with them at the next boundary, not alone at this one. A CPU tensor: gloo carries it, in
+        an NCCL job too (parallel/dist.py), without waiting for the device; 4 bytes and one round trip a
+        step."""
         if not distributed:
             return self.signum is not None
         import torch
@@ -86,8 +94,10 @@ class StopFlag:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         agreed = int(flag.item())
         if agreed and self.signum is None:
+            name = signal.Signals(agreed).name
+            _say(f"another rank received {name}: finishing this step, then saving a checkpoint\n")
+        if agreed:
             self.signum = agreed
-            _say(f"another rank received {self.name}: finishing this step, then saving a checkpoint\n")
         return agreed != 0
 
     def restore(self) -> None:

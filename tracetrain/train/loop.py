@@ -140,7 +140,8 @@ def _train(run: _Run, stop: StopFlag) -> TrainResult:
         with tdist.failure_guard(run.watchdog, run.dist.rank), run.oom_guard("step"):
             try:
                 interrupted_at = run.run_steps(stop)
-                summary = run.finish(interrupted_at, stop.name)
+                with run.between_steps("the end of the run (final evaluation, checkpoint, summary)"):
+                    summary = run.finish(interrupted_at, stop.name)
             except Exception as e:
                 if is_out_of_memory(e):
                     raise  # oom_guard explains it
@@ -179,6 +180,7 @@ class _Run(RunSetup):
             data_fingerprint=self.data_fingerprint,
         )
         with (
+            self.between_steps(f"the checkpoint save at step {step}"),
             self.reporter.status(f"saving checkpoint at step {step}") as progress,
             self.prof.phase("checkpoint"),
             self.phases("save"),
@@ -235,6 +237,10 @@ class _Run(RunSetup):
         return RunStopped(
             f"{cause} at step {done}: saved checkpoint {path}; continue with: tracetrain train --resume {self.run_dir}"
         )
+
+    def between_steps(self, where: str) -> contextlib.AbstractContextManager[None]:
+        """A phase that is not a step (an evaluation, a save): the watchdog does not time it as one."""
+        return self.watchdog.between_steps(where) if self.watchdog is not None else contextlib.nullcontext()
 
     def _refuse_non_finite_weights(self, step: int) -> None:
         """A checkpoint never holds NaN/inf weights: an update from finite gradients can still overflow them,
@@ -307,7 +313,12 @@ class _Run(RunSetup):
     def evaluate(self, done: int) -> None:
         if not self.can_evaluate():
             return
-        with self.prof.phase("eval"), self.phases("evaluation"), self.reporter.status("evaluating") as progress:
+        with (
+            self.between_steps(f"the evaluation at step {done}"),
+            self.prof.phase("eval"),
+            self.phases("evaluation"),
+            self.reporter.status("evaluating") as progress,
+        ):
             values = run_eval(self.model, self.eval_ds, self.cfg, self.ctx, progress)
         self.metrics.log_eval(done, values)
         self.reporter.eval_line(done, values)
@@ -331,7 +342,7 @@ class _Run(RunSetup):
                 self.callbacks("on_eval", done, dict(summary))
             summary.update(_throughput_summary(self.metrics, self.cfg, done))
             if self.cfg.checkpoint.save_final:
-                summary["checkpoint"] = str(self.checkpoint(self.cfg.train.steps))
+                summary["checkpoint"] = str(self._final_checkpoint())
         summary.update(extra, **self.sizing)
         if self.dist.is_distributed:
             summary.update({"world_size": self.dist.world_size, "tokens_per_s_is_per_gpu": True})
@@ -344,6 +355,14 @@ class _Run(RunSetup):
         if "final_steps_skipped" in summary:
             raise self._ended_on_skipped_steps(summary)
         return summary
+
+    def _final_checkpoint(self) -> Path:
+        """The checkpoint of the final weights: saved now, unless this process resumed from a checkpoint
+        of the last step and trained none (a signal in the last step saved it, then the run was resumed):
+        that checkpoint holds them already, and saving it again would only replace it with a copy."""
+        if self.resumed_from is not None and self.done == self.start_step:
+            return self.resumed_from
+        return self.checkpoint(self.cfg.train.steps)
 
     def _ended_on_skipped_steps(self, summary: dict[str, Any]) -> TracetrainError:
         """The rule: a run whose final step diverged (loss or gradient NaN/inf, update not applied) fails,

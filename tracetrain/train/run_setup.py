@@ -72,6 +72,7 @@ class RunSetup:
         self._build_model_and_optimizer()
         self._build_instruments()
         self.start_step = self.step = self.done = 0  # done: steps completed so far
+        self.resumed_from: Path | None = None  # the checkpoint this process continued from
         self.skipped_at_start = 0  # non-finite steps skipped before the checkpoint resumed from
 
     def _join_job(self, log_dir: Path | None) -> None:
@@ -267,6 +268,7 @@ class RunSetup:
         if note:
             self.reporter.note(note)
         self.start_step = self.step = self.done = state.step
+        self.resumed_from = resume.checkpoint
         self.skipped_at_start = state.counters.get("skipped_steps", 0)
         self.reporter.note(f"resumed from {resume.checkpoint} at step {self.start_step}")
 

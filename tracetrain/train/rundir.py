@@ -8,6 +8,9 @@ process can say who has it. The kernel drops a flock when its holder dies, even 
 file left behind never blocks a resume. The file itself is never deleted: unlinking a lock file lets a
 third process lock a fresh inode while the second still holds the old one.
 Under torchrun only rank 0 locks: the other ranks are part of the same run.
+A directory left by a start that never finished a step (killed in its setup, or a torchrun job whose
+setup failed: the ranks' logs stay) holds no result; a new start of the same name takes it over once its
+lock is free.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 from dataclasses import dataclass
@@ -116,8 +120,10 @@ def claim_new_run_dir(run_dir: Path) -> RunLock | None:
     try:
         run_dir.mkdir()  # exclusive: of two processes, one gets FileExistsError
     except FileExistsError:
-        if not run_dir.is_dir() or any(run_dir.iterdir()):
+        if not run_dir.is_dir():
             return None
+        if any(run_dir.iterdir()):
+            return _take_over_unstarted(run_dir)
         created = False  # made empty beforehand (by the user, or by another rank of this job)
     try:
         # O_EXCL decides between processes that both found the directory empty.
@@ -134,6 +140,35 @@ def claim_new_run_dir(run_dir: Path) -> RunLock | None:
 SETUP_FILES = frozenset(
     {LOCK_NAME, "config.toml", "data_stats.json", "spec.json", "metrics.jsonl", "tensorboard", "profile"}
 )
+
+
+# What a start that never finished a step leaves when it dies before it can clean up: SIGKILL, or a torchrun
+# job stopped or failed in its setup (its directory is claimed before setup, so that the ranks log into
+# it): the files a setup writes, their temporary siblings (`atomic_write_text` cut short) and the ranks'
+# logs/; no metrics row, no checkpoint.
+UNSTARTED_FILES = SETUP_FILES | {"logs"}
+
+
+def _left_by_setup(name: str) -> bool:
+    temporary = re.fullmatch(r"\.(.+)\.tmp-\d+", name)
+    return name in UNSTARTED_FILES or (temporary is not None and temporary.group(1) in SETUP_FILES)
+
+
+def _take_over_unstarted(run_dir: Path) -> RunLock | None:
+    """Claim a directory left by a start that never finished a step: nothing in it is a result (a new start
+    writes its files anew and appends to the ranks' logs), and refusing it would leave the name unusable,
+    also to `--resume auto` (no checkpoint: a fresh start). None for any other directory, and while a live
+    process holds its lock (a start in progress, or the winner of two starts at once)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not all(_left_by_setup(p.name) for p in run_dir.iterdir()) or (metrics.exists() and os.lstat(metrics).st_size):
+        return None
+    fd = open_no_follow(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return _lock(run_dir, fd, created=True)  # may remove it again if this start fails too
 
 
 def discard_unstarted(lock: RunLock) -> None:
