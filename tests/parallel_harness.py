@@ -373,12 +373,10 @@ def _subset_diff(got: tuple[dict, dict], want: tuple[dict, dict]) -> float:
 # Compositions with several ranks
 
 
-def fp16_found_inf_drill(out_path: str, layouts: list[str]) -> None:
-    """For each layout over 2 ranks (FSDP, TP, CP) with fp16 loss scaling, one step twice: with an inf
-    put into rank 1's local gradient shard alone after the backward ("inject"), then without ("control").
-    With the inf, the trainer's optimizer_update must skip the step and back off the scale on every rank
-    alike. All cases run in one job (process start-up dominates on a 2-core CI machine); rank 0 writes
-    {layout: {"inject": {scale, changed (params moved), ...} per rank, "control": {...}}}."""
+def compose_drills(out_path: str, inf_layouts: list[str], offload_layouts: list[list[str]]) -> None:
+    """The fp16 found-inf drill over `inf_layouts` and the activation-offload drill over `offload_layouts`,
+    in one job (process start-up dominates on a 2-core CI machine); rank 0 writes
+    {"found_inf": `found_inf_results`, "offload": `offload_results`}."""
     import json
 
     from tracetrain.parallel import dist as tdist
@@ -386,16 +384,25 @@ def fp16_found_inf_drill(out_path: str, layouts: list[str]) -> None:
     torch.set_num_threads(1)
     info = tdist.init_distributed(120, "cpu")
     results = {
-        layout: {
-            case: _found_inf_step(layout, case == "inject", info.rank, info.world_size)
-            for case in ("inject", "control")
-        }
-        for layout in layouts
+        "found_inf": found_inf_results(inf_layouts, info.rank, info.world_size),
+        "offload": offload_results(offload_layouts, info.world_size),
     }
     if info.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
     tdist.shutdown()
+
+
+def found_inf_results(layouts: list[str], rank: int, world_size: int) -> dict[str, object]:
+    """For each layout over 2 ranks (FSDP, TP, CP) with fp16 loss scaling, one step twice: with an inf
+    put into rank 1's local gradient shard alone after the backward ("inject"), then without ("control").
+    With the inf, the trainer's optimizer_update must skip the step and back off the scale on every rank
+    alike. {layout: {"inject": {scale, changed (params moved), ...} per rank, "control": {...}}}
+    (collective: every rank calls it)."""
+    return {
+        layout: {case: _found_inf_step(layout, case == "inject", rank, world_size) for case in ("inject", "control")}
+        for layout in layouts
+    }
 
 
 def _found_inf_step(layout: str, inject: bool, rank: int, world_size: int) -> dict[str, object]:
@@ -430,28 +437,18 @@ def _found_inf_step(layout: str, inject: bool, rank: int, world_size: int) -> di
     }
 
 
-def activation_offload_drill(out_path: str, layouts: list[list[str]]) -> None:
+def offload_results(layouts: list[list[str]], world_size: int) -> dict[str, object]:
     """For each data-parallel layout (config overrides), streamed activation offload (half the blocks):
-    2 steps with the layout and in one process on the same global batches (4 rows). Rank 0 writes
+    2 steps with the layout and in one process on the same global batches (4 rows).
     {" ".join(overrides): {max loss/grad/param diffs, per rank: the bytes and tensors its last forward
     offloaded next to what one process offloads for a batch of the same shape as that rank's rows}}: equal
     only if the layout's gathered weights (FSDP's unsharded parameters) are recognised as weights and stay
-    where they are. All layouts run in one job."""
-    import json
-
-    from tracetrain.parallel import dist as tdist
-
-    torch.set_num_threads(1)
-    info = tdist.init_distributed(120, "cpu")
-    results = {" ".join(overrides): _offload_compared(overrides, info.world_size) for overrides in layouts}
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    tdist.shutdown()
+    where they are (collective: every rank calls it)."""
+    return {" ".join(overrides): _offload_compared(overrides, world_size) for overrides in layouts}
 
 
 def _offload_compared(overrides: list[str], world_size: int) -> dict[str, object]:
-    """`activation_offload_drill` for one layout (collective: every rank calls it)."""
+    """`offload_results` for one layout (collective: every rank calls it)."""
     import torch.distributed as dist
 
     cfg = tiny_config([*overrides, "--memory.activation_offload=streamed", "--memory.activation_offload_fraction=0.5"])
