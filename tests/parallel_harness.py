@@ -56,9 +56,7 @@ def global_batches(cfg: Config, rows: int, num: int, seed: int = 7) -> list[dict
     return smoke_batches(cfg, rows, seed, num)
 
 
-def run_step(
-    a: Assembly, micro_batches: list[dict[str, torch.Tensor]], optimizer: object = None
-) -> StepOutput:
+def run_step(a: Assembly, micro_batches: list[dict[str, torch.Tensor]], optimizer: object = None) -> StepOutput:
     """The trainer's `train_step` on the assembled run `a` (its layout's hooks ride in the StepContext, as in
     the trainer); `optimizer`: a wrapper of a.optimizer that records something around its step."""
     opt = optimizer if optimizer is not None else a.optimizer
@@ -153,7 +151,9 @@ def _layer_keys(part: nn.Module) -> list[str]:
 def _accumulation_probe(a: Assembly, batch: dict[str, torch.Tensor]) -> dict[str, dict[str, int]] | None:
     """Collectives issued by a non-final ("first") and the final ("last") micro-batch of a step:
     {"first": {"allgather_base": 6, ...}, "last": {...}} from the profiler's c10d op names (the step's
-    own micro-batch loss, `micro_batch_loss`)."""
+    own micro-batch loss, `micro_batch_loss`). The names are read from the raw kineto events: building
+    the profiler's FunctionEvent tree (`prof.events()`) for every op of a sharded forward and backward
+    cost ~0.7 s a probe on each rank, the names alone ~10 ms."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
@@ -169,7 +169,7 @@ def _accumulation_probe(a: Assembly, batch: dict[str, torch.Tensor]) -> dict[str
     for is_last in (False, True):
         with profile(activities=[ProfilerActivity.CPU]) as prof, par.micro_batch(is_last=is_last):
             micro_batch_loss(par.module, mb, ctx)[0].backward()
-        names = [e.name for e in prof.events()]
+        names = [e.name() for e in prof.profiler.kineto_results.events()]
         tag = "last" if is_last else "first"
         counts[tag] = dict(Counter(n.split("::")[1].strip("_") for n in names if n.startswith("c10d::")))
     for p in par.module.parameters():
@@ -182,10 +182,12 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
     batches; rank 0 writes {name: {loss, norm, grad, param (max abs diffs over all ranks), facts}}.
 
     A layout is {"name", "overrides" (config CLI overrides), "accum" (micro-batches per step: the
-    config's train.grad_accum_steps), "split_reference" (the single-process reference accumulates the
-    global batch row-chunk by row-chunk, one per data-parallel rank: needed where per-micro-batch
-    statistics (MoE load balancing) enter the gradient)}. Both runs are assembled by the trainer's path,
-    so the MoE load-balancing weight is the trainer's (the mean over the step's forward passes).
+    config's train.grad_accum_steps), "probe" (with accum > 1: also count the collectives of a first and
+    a last micro-batch, `_accumulation_probe`), "split_reference" (the single-process reference
+    accumulates the global batch row-chunk by row-chunk, one per data-parallel rank: needed where
+    per-micro-batch statistics (MoE load balancing) enter the gradient)}. Both runs are assembled by the
+    trainer's path, so the MoE load-balancing weight is the trainer's (the mean over the step's forward
+    passes).
     """
     import json
 
@@ -212,7 +214,7 @@ def check_layouts(layouts: list[dict], out_path: str, timeout_s: int = 120) -> N
             ]
         ref = train_and_record(reference_of(cfg), ref_steps)
         built = assemble_tiny(cfg, info.world_size, pm)
-        probe = _accumulation_probe(built, steps[0][0]) if accum > 1 else None
+        probe = _accumulation_probe(built, steps[0][0]) if accum > 1 and layout.get("probe") else None
         got = train_and_record(built, steps)
         diffs = torch.tensor(
             [
@@ -371,12 +373,10 @@ def _subset_diff(got: tuple[dict, dict], want: tuple[dict, dict]) -> float:
 # Compositions with several ranks
 
 
-def fp16_found_inf_drill(out_path: str, layouts: list[str]) -> None:
-    """For each layout over 2 ranks (FSDP, TP, CP) with fp16 loss scaling, one step twice: with an inf
-    put into rank 1's local gradient shard alone after the backward ("inject"), then without ("control").
-    With the inf, the trainer's optimizer_update must skip the step and back off the scale on every rank
-    alike. All cases run in one job (process start-up dominates on a 2-core CI machine); rank 0 writes
-    {layout: {"inject": {scale, changed (params moved), ...} per rank, "control": {...}}}."""
+def compose_drills(out_path: str, inf_layouts: list[str], offload_layouts: list[list[str]]) -> None:
+    """The fp16 found-inf drill over `inf_layouts` and the activation-offload drill over `offload_layouts`,
+    in one job (process start-up dominates on a 2-core CI machine); rank 0 writes
+    {"found_inf": `found_inf_results`, "offload": `offload_results`}."""
     import json
 
     from tracetrain.parallel import dist as tdist
@@ -384,16 +384,25 @@ def fp16_found_inf_drill(out_path: str, layouts: list[str]) -> None:
     torch.set_num_threads(1)
     info = tdist.init_distributed(120, "cpu")
     results = {
-        layout: {
-            case: _found_inf_step(layout, case == "inject", info.rank, info.world_size)
-            for case in ("inject", "control")
-        }
-        for layout in layouts
+        "found_inf": found_inf_results(inf_layouts, info.rank, info.world_size),
+        "offload": offload_results(offload_layouts, info.world_size),
     }
     if info.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
     tdist.shutdown()
+
+
+def found_inf_results(layouts: list[str], rank: int, world_size: int) -> dict[str, object]:
+    """For each layout over 2 ranks (FSDP, TP, CP) with fp16 loss scaling, one step twice: with an inf
+    put into rank 1's local gradient shard alone after the backward ("inject"), then without ("control").
+    With the inf, the trainer's optimizer_update must skip the step and back off the scale on every rank
+    alike. {layout: {"inject": {scale, changed (params moved), ...} per rank, "control": {...}}}
+    (collective: every rank calls it)."""
+    return {
+        layout: {case: _found_inf_step(layout, case == "inject", rank, world_size) for case in ("inject", "control")}
+        for layout in layouts
+    }
 
 
 def _found_inf_step(layout: str, inject: bool, rank: int, world_size: int) -> dict[str, object]:
@@ -428,28 +437,18 @@ def _found_inf_step(layout: str, inject: bool, rank: int, world_size: int) -> di
     }
 
 
-def activation_offload_drill(out_path: str, layouts: list[list[str]]) -> None:
+def offload_results(layouts: list[list[str]], world_size: int) -> dict[str, object]:
     """For each data-parallel layout (config overrides), streamed activation offload (half the blocks):
-    2 steps with the layout and in one process on the same global batches (4 rows). Rank 0 writes
+    2 steps with the layout and in one process on the same global batches (4 rows).
     {" ".join(overrides): {max loss/grad/param diffs, per rank: the bytes and tensors its last forward
     offloaded next to what one process offloads for a batch of the same shape as that rank's rows}}: equal
     only if the layout's gathered weights (FSDP's unsharded parameters) are recognised as weights and stay
-    where they are. All layouts run in one job."""
-    import json
-
-    from tracetrain.parallel import dist as tdist
-
-    torch.set_num_threads(1)
-    info = tdist.init_distributed(120, "cpu")
-    results = {" ".join(overrides): _offload_compared(overrides, info.world_size) for overrides in layouts}
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    tdist.shutdown()
+    where they are (collective: every rank calls it)."""
+    return {" ".join(overrides): _offload_compared(overrides, world_size) for overrides in layouts}
 
 
 def _offload_compared(overrides: list[str], world_size: int) -> dict[str, object]:
-    """`activation_offload_drill` for one layout (collective: every rank calls it)."""
+    """`offload_results` for one layout (collective: every rank calls it)."""
     import torch.distributed as dist
 
     cfg = tiny_config([*overrides, "--memory.activation_offload=streamed", "--memory.activation_offload_fraction=0.5"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_here
 from helpers import read_metrics
-from parallel_harness import activation_offload_drill, fp16_found_inf_drill
+from parallel_harness import compose_drills
 
 from tracetrain.parallel.launch import launch_local
 
@@ -92,14 +92,21 @@ def test_fp16_with_a_layout_matches_one_process(tmp_path, one_process, layout, r
 
 
 INF_LAYOUTS = ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.cp=2"]
+OFFLOAD_LAYOUTS = ["--parallel.dp_shard=2", "--parallel.dp_replicate=2"]
 
 
 @pytest.fixture(scope="module")
-def found_inf(tmp_path_factory) -> dict:
-    """Every layout's fp16 step with and without an inf on rank 1, in one 2-rank job."""
-    out = tmp_path_factory.mktemp("inf") / "inject.json"
-    launch_local(fp16_found_inf_drill, 2, str(out), INF_LAYOUTS, timeout_s=200)
+def drills(tmp_path_factory) -> dict:
+    """Every layout's fp16 step with and without an inf on rank 1, and both data-parallel layouts with
+    streamed activation offload against one process: one 2-rank job for both drills."""
+    out = tmp_path_factory.mktemp("drills") / "drills.json"
+    launch_local(compose_drills, 2, str(out), INF_LAYOUTS, [[layout] for layout in OFFLOAD_LAYOUTS], timeout_s=300)
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def found_inf(drills) -> dict:
+    return drills["found_inf"]
 
 
 @pytest.mark.parametrize("layout", INF_LAYOUTS)
@@ -113,15 +120,9 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(found_inf, layout):
     assert got["changed"] == [1.0, 1.0] and got["scale"] == [2.0**16, 2.0**16] and got["finite"]
 
 
-OFFLOAD_LAYOUTS = ["--parallel.dp_shard=2", "--parallel.dp_replicate=2"]
-
-
 @pytest.fixture(scope="module")
-def offload_compared(tmp_path_factory) -> dict:
-    """Both data-parallel layouts with streamed activation offload against one process, in one 2-rank job."""
-    out = tmp_path_factory.mktemp("offload") / "offload.json"
-    launch_local(activation_offload_drill, 2, str(out), [[layout] for layout in OFFLOAD_LAYOUTS], timeout_s=200)
-    return json.loads(out.read_text())
+def offload_compared(drills) -> dict:
+    return drills["offload"]
 
 
 @pytest.mark.parametrize("layout", OFFLOAD_LAYOUTS)

@@ -18,37 +18,60 @@ import json
 from pathlib import Path
 
 import pytest
+from parallel_harness import check_layouts
 
 from tracetrain.parallel.launch import launch_local
-from parallel_harness import check_layouts
 
 TOL_LOSS, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-6
 MOE = ["--model.num_experts=4", "--model.experts_top_k=2", "--model.moe_aux_loss_coef=0.01"]
 
+# "probe": the layouts whose collectives per micro-batch test_gradient_accumulation_reduces_once reads.
 LAYOUTS_2 = [
-    {"name": "dp_replicate", "overrides": ["--parallel.dp_replicate=2"], "accum": 2},
-    {"name": "zero1", "overrides": ["--parallel.dp_shard=2", "--parallel.zero_stage=1"], "accum": 2},
-    {"name": "zero2", "overrides": ["--parallel.dp_shard=2", "--parallel.zero_stage=2"], "accum": 2},
-    {"name": "zero3", "overrides": ["--parallel.dp_shard=2", "--parallel.zero_stage=3"], "accum": 2},
-    {"name": "tp", "overrides": ["--parallel.tp=2", "--parallel.sequence_parallel=false",
-                                 "--parallel.loss_parallel=false"]},
+    {"name": "dp_replicate", "overrides": ["--parallel.dp_replicate=2"], "accum": 2, "probe": True},
+    {"name": "zero1", "overrides": ["--parallel.dp_shard=2", "--parallel.zero_stage=1"], "accum": 2, "probe": True},
+    {"name": "zero2", "overrides": ["--parallel.dp_shard=2", "--parallel.zero_stage=2"], "accum": 2, "probe": True},
+    {"name": "zero3", "overrides": ["--parallel.dp_shard=2", "--parallel.zero_stage=3"], "accum": 2, "probe": True},
+    {
+        "name": "tp",
+        "overrides": ["--parallel.tp=2", "--parallel.sequence_parallel=false", "--parallel.loss_parallel=false"],
+    },
     {"name": "tp_sp", "overrides": ["--parallel.tp=2"]},  # + loss parallel (default)
     {"name": "tp_sp_recompute", "overrides": ["--parallel.tp=2", "--memory.recompute=full"]},  # TP -> recompute
-    {"name": "pp_gpipe", "overrides": ["--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--parallel.pp_microbatches=2"]},
-    {"name": "pp_1f1b", "overrides": ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", "--parallel.pp_microbatches=4"],
-     "accum": 2},
-    {"name": "pp_interleaved", "overrides": ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
-                                             "--parallel.pp_microbatches=4"]},
+    {
+        "name": "pp_gpipe",
+        "overrides": ["--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--parallel.pp_microbatches=2"],
+    },
+    {
+        "name": "pp_1f1b",
+        "overrides": ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", "--parallel.pp_microbatches=4"],
+        "accum": 2,
+    },
+    {
+        "name": "pp_interleaved",
+        "overrides": ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_microbatches=4"],
+    },
     {"name": "cp_packed", "overrides": ["--parallel.cp=2"]},
     {"name": "cp_unpacked", "overrides": ["--parallel.cp=2", "--data.pack=false"]},
     {"name": "ep", "overrides": ["--parallel.dp_shard=2", "--parallel.ep=2", *MOE], "split_reference": True},
 ]
 LAYOUTS_4 = [
-    {"name": "hsdp_2x2", "overrides": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"], "accum": 2},
+    {
+        "name": "hsdp_2x2",
+        "overrides": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+        "accum": 2,
+        "probe": True,
+    },
     {"name": "fsdp2_tp2", "overrides": ["--parallel.dp_shard=2", "--parallel.tp=2"], "accum": 2},
     {"name": "pp2_fsdp2", "overrides": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"]},
-    {"name": "pp2_tp2", "overrides": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.pp_schedule=interleaved_1f1b",
-                                      "--parallel.pp_microbatches=2"]},
+    {
+        "name": "pp2_tp2",
+        "overrides": [
+            "--parallel.pp=2",
+            "--parallel.tp=2",
+            "--parallel.pp_schedule=interleaved_1f1b",
+            "--parallel.pp_microbatches=2",
+        ],
+    },
     {"name": "cp2_tp2", "overrides": ["--parallel.cp=2", "--parallel.tp=2"]},
     {"name": "ep2_efsdp2", "overrides": ["--parallel.dp_shard=4", "--parallel.ep=2", *MOE], "split_reference": True},
 ]
@@ -95,7 +118,7 @@ def test_layouts_are_really_applied(results_2: dict, results_4: dict) -> None:
     assert results_2["tp"]["facts"]["input_layernorm.weight"]["placements"] == []  # no SP: plain, replicated
     assert results_2["tp_sp"]["facts"]["input_layernorm.weight"]["placements"] == ["R"]  # SP: a DTensor
     assert results_2["pp_1f1b"]["facts"]["num_layers_here"] == 2
-    assert results_2["pp_interleaved"]["facts"]["num_layers_here"] == 2   # 2 stages of 1 layer
+    assert results_2["pp_interleaved"]["facts"]["num_layers_here"] == 2  # 2 stages of 1 layer
     assert results_2["ep"]["facts"]["mlp.experts.gate_proj"]["local_shape"] == [2, 128, 64]  # 4 experts / ep 2
     assert results_4["fsdp2_tp2"]["facts"][q]["local_shape"] == [16, 64]  # FSDP 2 x TP 2
     assert results_4["hsdp_2x2"]["facts"][q]["placements"] == ["R", "S(0)"]
@@ -104,6 +127,7 @@ def test_layouts_are_really_applied(results_2: dict, results_4: dict) -> None:
 
 def test_gradient_accumulation_reduces_once(results_2: dict, results_4: dict) -> None:
     """Collectives of a non-final ("first") and the final micro-batch's forward + backward."""
+
     def probe(r: dict, which: str) -> dict:
         return r["accumulation_probe"][which]
 
@@ -124,10 +148,15 @@ def test_gradient_accumulation_reduces_once(results_2: dict, results_4: dict) ->
 
 
 LAYOUTS_8 = [
-    {"name": "pp2_fsdp2_tp2", "overrides": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
-                                            "--parallel.pp_microbatches=2"]},
-    {"name": "hsdp2_cp2_tp2", "overrides": ["--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.tp=2"],
-     "accum": 2},
+    {
+        "name": "pp2_fsdp2_tp2",
+        "overrides": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.pp_microbatches=2"],
+    },
+    {
+        "name": "hsdp2_cp2_tp2",
+        "overrides": ["--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.tp=2"],
+        "accum": 2,
+    },
 ]
 
 

@@ -139,16 +139,38 @@ def gather_and_compare(layouts: dict[str, list[str]], out_path: str) -> None:
     tdist.shutdown()  # every rank waits for the others first: rank 0 hosts the store
 
 
-@pytest.mark.parametrize(
-    ("world", "layouts"), [(2, LAYOUTS_2), (2, LAYOUTS_2_HF), (4, LAYOUTS_4)], ids=["2_ranks", "2_ranks_hf", "4_ranks"]
-)
-def test_sharded_init_equals_one_rank_init(tmp_path: Path, world: int, layouts: dict) -> None:
-    write_tiny_hf(tmp_path / "hf")
-    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
-    layouts = {k: [o.format(hf=tmp_path / "hf") for o in v] for k, v in layouts.items()}
-    out = tmp_path / "init.json"
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("init") / "hf"
+    write_tiny_hf(out)
+    assert len(list(out.glob("*.safetensors"))) > 1
+    return out
+
+
+def _sharded_inits(world: int, layouts: dict[str, list[str]], hf: Path, out: Path) -> dict:
+    layouts = {k: [o.format(hf=hf) for o in v] for k, v in layouts.items()}
     launch_local(gather_and_compare, world, layouts, str(out), timeout_s=400)
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_rank_inits(hf_checkpoint: Path) -> dict:
+    """Both 2-rank groups (random init and init_from) in one job: one start-up of the ranks, not two."""
+    return _sharded_inits(2, {**LAYOUTS_2, **LAYOUTS_2_HF}, hf_checkpoint, hf_checkpoint.parent / "init_2.json")
+
+
+@pytest.fixture(scope="module")
+def four_rank_inits(hf_checkpoint: Path) -> dict:
+    return _sharded_inits(4, LAYOUTS_4, hf_checkpoint, hf_checkpoint.parent / "init_4.json")
+
+
+@pytest.mark.parametrize(
+    ("job", "layouts"),
+    [("two_rank_inits", LAYOUTS_2), ("two_rank_inits", LAYOUTS_2_HF), ("four_rank_inits", LAYOUTS_4)],
+    ids=["2_ranks", "2_ranks_hf", "4_ranks"],
+)
+def test_sharded_init_equals_one_rank_init(request: pytest.FixtureRequest, job: str, layouts: dict) -> None:
+    results = request.getfixturevalue(job)
     for name in layouts:
         r = results[name]
         assert r["num_params"] > 10 and not r["names_missing"] and not r["different"], (name, r)
