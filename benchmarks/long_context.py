@@ -543,7 +543,7 @@ def main() -> None:
 
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     systems = [x for x in a.systems.split(",") if x]
-    tag = a.part if set(systems) == set(SYSTEMS) else f"{a.part}_{'+'.join(x.replace(':', '-') for x in systems)}"
+    tag = a.part if set(systems) == set(SYSTEMS) else f"{a.part}_{'_'.join(x.replace(':', '-') for x in systems)}"
     name = f"long_context_{result['env']['device'].replace(' ', '-')}_{tag}.json"
     path = write_result(name, result, out)
     table = render(result)
