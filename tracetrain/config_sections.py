@@ -190,8 +190,8 @@ class TrainSection:
     )
     fused_kernels: Literal["auto", "on", "off"] = fld(
         "auto",
-        "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off; `generate` beside "
-        "compiled blocks keeps them off until measured, 'on' runs them in its eager KV-cache forwards).",
+        "Triton RMSNorm/RoPE/SwiGLU/LoRA kernels ('auto' = on for CUDA when compile is off, and for `generate` "
+        "on CUDA, whose KV-cache forwards run the blocks eagerly beside compiled blocks).",
     )
     fused_ce: bool = fld(True, "Chunked fused lm_head + cross-entropy: full-vocabulary fp32 logits never exist.")
     fused_ce_chunk: int = fld(4096, "Tokens per chunk of the fused lm_head + cross-entropy.", gt=0)

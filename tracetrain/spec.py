@@ -238,17 +238,15 @@ def resolve_tiled_mlp(cfg: Config, device: torch.device, d: _Decisions) -> tuple
 def resolve_kernels(asked: str, device: torch.device, compile_on: bool, generation: bool, d: _Decisions) -> bool:
     """The fused RMSNorm / RoPE / SwiGLU kernels. Inside compiled blocks they run the plain ops, which
     Inductor fuses (kernels/apply.py), so they matter where blocks run eagerly: every block without
-    compile, and generation's KV-cache forwards (decode steps, chunked prefill) with it. 'auto' = on for
-    CUDA without compile (measured to win in training, docs/speed.md). For generation beside compiled
-    blocks 'auto' stays off until measured (benchmarks/generate.py --prefill-variants eager,fused: the
-    decode and prefill figures in docs/inference.md are without them); `generation` then only words the
-    decision of an asked 'on'."""
-    on = resolve_switch(asked, device, unless=compile_on)
+    compile, and generation's KV-cache forwards (decode steps, the eager prefill) with it. 'auto' = on for
+    CUDA without compile (measured to win in training, docs/speed.md), and on for generation on CUDA
+    beside compiled blocks too: measured on one H100 (benchmarks/generate.py --prefill-variants
+    eager,compiled,fused, llama2-7b and llama3-8b, batch 1 and 16, 4k and 32k; docs/inference.md) the
+    eager prefill ran 1.23-1.45x faster with them and the graphed decode step 1.06-1.25x."""
+    on = resolve_switch(asked, device, unless=compile_on and not generation)
     if not on:
         why = "not CUDA" if device.type != "cuda" else "train.compile covers them"
-        if generation and device.type == "cuda":
-            why = "generation beside compiled blocks: not measured yet (train.fused_kernels = 'on' turns them on)"
-    elif compile_on:
+    elif generation and compile_on:
         why = "generation: KV-cache forwards run the blocks eagerly; compiled blocks trace the plain ops"
     else:
         why = "CUDA without compile"
@@ -301,9 +299,8 @@ def resolve(
     `model_args`: the architecture when already read (it may come from a checkpoint's config.json).
     `probe` False: decide for a device this process does not have (the planner: a Hopper GPU assumed,
     no capability query). `generation`: the spec `tracetrain generate` runs the trained model with
-    (`inference.load_trained`): an asked 'on' for the fused kernels beside compiled blocks is worded for
-    generation's KV-cache forwards, which run the blocks eagerly; 'auto' keeps them off there until
-    measured (`resolve_kernels`).
+    (`inference.load_trained`): the fused kernels, 'auto', run in generation's KV-cache forwards on CUDA
+    beside compiled blocks too, since those forwards run the blocks eagerly (`resolve_kernels`).
     """
     from tracetrain.errors import ConfigError
     from tracetrain.kernels.apply import FUSED_KERNELS
