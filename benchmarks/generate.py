@@ -8,7 +8,7 @@ CUDA graph, fixed shapes), `offload` (`OffloadedKVCache`, K/V in pinned host mem
 
 - Prefill: the whole prompt (random ids of one length: no padding, so the peer does the same work),
   as `generate_batch` does it by default (`prefill_chunk_tokens`: one forward over the whole prompt when
-  its activations fit in half of the free memory, else chunks; 2048-token chunks for the offloaded
+  its activations fit in 85% of the free memory, else chunks, halved on running out of memory; 2048-token chunks for the offloaded
   cache), timed once: batch x prompt / seconds. transformers: one `generate(max_new_tokens=1)` call (its
   prefill plus one step).
 - Prefill variants (`--prefill-variants`, default `eager`; #32): each in-GPU row (`gpu`, `gpu+graph`) is run

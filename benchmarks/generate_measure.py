@@ -190,7 +190,9 @@ def prefill(
     why = compiled_prefill_refusal(model, cache, prompt, chunk) if mode == "compiled" else None
     path = mode if why is None else f"eager: {why}"
     start = sync(dev)
-    with torch.no_grad(), autocast(s), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a refusal warns; the row records it as `path`
-        logits = library_prefill(model, tokens, positions, cache, chunk, mode)
+    with torch.no_grad(), autocast(s), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a refusal or a shrunk chunk warns; the row records it in `path`
+        logits = library_prefill(model, tokens, positions, cache, chunk, mode, shrink_on_oom=True)
+    shrunk = [str(w.message) for w in caught if "ran out of GPU memory" in str(w.message)]
+    path += "".join(f"; {m}" for m in shrunk)
     return logits, sync(dev) - start, path

@@ -11,13 +11,18 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from tracetrain.kernels.apply import compiled_frame_count
+from tracetrain.models import prefill as prefill_module
 from tracetrain.models.attention import cached_attention, lower_right_causal_mask
 from tracetrain.models.families import transformer_class
 from tracetrain.models.generate import GenerationRequest, generate_batch, make_cache
 from tracetrain.models.llama import ModelArgs
 from tracetrain.models.prefill import (
     DEFAULT_PREFILL_CHUNK,
+    PREFILL_CHUNK_MULTIPLE,
+    PREFILL_FREE_FRACTION,
+    PREFILL_RESERVE_BYTES,
     compiled_prefill_refusal,
+    fitting_chunk,
     forward_last,
     prefill,
     prefill_bytes_per_token,
@@ -41,6 +46,134 @@ def test_chunk_rules(gen_model) -> None:
     assert prefill_chunk_tokens(gen_model, 1, 40, offloaded, torch.float32, None) == DEFAULT_PREFILL_CHUNK
     # Llama 3 8B in bf16: the MLP's three (f,) tensors dominate, ~135 KiB per token.
     assert 120_000 < prefill_bytes_per_token(get_preset("llama3-8b"), 2) < 160_000
+
+
+def test_a_prompt_hugging_face_prefills_whole_is_one_forward() -> None:
+    """One H100 (79.2 GiB), llama2-7b, bf16, batch 1, 81,920 tokens: weights (12.6 GiB) and cache (40.0)
+    leave about 26 GiB free; Hugging Face prefilled it in one forward (peak 60.4 GiB) and the eager chunk
+    used 119 KB per token. Half of the free memory chunked it (75,776); the rule now takes it whole."""
+    per_token = prefill_bytes_per_token(get_preset("llama2-7b"), 2)
+    free = int(26.1 * 2**30)
+    assert free // 2 // per_token < 81_920  # what the half-of-free rule did
+    assert fitting_chunk(81_920, per_token, free) == 81_920
+    # Short of memory: the largest multiple of 1,024 whose count fits the usable share, at least 1,024.
+    free = 10 * 2**30
+    chunk = fitting_chunk(81_920, per_token, free)
+    assert chunk % PREFILL_CHUNK_MULTIPLE == 0 and chunk < 81_920
+    usable = PREFILL_FREE_FRACTION * (free - PREFILL_RESERVE_BYTES)
+    assert chunk * per_token <= usable < (chunk + PREFILL_CHUNK_MULTIPLE) * per_token
+    assert fitting_chunk(81_920, per_token, 0) == PREFILL_CHUNK_MULTIPLE
+
+
+def _prefilled(model, tokens: torch.Tensor, chunk: int, **kw) -> tuple[torch.Tensor, object]:
+    """Last logits and the cache after prefilling (batch, s) `tokens` from position 0."""
+    cache = make_cache(model, tokens.shape[0], tokens.shape[1] + 1, torch.float32, kv_offload=False, gpu_window=0)
+    cache.set_prompt_mask(torch.ones_like(tokens, dtype=torch.bool))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return prefill(model, tokens, positions, cache, chunk, **kw), cache
+
+
+def _run_out_of_memory_when(block, too_big) -> object:
+    """Make `block` raise CUDA's out-of-memory error (as a forward too large for the GPU does) whenever
+    `too_big(x)` holds for its input x; the earlier blocks of that forward have written their K/V."""
+
+    def hook(module, args):
+        if too_big(args[0]):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (injected)")
+
+    return block.register_forward_pre_hook(hook)
+
+
+# (first chunk, when block 1 runs out of memory, the lengths block 0 sees, the shrunk chunk)
+OOM_CASES = {
+    # the whole prompt fails: 5,000 -> chunks of 2,048 from position 0
+    "whole prompt fails": (5000, lambda x, cache: x.shape[1] > 2500, [5000, 2048, 2048, 904], 2048),
+    # the first 2,048-token chunk runs, the second fails: chunks of 1,024 from position 2,048
+    "second chunk fails": (
+        2048,
+        lambda x, cache: cache.length >= 2048 and x.shape[1] > 1024,
+        [2048, 2048, 1024, 1024, 904],
+        1024,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OOM_CASES))
+def test_a_forward_out_of_memory_goes_on_in_smaller_chunks(gen_model, case: str) -> None:
+    """A chunk sized from free memory that runs out of it all the same: the prompt goes on in chunks half as
+    long from the first position not yet written (the failed forward's partial writes overwritten); the
+    logits and every written key and value are those of a prefill that never failed."""
+    first, too_big, lengths, shrunk = OOM_CASES[case]
+    tokens = torch.randint(0, gen_model.args.vocab_size, (1, 5000), generator=torch.Generator().manual_seed(1))
+    want_logits, want = _prefilled(gen_model, tokens, 5000)
+    caches, seen = [], []
+    handles = [
+        gen_model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1])),
+        _run_out_of_memory_when(gen_model.layers[1], lambda x: too_big(x, caches[-1])),
+    ]
+    positions = torch.arange(5000).expand_as(tokens)
+    try:
+        results = []
+        for shrink in (False, True):
+            caches.append(make_cache(gen_model, 1, 5001, torch.float32, kv_offload=False, gpu_window=0))
+            caches[-1].set_prompt_mask(torch.ones_like(tokens, dtype=torch.bool))
+            seen.clear()
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
+                try:
+                    results.append(prefill(gen_model, tokens, positions, caches[-1], first, shrink_on_oom=shrink))
+                except torch.OutOfMemoryError:
+                    results.append(None)
+    finally:
+        for h in handles:
+            h.remove()
+    assert results[0] is None  # a chunk the caller asked for (shrink_on_oom off): the error stands
+    assert seen == lengths
+    (message,) = [str(w.message) for w in caught]
+    assert message.endswith(f"ran out of GPU memory; the prompt goes on in chunks of {shrunk} tokens"), message
+    cache = caches[-1]
+    assert cache.length == 5000
+    torch.testing.assert_close(results[1], want_logits)
+    for got_layer, want_layer in zip(cache.layers, want.layers):
+        torch.testing.assert_close(got_layer.k, want_layer.k)
+        torch.testing.assert_close(got_layer.v, want_layer.v)
+
+
+def test_out_of_memory_at_the_smallest_chunk_is_raised(gen_model) -> None:
+    tokens = torch.randint(0, gen_model.args.vocab_size, (1, 3000), generator=torch.Generator().manual_seed(2))
+    handle = _run_out_of_memory_when(gen_model.layers[0], lambda x: True)  # nothing fits
+    try:
+        with pytest.raises(torch.OutOfMemoryError), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _prefilled(gen_model, tokens, 3000, shrink_on_oom=True)
+    finally:
+        handle.remove()
+    # 3,000 -> 1,024 (one warning), and 1,024 is the floor: raised there
+    assert [str(w.message).split("chunks of ")[1] for w in caught] == [f"{PREFILL_CHUNK_MULTIPLE} tokens"]
+
+
+def test_a_compiled_prefill_out_of_memory_goes_on_eagerly_in_chunks(gen_model, monkeypatch) -> None:
+    """The compiled prefill writes the cache block by block and moves it only at the end: one that runs
+    out of memory part-way leaves partial writes, which the eager chunks overwrite."""
+    tokens = torch.randint(0, gen_model.args.vocab_size, (1, 3000), generator=torch.Generator().manual_seed(3))
+    want_logits, want = _prefilled(gen_model, tokens, 3000)
+
+    def compiled_that_fails(model, tokens, positions, cache):
+        cache.layers[0].k.fill_(7.0)  # block 0 wrote, then block 1 ran out of memory
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(prefill_module, "_compiled_prefill", compiled_that_fails)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits, cache = _prefilled(gen_model, tokens, 3000, mode="compiled", shrink_on_oom=True)
+    assert [str(w.message) for w in caught] == [
+        "the compiled prefill ran out of GPU memory; the prompt goes on in chunks of 1024 tokens"
+    ]
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(cache.layers[0].k[:, :, :3000], want.layers[0].k[:, :, :3000])
+    with pytest.raises(torch.OutOfMemoryError):  # without shrink_on_oom the error stands
+        _prefilled(gen_model, tokens, 3000, mode="compiled")
 
 
 def test_prompt_from_start_attends_to_its_own_keys(gen_model) -> None:

@@ -16,8 +16,9 @@ Prefill: when no row is left-padded and the cache is on the GPU, the whole promp
 forward (`prefill_chunk_tokens`): each layer's attention is one causal flash call over the prompt's own
 keys and values, no mask tensor and no read back of the cache it has just written; fewer, larger GEMMs
 and a sixteenth of the kernel launches of 2048-token chunks at 32k. Chunks of `prefill_chunk` tokens
-remain for what needs them: a forward whose activations would not fit in half of the free GPU memory
-(the chunk is then the largest that does), a padded batch (its dense mask grows with chunk x keys) and
+remain for what needs them: a forward whose activations would not fit in 85% of the free GPU memory
+(the chunk is then the largest that does; a forward that runs out of memory all the same goes on in chunks
+half as long, with a warning, unless `prefill_chunk` was given), a padded batch (its dense mask grows with chunk x keys) and
 the offloaded cache. Only the last position goes through the output head. `prefill_mode="compiled"` runs
 that one forward through compiled block functions instead (models/prefill.py); "eager", the default,
 runs the model's own eager forward.
@@ -310,7 +311,7 @@ def generate_batch(
         # Autocast's cast cache would hold tensors allocated inside the capture: off with graphs.
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=not graphed):
             start = time.perf_counter()
-            logits = prefill(model, tokens, positions, cache, chunk, prefill_mode)
+            logits = prefill(model, tokens, positions, cache, chunk, prefill_mode, shrink_on_oom=prefill_chunk is None)
             prefill_end = decode_start = _sync(device) if timings is not None else 0.0
             next_pos = positions[:, -1:] + 1  # (batch, 1)
             num_forwards = 0

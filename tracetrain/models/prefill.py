@@ -47,6 +47,13 @@ PrefillMode = Literal["eager", "compiled"]
 PREFILL_MODES: tuple[str, ...] = ("eager", "compiled")
 DEFAULT_PREFILL_CHUNK = 2048  # tokens per row and forward for padded batches and the offloaded cache
 PREFILL_CHUNK_MULTIPLE = 1024  # a chunk sized from free memory is a multiple of this
+# A forward's activations (prefill_bytes_per_token, an upper bound) may take this much of the free device
+# memory less a reserve (CUDA context growth, the allocator's rounding, the last position's logits). Half of
+# it, before 2026-12-07, chunked prompts Hugging Face prefills in one forward: on one H100, llama2-7b at
+# batch 1 and 81,920 tokens the chunk was 75,776, where the count is 180 KB per token and the eager chunk
+# used 119 KB per token (peak 60.9 GiB of 79.2: weights 12.6, cache 40.0).
+PREFILL_FREE_FRACTION = 0.85
+PREFILL_RESERVE_BYTES = 512 * 2**20
 
 
 def prefill_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
@@ -65,9 +72,11 @@ def prefill_chunk_tokens(
     model: Transformer, batch: int, prompt_len: int, cache: Any, dtype: torch.dtype, chunk: int | None
 ) -> int:
     """Tokens per row of each prefill forward (models/generate.py's docstring). `chunk` given: as asked.
-    Otherwise the whole prompt, for an unpadded batch on an in-GPU cache whose forward fits in half of the
-    free device memory (on the CPU: always); else the largest multiple of 1024 that fits (at least 1024),
-    or DEFAULT_PREFILL_CHUNK for padded rows and the offloaded cache."""
+    Otherwise the whole prompt, for an unpadded batch on an in-GPU cache whose forward fits in
+    PREFILL_FREE_FRACTION of the free device memory less PREFILL_RESERVE_BYTES (on the CPU: always); else the
+    largest multiple of 1024 that fits (at least 1024), or DEFAULT_PREFILL_CHUNK for padded rows and the
+    offloaded cache. A forward that runs out of memory all the same is retried in smaller chunks
+    (`prefill(..., shrink_on_oom=True)`, as `generate_batch` runs a chunk it sized itself)."""
     if chunk is not None:
         return chunk
     if cache.padded or isinstance(cache, OffloadedKVCache):
@@ -78,7 +87,15 @@ def prefill_chunk_tokens(
     from tracetrain.devices import free_device_bytes
 
     per_token = batch * prefill_bytes_per_token(model.args, torch.empty((), dtype=dtype).element_size())
-    fit = free_device_bytes(device) // 2 // per_token
+    return fitting_chunk(prompt_len, per_token, free_device_bytes(device))
+
+
+def fitting_chunk(prompt_len: int, per_token_bytes: int, free_bytes: int) -> int:
+    """The whole prompt when `prompt_len` tokens of `per_token_bytes` fit in PREFILL_FREE_FRACTION of
+    `free_bytes` less PREFILL_RESERVE_BYTES; else the largest multiple of PREFILL_CHUNK_MULTIPLE that does
+    (at least one)."""
+    usable = int(PREFILL_FREE_FRACTION * max(0, free_bytes - PREFILL_RESERVE_BYTES))
+    fit = usable // per_token_bytes
     if fit >= prompt_len:
         return prompt_len
     return max(PREFILL_CHUNK_MULTIPLE, fit // PREFILL_CHUNK_MULTIPLE * PREFILL_CHUNK_MULTIPLE)
@@ -122,20 +139,57 @@ def prefill(
     cache: Any,
     chunk: int,
     mode: PrefillMode = "eager",
+    *,
+    shrink_on_oom: bool = False,
 ) -> torch.Tensor:
     """(batch, prompt) tokens at `positions` into `cache`, `chunk` tokens per forward; logits of the last
     position (batch, vocab). `mode` "compiled" takes the compiled block functions where
-    `compiled_prefill_refusal` allows (module docstring), else warns with the reason and runs eagerly."""
+    `compiled_prefill_refusal` allows (module docstring), else warns with the reason and runs eagerly.
+
+    `shrink_on_oom` (a chunk sized by `prefill_chunk_tokens`, not asked for): a forward that runs out of
+    device memory is run again in chunks half as long (multiples of PREFILL_CHUNK_MULTIPLE, with a warning
+    naming both sizes) from the first position not yet written: the cache moves past a forward's positions
+    only after its last block, so a failed forward's partial writes are overwritten. At the smallest chunk,
+    or without `shrink_on_oom`, the error is raised."""
     check_prefill_mode(mode)
     prompt_len = tokens.shape[1]
+    start = cache.length
     if mode == "compiled":
         why = compiled_prefill_refusal(model, cache, prompt_len, chunk)
         if why is None:
-            return _compiled_prefill(model, tokens, positions, cache)
-        warnings.warn(f"prefill = 'compiled' runs eagerly here: {why}", stacklevel=2)
-    for a in range(0, prompt_len, chunk):
-        logits = forward_last(model, tokens[:, a : a + chunk], positions[:, a : a + chunk], cache)
+            try:
+                return _compiled_prefill(model, tokens, positions, cache)
+            except torch.OutOfMemoryError:
+                if not shrink_on_oom or prompt_len <= PREFILL_CHUNK_MULTIPLE:
+                    raise
+            chunk = _shrunk(prompt_len, prompt_len, "the compiled prefill")
+        else:
+            warnings.warn(f"prefill = 'compiled' runs eagerly here: {why}", stacklevel=2)
+    done = cache.length - start
+    logits = None
+    while done < prompt_len:
+        try:
+            logits = forward_last(model, tokens[:, done : done + chunk], positions[:, done : done + chunk], cache)
+        except torch.OutOfMemoryError:
+            if not shrink_on_oom or chunk <= PREFILL_CHUNK_MULTIPLE:
+                raise
+            failed = True
+        else:
+            failed = False
+        if failed:  # outside the handler: the failed forward's tensors (held by the traceback) are gone
+            chunk = _shrunk(chunk, prompt_len, f"a prefill forward of {min(chunk, prompt_len - done)} tokens")
+        done = cache.length - start
+    assert logits is not None  # the prompt has at least one token
     return logits
+
+
+def _shrunk(chunk: int, prompt_len: int, what: str) -> int:
+    """Half of `chunk` (a multiple of PREFILL_CHUNK_MULTIPLE, at least one), with a warning saying so."""
+    half = max(PREFILL_CHUNK_MULTIPLE, min(chunk, prompt_len) // 2 // PREFILL_CHUNK_MULTIPLE * PREFILL_CHUNK_MULTIPLE)
+    warnings.warn(f"{what} ran out of GPU memory; the prompt goes on in chunks of {half} tokens", stacklevel=3)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the failed forward's blocks, for the allocator to cut the smaller ones
+    return half
 
 
 class PromptKV:
