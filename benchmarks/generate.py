@@ -11,12 +11,12 @@ CUDA graph, fixed shapes), `offload` (`OffloadedKVCache`, K/V in pinned host mem
   its activations fit in 85% of the free memory, else chunks, halved on running out of memory; 2048-token chunks for the offloaded
   cache), timed once: batch x prompt / seconds. transformers: one `generate(max_new_tokens=1)` call (its
   prefill plus one step).
-- Prefill variants (`--prefill-variants`, default `eager`; #32): each in-GPU row (`gpu`, `gpu+graph`) is run
-  once per variant, next to transformers at the same case. `eager`: the model's own eager forward (as
-  `tracetrain generate` runs by default); `compiled`: the same prompt through compiled block functions
+- Prefill variants (`--prefill-variants`, default `fused`; #32): each in-GPU row (`gpu`, `gpu+graph`) is run
+  once per variant, next to transformers at the same case. `eager`: the model's own eager forward without
+  the fused kernels (`--train.fused_kernels=off`); `compiled`: the same prompt through compiled block functions
   (models/prefill.py; `generate_batch(prefill_mode="compiled")`); `fused`: a twin of the model on the same
   weights with the Triton RMSNorm / RoPE / SwiGLU kernels (the generation spec's kernel row), eager
-  prefill, and those kernels in its decode steps too. Each variant is warmed up at every batch size before
+  prefill, and those kernels in its decode steps too (what `tracetrain generate` runs by default on CUDA). Each variant is warmed up at every batch size before
   the timed rows (compilation, Triton's JIT and autotuning are not timed); a row says which path its
   prefill took (`prefill_path`: a compiled prefill that had to run in chunks says so). Each in-GPU row
   carries the planner's prefill tokens/s for its variant (`plan_prefill_tok_s`, `tracetrain.plan.plan_prefill`:
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--no-hf-longest", action="store_true", help="skip the prefill at the longest prompt HF holds")
     ap.add_argument(
         "--prefill-variants",
-        default="eager",
+        default="fused",
         help=f"comma-separated subset of {','.join(PREFILL_VARIANTS)}: a row per variant for each in-GPU method",
     )
     a = ap.parse_args()
