@@ -1,8 +1,8 @@
 """launch_local (parallel/launch.py): a start whose rendezvous port was taken meanwhile is retried on a new
 port (seen in CI: a parallel test worker took the port between free_port() and rank 0's bind, and a whole
 module of multi-process tests errored with EADDRINUSE). On Linux the ranks fork from the forkserver while the
-caller's environment is the one it started with, and then hold what a spawned rank would: the caller's
-environment, stdout and stderr at the call, and the thread count that environment gives."""
+caller's variables that libraries read as they load are those it started with, and then hold what a spawned
+rank would: the caller's environment, stdout and stderr at the call, and the thread count they give."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def rank_facts(out: str) -> None:
             "parent": os.getppid(),
             "threads": torch.get_num_threads(),
             "test": os.environ.get("PYTEST_CURRENT_TEST"),
-            "extra": os.environ.get("TRACETRAIN_LAUNCH_PROBE"),
+            "probe": os.environ.get("TRACETRAIN_LAUNCH_PROBE"),
+            "env": os.environ.get("TRACETRAIN_LAUNCH_ENV"),
         }
         Path(out).write_text(json.dumps(facts))
 
@@ -72,11 +73,12 @@ def test_ranks_fork_with_the_callers_environment_and_output(
 ) -> None:
     with capfd.disabled():  # the forkserver (if this test starts it) writes outside this test's capture
         assert launch.start_method() == "forkserver"
-    now = os.environ["PYTEST_CURRENT_TEST"] + " (a later step)"
-    monkeypatch.setenv("PYTEST_CURRENT_TEST", now)  # per call: still forked, and the rank sees the new value
-    facts = _facts(tmp_path, "forked.json", env={"TRACETRAIN_LAUNCH_PROBE": "on"})
+    # Variables read at run time, changed since the forkserver started: still forked, with the caller's.
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # set (for the test that ran) when the forkserver started
+    monkeypatch.setenv("TRACETRAIN_LAUNCH_PROBE", "on")
+    facts = _facts(tmp_path, "forked.json", env={"TRACETRAIN_LAUNCH_ENV": "given"})
     assert facts["parent"] != os.getpid()  # forked by the forkserver, not spawned from here
-    assert facts["test"] == now and facts["extra"] == "on"
+    assert facts["test"] is None and facts["probe"] == "on" and facts["env"] == "given"
     out, err = capfd.readouterr()
     assert all(f"rank {r} on stdout" in out and f"rank {r} on stderr" in err for r in (0, 1)), (out, err)
 

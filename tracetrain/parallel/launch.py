@@ -10,9 +10,9 @@ How the processes start (`start_method`): a spawned process is a fresh interpret
 fresh interpreter started once per calling process that has imported PRELOAD, so they start with torch
 imported (on a CI machine of 2 cores, the modules of 2- and 4-rank test jobs ran in about half the time).
 A forked rank holds nothing of the caller's state either: it gets `fn`, `args`, sys.path, the working
-directory, stdout and stderr as they are at the call, and the caller's environment, because it forks only
-while that is the environment the forkserver started with (libraries read some variables once, as they
-load: OpenMP's and MKL's thread counts). After a change the ranks are spawned.
+directory, the environment, stdout and stderr as they are at the call. Variables that libraries read once,
+as they load (LOAD_TIME_PREFIXES: OpenMP's thread count, torch's settings, ...), a forked rank has as the
+forkserver started; so ranks fork only while the caller's are the same, and are spawned after a change.
 """
 
 from __future__ import annotations
@@ -36,22 +36,27 @@ import torch.multiprocessing as mp
 # out of the forkserver.
 PRELOAD = ("torch", "torch.distributed", "tracetrain.train.assemble")
 
-# Variables that say what the caller is doing at the moment and that nothing reads as it loads: a rank
-# takes them from the call, and a change to them is no change of environment (pytest sets
-# PYTEST_CURRENT_TEST for every test; counting it would spawn every test's ranks but the first's).
-PER_CALL_VARIABLES = ("PYTEST_CURRENT_TEST",)
+# Variables read as a library loads, by the interpreter and the libraries in the forkserver after PRELOAD:
+# the loader and glibc, OpenMP (GNU, Intel), MKL, oneDNN, OpenBLAS and numpy, torch, triton, CUDA, sympy,
+# tqdm; and the locale. A variable of another name is read when the code that uses it runs, so a rank that
+# is given the caller's value at the call behaves as a spawned one; such variables (the ones MLflow and
+# inductor set in the caller as they run, under pytest PYTEST_CURRENT_TEST) do not stop the forking.
+LOAD_TIME_PREFIXES = (
+    "PYTHON", "LD_", "MALLOC_", "GLIBC_", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "DNNL_", "ONEDNN_",
+    "OPENBLAS_", "GOTO", "NPY_", "NUMPY_", "TORCH", "PYTORCH", "TRITON", "CUDA", "NVIDIA_", "SYMPY", "TQDM_",
+)  # fmt: skip
 
 
 def start_method() -> str:
-    """How ranks start now: "forkserver" on Linux while this process's environment (but for
-    PER_CALL_VARIABLES) is the one the forkserver started with, else "spawn".
+    """How ranks start now: "forkserver" on Linux while this process's LOAD_TIME_PREFIXES variables are
+    those the forkserver started with, else "spawn".
 
     The forkserver is multiprocessing's own, one per process, and the first call starts it with PRELOAD. If
     other code started it before, its environment is taken to be the one at the first call here, and ranks
     import what it did not preload themselves."""
     if not _forkserver_available():
         return "spawn"
-    return "forkserver" if _without_per_call(os.environ) == _forkserver_environ() else "spawn"
+    return "forkserver" if _load_time(os.environ) == _load_time(_forkserver_environ()) else "spawn"
 
 
 @functools.cache
@@ -67,11 +72,11 @@ def _forkserver_environ() -> dict[str, str]:
     from multiprocessing import forkserver
 
     forkserver.ensure_running()
-    return _without_per_call(os.environ)
+    return dict(os.environ)
 
 
-def _without_per_call(environ: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if k not in PER_CALL_VARIABLES}
+def _load_time(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(LOAD_TIME_PREFIXES)}
 
 
 def free_port() -> int:
@@ -102,18 +107,17 @@ def _entry(
     world_size: int,
     port: int,
     args: tuple,
-    env: dict[str, str | None],
+    environ: dict[str, str],
+    unset: list[str],
     std_fds: tuple[int, int] | None,
 ) -> None:
     if std_fds is not None:
         for fd, target in zip(std_fds, (1, 2), strict=True):
             os.dup2(fd, target)
             os.close(fd)
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    for name in unset:
+        os.environ.pop(name, None)
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -149,11 +153,15 @@ PORT_ATTEMPTS = 3
 
 def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, env: dict[str, str]) -> None:
     method = start_method()
-    rank_env = {**{name: os.environ.get(name) for name in PER_CALL_VARIABLES}, **env}
-    std_fds = (_CallersFd(1), _CallersFd(2)) if method == "forkserver" else None  # spawned: inherited
+    environ = {**os.environ, **env}
+    if method == "forkserver":  # what the caller has removed since the forkserver started, and its output
+        unset = [name for name in _forkserver_environ() if name not in environ]
+        std_fds: tuple[_CallersFd, _CallersFd] | None = (_CallersFd(1), _CallersFd(2))
+    else:  # spawned: the caller's already
+        unset, std_fds = [], None
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, free_port(), args, rank_env, std_fds),
+        args=(fn, world_size, free_port(), args, environ, unset, std_fds),
         nprocs=world_size,
         join=False,
         start_method=method,
