@@ -67,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result
-from generate_cases import attention_kernels, logits_difference, run_case, run_hf, run_ours
+from generate_cases import attention_kernels, cached_logits_difference, logits_difference, run_case, run_hf, run_ours
 from generate_measure import PREFILL_VARIANTS, build_models, failure, free_memory, fused_twin
 from generate_search import hf_longest, longest_context
 
@@ -274,6 +274,11 @@ def main() -> None:
             if hf is not None and "hf" in methods:
                 run_hf(hf, 1, 2 * s["chunk"], s)
                 results["ours_vs_hf_logits"].append({"model": name, **logits_difference(plain, hf, s)})
+                for variant, model in (("eager", plain), ("fused", ours["fused"])):
+                    if model is not None:  # the cached prefill + one decode step, per model
+                        row = {"model": name, "variant": variant, "path": "cached prefill + decode step"}
+                        results["ours_vs_hf_logits"].append({**row, **cached_logits_difference(model, hf, s)})
+                print(json.dumps(results["ours_vs_hf_logits"][-3:]), flush=True)
             free_memory()
         except Exception as e:
             rows.append({"model": name, "batch": 0, "context": 0, "method": "build", "status": failure(e)})

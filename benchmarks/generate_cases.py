@@ -142,6 +142,26 @@ def logits_difference(ours: Transformer, hf, s: dict) -> dict:
     }
 
 
+def cached_logits_difference(ours: Transformer, hf, s: dict) -> dict:
+    """The cached path against transformers' whole-prompt logits on one random prompt: the first 63 tokens
+    prefilled into an in-GPU cache (the last position's logits), then one decode step for the 64th (the
+    paths generation runs, with the fused kernels in the fused twin)."""
+    tokens = torch.randint(0, ours.args.vocab_size, (1, 64), device=s["device"])
+    positions = torch.arange(64, device=s["device"])[None]
+    cache = make_cache(ours, 1, 64, s["dtype"], False, 0)
+    cache.set_prompt_mask(torch.ones(1, 63, dtype=torch.bool, device=s["device"]))
+    with torch.no_grad(), autocast(s):
+        prefilled = forward_last(ours, tokens[:, :63], positions[:, :63], cache).float()
+        decoded = forward_last(ours, tokens[:, 63:], positions[:, 63:], cache).float()
+        ref = hf(tokens).logits.float()
+    a, b = torch.stack([prefilled[0], decoded[0]]), ref[0, 62:64]
+    return {
+        "max_abs_diff": round((a - b).abs().max().item(), 4),
+        "logit_std": round(b.std().item(), 4),
+        "same_argmax": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 3),
+    }
+
+
 def run_case(
     ours, hf, name: str, args: ModelArgs, method: str, batch: int, context: int, s: dict, variant: str = "eager"
 ) -> dict:
