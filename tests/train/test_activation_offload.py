@@ -75,6 +75,29 @@ def test_streamed_with_lora_dropout(recompute: str) -> None:
     assert offload.stats.num_tensors > 0
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_view_of_a_copied_tensor_is_not_copied_again(lora: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """o_proj's input (`out.transpose(1, 2).reshape(...)`) is a view of the attention output SDPA saved: one
+    host copy serves both. Against the same run with the view matching turned off: the same loss and
+    gradients, and exactly one attention output fewer copied per offloaded block."""
+    model = with_lora(tiny_model(), dropout=0.0) if lora else tiny_model()
+    ref = step(model, None)
+    wrapped, offload = transformed(model, "streamed")
+    assert isinstance(offload, StreamedOffload)
+    assert_same(ref, step(wrapped, offload))
+    shared = offload.stats
+    wrapped_again, naive = transformed(model, "streamed")
+    assert isinstance(naive, StreamedOffload)
+    monkeypatch.setattr(StreamedOffload, "_covering", staticmethod(lambda group, t: None))
+    assert_same(ref, step(wrapped_again, naive))
+    batch, seq = BATCH["input_ids"].shape
+    attention_out = batch * seq * ARGS.n_heads * ARGS.head_dim * 4  # float32
+    offloaded_blocks = ARGS.n_layers - 1
+    assert naive.stats.num_views == 0 and shared.num_views == offloaded_blocks
+    assert naive.stats.offloaded_bytes - shared.offloaded_bytes == offloaded_blocks * attention_out
+    assert shared.num_on_demand == 0 and offload.pool.num_bytes == shared.offloaded_bytes
+
+
 def test_pool_reuses_buffers_across_steps() -> None:
     wrapped, offload = transformed(tiny_model(), "streamed")
     assert isinstance(offload, StreamedOffload)

@@ -16,7 +16,11 @@ saved tensor when it was saved). Two modes:
     view of one, not one of the inputs shared by every block: rotary tables, mask) is copied to a pinned
     host buffer on the device-to-host (D2H) stream right when autograd saves it (the stream first waits
     for the compute stream, so the tensor is complete). The same view saved by several ops (the normed
-    input of q/k/v_proj) is copied once.
+    input of q/k/v_proj) is copied once, and a view that lies inside a dense tensor already copied
+    from the same memory, unmodified since (o_proj's input, `out.transpose(1, 2).reshape(...)`, is a view
+    of the attention output SDPA saved), is served from that copy: without that, each offloaded block
+    moved its attention output twice (measured on an H100 at 64k tokens, Llama 3.1 8B LoRA: 102.7 GiB
+    of host memory where one copy each is 87).
   * Release, stream-ordered: when block j's forward starts, the compute stream waits for the D2H
     copies of block j - L (an event) and only then are that block's device tensors dropped, so their
     memory goes back to the compute stream's pool at once and is reused by block j's own activations,
@@ -208,7 +212,8 @@ class _Slot:
     offloaded) holds the device tensor only: it tells `_unpack` which block's backward is running.
     """
 
-    __slots__ = ("__weakref__", "_key", "_pool", "block", "device", "device_copy", "host", "ready", "stored")
+    __slots__ = ("__weakref__", "_key", "_pool", "block", "device", "device_copy", "host", "parent", "ready",
+                 "source", "stored", "view")
 
     def __init__(
         self,
@@ -224,6 +229,21 @@ class _Slot:
         self.stored: torch.cuda.Event | None = None  # the D2H copy into `host` is done (D2H stream)
         self.ready: torch.cuda.Event | None = None  # copy back queued, compute stream not yet waiting
         self._pool, self._key = pool, key
+        # A view served from another slot's copy (`StreamedOffload._covering`): that slot, and this view's
+        # (shape, stride, element offset from the start of that slot's tensor). It holds no copy itself.
+        self.parent: _Slot | None = None
+        self.view: tuple[tuple[int, ...], tuple[int, ...], int] = ((), (), 0)
+        # While the block's forward runs (offloaded copies only): (storage offset, version) of the device
+        # tensor copied, for `_covering`; cleared when the forward ends.
+        self.source: tuple[int, int] | None = None
+
+    @classmethod
+    def view_of(cls, parent: _Slot, t: torch.Tensor) -> _Slot:
+        assert parent.source is not None
+        slot = cls(parent.block, t.device)
+        slot.parent = parent
+        slot.view = (tuple(t.shape), t.stride(), t.storage_offset() - parent.source[0])
+        return slot
 
     def __del__(self) -> None:
         if self.ready is not None:  # loaded back but never unpacked: its copy may still read `host`
@@ -240,6 +260,7 @@ class _Group:
     offloaded: bool
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # device tensors being copied out
     slots: dict[tuple, _Slot] = field(default_factory=dict)  # one copy per (storage, view) saved
+    dense: dict[int, list[_Slot]] = field(default_factory=dict)  # storage pointer -> dense tensors copied
 
 
 @dataclass
@@ -264,6 +285,7 @@ class OffloadStats:
 
     num_offloaded_blocks: int = 0  # blocks 0..k-1 offload, k..n-1 stay on the device
     num_tensors: int = 0  # distinct saved tensors copied to the host
+    num_views: int = 0  # saved views served from the copy of a dense tensor they lie in (not copied again)
     offloaded_bytes: int = 0
     num_on_demand: int = 0  # loaded back when needed instead of prefetched (0 in normal order)
     release_lag: int = 0  # block j's forward releases block j - release_lag's device tensors
@@ -373,6 +395,9 @@ class StreamedOffload(ActivationOffload):
             stored = self._side_streams(group.keep_alive[0].device).d2h.record_event()
             for slot in group.slots.values():
                 slot.stored = stored
+        for slot in group.slots.values():
+            slot.source = None  # the device tensors may be reused once released: no later match
+        group.dense.clear()
         if group.keep_alive:
             self._in_flight.append(_InFlight(group.index, stored, group.keep_alive))
         self._current = None
@@ -409,8 +434,30 @@ class StreamedOffload(ActivationOffload):
         key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         slot = group.slots.get(key)
         if slot is None:
-            slot = group.slots[key] = self._new_slot(t.detach(), group)
+            parent = self._covering(group, t) if group.offloaded else None
+            if parent is not None:
+                slot = _Slot.view_of(parent, t)
+                self.stats.num_views += 1
+            else:
+                slot = self._new_slot(t.detach(), group)
+            group.slots[key] = slot
         return slot
+
+    @staticmethod
+    def _covering(group: _Group, t: torch.Tensor) -> _Slot | None:
+        """A dense tensor of this block already copied whose memory holds all of `t`, unmodified since."""
+        candidates = group.dense.get(_storage_ptr(t))
+        if not candidates or any(st < 0 for st in t.stride()):
+            return None
+        low = t.storage_offset()
+        high = low + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))  # t's last element
+        for slot in candidates:
+            assert slot.source is not None and slot.host is not None
+            start, version = slot.source
+            if (version == t._version and slot.host.dtype == t.dtype and start <= low
+                    and high < start + slot.host.numel()):
+                return slot
+        return None
 
     def _new_slot(self, t: torch.Tensor, group: _Group) -> _Slot:
         if not group.offloaded:
@@ -428,6 +475,9 @@ class StreamedOffload(ActivationOffload):
         # de-duplication key unique.
         group.keep_alive.append(t)
         slot = _Slot(group.index, t.device, host=host, pool=self.pool, key=key)
+        if _is_dense(t) and all(st >= 0 for st in t.stride()):  # its host copy has its strides: views map
+            slot.source = (t.storage_offset(), t._version)
+            group.dense.setdefault(_storage_ptr(t), []).append(slot)
         self._by_block[group.index].append(weakref.ref(slot))
         self.stats.num_tensors += 1
         self.stats.offloaded_bytes += t.numel() * t.element_size()
@@ -436,6 +486,10 @@ class StreamedOffload(ActivationOffload):
     def _unpack(self, packed: torch.Tensor | _Slot) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if packed.parent is not None:  # a view of another saved tensor's copy: that copy, viewed
+            base = self._unpack(packed.parent)
+            shape, stride, offset = packed.view
+            return base.as_strided(shape, stride, base.storage_offset() + offset)
         slot = packed
         if slot.block < self._backward_block:  # the first tensor of a block's backward
             self._backward_block = slot.block
