@@ -191,11 +191,20 @@ def test_longest_context_is_the_fitting_edge() -> None:
 
 
 def test_fitting_remedy_names_switches_that_fit() -> None:
+    """200k tokens on an H200: with 120 GiB of host memory only recomputation fits; with the planner's
+    default host (1 TiB) every block's activations fit on the host, and offloading them without
+    recomputation is planned faster, so that is the advice."""
     cfg = _8b_lora()
+    remedy = fitting_remedy(cfg, 200_000, "h200", host_memory_gib=120)
+    assert remedy is not None
+    switches, recomputed = remedy
+    assert "--memory.recompute=full" in switches and recomputed.fits
     remedy = fitting_remedy(cfg, 200_000, "h200")
     assert remedy is not None
-    switches, p = remedy
-    assert "--memory.recompute=full" in switches and p.fits
+    switches, offloaded = remedy
+    assert switches == ("--memory.tiled_mlp=on", "--memory.activation_offload=streamed") and offloaded.fits
+    assert offloaded.input.recompute == "none" and offloaded.tokens_per_s > recomputed.tokens_per_s
+    assert offloaded.memory.host_bytes_per_node > 120 * 2**30  # why it was not the advice with 120 GiB
     assert fitting_remedy(cfg, 1 << 23, "h200", host_memory_gib=64) is None
 
 

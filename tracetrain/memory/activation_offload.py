@@ -212,8 +212,20 @@ class _Slot:
     offloaded) holds the device tensor only: it tells `_unpack` which block's backward is running.
     """
 
-    __slots__ = ("__weakref__", "_key", "_pool", "block", "device", "device_copy", "host", "parent", "ready",
-                 "source", "stored", "view")
+    __slots__ = (
+        "__weakref__",
+        "_key",
+        "_pool",
+        "block",
+        "device",
+        "device_copy",
+        "host",
+        "parent",
+        "ready",
+        "source",
+        "stored",
+        "view",
+    )
 
     def __init__(
         self,
@@ -242,7 +254,7 @@ class _Slot:
         assert parent.source is not None
         slot = cls(parent.block, t.device)
         slot.parent = parent
-        slot.view = (tuple(t.shape), t.stride(), t.storage_offset() - parent.source[0])
+        slot.view = (tuple(t.shape), t.stride(), int(t.storage_offset()) - parent.source[0])
         return slot
 
     def __del__(self) -> None:
@@ -454,8 +466,12 @@ class StreamedOffload(ActivationOffload):
         for slot in candidates:
             assert slot.source is not None and slot.host is not None
             start, version = slot.source
-            if (version == t._version and slot.host.dtype == t.dtype and start <= low
-                    and high < start + slot.host.numel()):
+            if (
+                version == t._version
+                and slot.host.dtype == t.dtype
+                and start <= low
+                and high < start + slot.host.numel()
+            ):
                 return slot
         return None
 
@@ -476,7 +492,7 @@ class StreamedOffload(ActivationOffload):
         group.keep_alive.append(t)
         slot = _Slot(group.index, t.device, host=host, pool=self.pool, key=key)
         if _is_dense(t) and all(st >= 0 for st in t.stride()):  # its host copy has its strides: views map
-            slot.source = (t.storage_offset(), t._version)
+            slot.source = (int(t.storage_offset()), t._version)
             group.dense.setdefault(_storage_ptr(t), []).append(slot)
         self._by_block[group.index].append(weakref.ref(slot))
         self.stats.num_tensors += 1
