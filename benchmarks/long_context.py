@@ -103,12 +103,12 @@ MEMORY = {
     "long": ("--memory.recompute=full", "--memory.activation_offload=streamed"),
     "none": (),
     "tiled": ("--memory.tiled_mlp=on",),
-    # Not among the planner's long-context remedies (plan/longest.py) yet, so never picked by `fastest_memory`;
-    # `--memory offload` runs it: every block's saved tensors streamed to the host, no recomputation. Planned
-    # fastest at 64k on an 80 GB H100 (5,094 tok/s, 27.2 GiB, 83 GiB of host memory; not measured).
+    # Every block's saved tensors streamed to the host, no recomputation (a row of the planner's long-context
+    # remedies, plan/longest.py): at 64k on an 80 GB H100 5,241 tok/s, 26.5 GiB, 87 GiB of host memory
+    # (planned 5,094, 27.2 and 86); its host memory grows with the length as fast as the GPU's would.
     "offload": ("--memory.tiled_mlp=on", "--memory.activation_offload=streamed"),
 }
-AUTO_MEMORY = ("long", "none", "tiled")  # what `fastest_memory` chooses from
+AUTO_MEMORY = ("long", "none", "tiled", "offload")  # what `fastest_memory` chooses from
 
 
 def our_overrides(seq: int, layers: int, fp8: bool, memory: str = "long") -> list[str]:
@@ -129,7 +129,9 @@ def fastest_memory(system: str, seq: int, gpu: str, caps: dict) -> str:
     for name in AUTO_MEMORY:
         cfg = load_config(None, our_overrides(seq, FULL_DEPTH, SYSTEMS[system]["fp8"], name))
         p = plan(plan_input_from_config(cfg, 1, gpu))
-        if p.memory.required_bytes <= 0.9 * caps["gpu_gib"] * GIB and p.tokens_per_s > best_tok_s:
+        fits = p.memory.required_bytes <= 0.9 * caps["gpu_gib"] * GIB
+        fits = fits and p.memory.host_bytes_per_node <= 0.9 * caps["host_gib"] * GIB
+        if fits and p.tokens_per_s > best_tok_s:
             best, best_tok_s = name, p.tokens_per_s
     return best
 
@@ -562,6 +564,8 @@ def main() -> None:
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     systems = [x for x in a.systems.split(",") if x]
     tag = a.part if set(systems) == set(SYSTEMS) else f"{a.part}_{'_'.join(x.replace(':', '-') for x in systems)}"
+    if a.lengths != PARTS[a.part]["lengths"]:  # a narrowed call must not overwrite the full part's file
+        tag += "_" + a.lengths.replace(",", "_")
     name = f"long_context_{result['env']['device'].replace(' ', '-')}_{tag}.json"
     path = write_result(name, result, out)
     table = render(result)
