@@ -98,6 +98,23 @@ def test_a_view_of_a_copied_tensor_is_not_copied_again(lora: bool, monkeypatch: 
     assert shared.num_on_demand == 0 and offload.pool.num_bytes == shared.offloaded_bytes
 
 
+def test_pool_bytes_as_the_planner_counts_them() -> None:
+    """`PinnedBufferPool.allocated_bytes` (what the planner adds for the pinned pool) against the bytes the
+    pool really allocates, for buffers carved a block's worth at a time (>= 64 MiB: block sizes are powers
+    of two) and taken in any number. (Pages never touched: nothing becomes resident.)"""
+    from tracetrain.memory.activation_offload import PinnedBufferPool
+
+    per_shape = 5
+    for nbytes in (PinnedBufferPool.CARVE_MIN_BYTES, PinnedBufferPool.CARVE_MIN_BYTES * 3 // 2 + 2):
+        like = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="meta")
+        pool, taken = PinnedBufferPool(per_shape=per_shape), []  # held, as saved tensors hold theirs
+        for count in range(1, 2 * per_shape + 2):
+            taken.append(pool.take(like))
+            assert pool.num_bytes == PinnedBufferPool.allocated_bytes(count, nbytes, per_shape), (nbytes, count)
+    # 1.5x a power of two wastes a quarter in carved blocks (3 per 8 GiB-like block, then the rest rounded)
+    assert PinnedBufferPool.allocated_bytes(31, 3 << 30, 31) > 31 * (3 << 30)
+
+
 def test_pool_reuses_buffers_across_steps() -> None:
     wrapped, offload = transformed(tiny_model(), "streamed")
     assert isinstance(offload, StreamedOffload)

@@ -192,6 +192,20 @@ class PinnedBufferPool:
         # A dense strided layout covers exactly numel elements: the flat view takes its strides.
         return [f.view(shape) if stride is None else f.as_strided(shape, stride) for f in flat]
 
+    @classmethod
+    def allocated_bytes(cls, count: int, nbytes: int, per_shape: int) -> int:
+        """Host bytes `take` allocates for `count` buffers of `nbytes` with one key, pinned (torch's pinned
+        allocator rounds each allocation up to a power of two): carved `per_shape` at a time from
+        `CARVE_MIN_BYTES` on, one each below."""
+        from tracetrain.models.kv_cache import carve_sizes
+
+        if nbytes <= 0 or count <= 0:
+            return 0
+        if nbytes >= cls.CARVE_MIN_BYTES and per_shape > 1:
+            full, rest = divmod(count, per_shape)
+            return full * sum(carve_sizes(per_shape, nbytes)) + (sum(carve_sizes(per_shape, nbytes)) if rest else 0)
+        return count * (1 << (nbytes - 1).bit_length())
+
     def give(self, key: tuple, buf: torch.Tensor) -> None:
         with self._lock:
             self._free[key].append(buf)

@@ -184,13 +184,24 @@ def carve_blocks(
     Each block wastes less than one tensor, and there are about log2(count) + 1 blocks."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     out: list[torch.Tensor] = []
-    while len(out) < count:
-        remaining_bytes = (count - len(out)) * nbytes
-        block_bytes = max(1 << (remaining_bytes.bit_length() - 1), 1 << (nbytes - 1).bit_length())
+    for block_bytes in carve_sizes(count, nbytes):
         block = alloc(block_bytes)
         for offset in range(0, min(block_bytes // nbytes, count - len(out)) * nbytes, nbytes):
             out.append(block[offset : offset + nbytes].view(dtype).view(shape))
     return out
+
+
+def carve_sizes(count: int, nbytes: int) -> list[int]:
+    """The byte blocks `carve_blocks` allocates for `count` tensors of `nbytes` each (the planner counts
+    pinned host memory with it: plan/memory.py)."""
+    sizes: list[int] = []
+    placed = 0
+    while placed < count:
+        remaining_bytes = (count - placed) * nbytes
+        block_bytes = max(1 << (remaining_bytes.bit_length() - 1), 1 << (nbytes - 1).bit_length())
+        sizes.append(block_bytes)
+        placed += min(block_bytes // nbytes, count - placed)
+    return sizes
 
 
 def _pinned_bytes(nbytes: int) -> torch.Tensor:

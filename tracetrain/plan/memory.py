@@ -71,7 +71,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tracetrain.memory.activation_offload import num_offloaded_blocks
+from tracetrain.memory.activation_offload import DEFAULT_MIN_OFFLOAD_BYTES, PinnedBufferPool, num_offloaded_blocks
 from tracetrain.plan import activations as act
 from tracetrain.plan.activations import Affine
 from tracetrain.plan.build_phase import BUILD_PHASES, SHARD_ITEM, build_items, build_phases
@@ -107,6 +107,9 @@ class MemoryModel:
     phases: dict[str, list[str]]
     cpu: dict[str, Affine] = field(default_factory=dict)
     managed: dict[str, Affine] = field(default_factory=dict)
+    # Streamed offload: (bytes of one saved tensor, offloaded blocks, micro-batches in flight) per kind of
+    # tensor, for the pinned pool's rounding (`pinned_pool_rounding`).
+    offloaded_tensors: list[tuple[Affine, int, int]] = field(default_factory=list)
 
     def phase_bytes(self, phase: str, tokens: float, seq: float) -> float:
         return sum(self.items[n].at(tokens, seq) for n in self.phases[phase])
@@ -187,7 +190,9 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
     return items, cpu
 
 
-def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Affine]) -> dict[str, Affine]:
+def _activations(
+    inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Affine], offloaded: list[tuple[Affine, int, int]]
+) -> dict[str, Affine]:
     """Activation items of one GPU: kept block activations x micro-batches in flight, what offload
     leaves on the GPU, what stays of them through the blocks' backward, and one block's backward working
     sets (all per token of the micro-batch, cp-split)."""
@@ -233,6 +238,11 @@ def _activations(inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Af
         )
         cpu["offloaded activations"] = (blocks - biggest * stays) * (1 / inp.cp)
         blocks = on_gpu
+        if inp.activation_offload == "streamed" and inp.recompute == "full" and n_ckpt == n:
+            # One tensor per offloaded block: its input. (Without recomputation a block offloads tensors
+            # of several sizes that the items sum up; their pool rounding is not modelled: nothing where
+            # they are powers of two, measured at 64k within 0.2%.)
+            offloaded.append((kept * (1 / inp.cp), n - stays, int(k)))
     return {
         "activations": (blocks + outside * k) * (1 / inp.cp),
         # the final norm's (and an eager lm_head's) saved input dies in the loss's backward, before any block's
@@ -292,7 +302,8 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
         # needs (forward and input gradient: 2 bytes per block matmul weight on the GPU) and moves the
         # bf16 base weight to the host: the GPU holds what bf16 LoRA holds, the host 2 bytes more each.
         cpu["bf16 copies of the FP8 base weights"] = Affine(2.0 * sp.num_blocks * sp.block_linear)
-    items.update(_activations(inp, stage, nm, cpu))
+    offloaded: list[tuple[Affine, int, int]] = []
+    items.update(_activations(inp, stage, nm, cpu, offloaded))
     n = sp.num_blocks
     n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)
     k = in_flight(inp, stage)
@@ -384,7 +395,21 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     if inp.unified_memory != "none":
         for name in ["AdamW states"] + (["weights"] if inp.unified_memory == "model" else []):
             managed[name], items[name] = items[name], Affine()
-    return MemoryModel(stage, items, phases, cpu, managed)
+    return MemoryModel(stage, items, phases, cpu, managed, offloaded)
+
+
+def pinned_pool_rounding(mm: MemoryModel, tokens: float, seq: float) -> float:
+    """Host bytes the streamed offload's pinned pool allocates beyond the offloaded tensors themselves, on
+    one GPU: torch's pinned allocator rounds each allocation up to a power of two, and the pool carves its
+    buffers out of power-of-two blocks (`PinnedBufferPool.allocated_bytes`): 4.2 GiB on 67.8 at 286,720
+    tokens with 31 block inputs of 2.19 GiB (measured on an H100: 73.4 GiB resident, 1.2 of it the process's
+    own), nothing where the tensors are powers of two (64k tokens)."""
+    extra = 0.0
+    for tensor, blocks, micro_batches in mm.offloaded_tensors:  # the pool carves one block's worth at a time
+        nbytes, count = math.ceil(tensor.at(tokens, seq)), blocks * micro_batches
+        if nbytes >= DEFAULT_MIN_OFFLOAD_BYTES:  # smaller ones stay on the GPU (counted on the host: < 1 MiB each)
+            extra += PinnedBufferPool.allocated_bytes(count, nbytes, blocks) - count * nbytes
+    return extra
 
 
 def _phases(inp: PlanInput, last: bool) -> dict[str, list[str]]:
@@ -481,7 +506,10 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
     phases = {p: mm.phase_bytes(p, tokens, seq) for p in mm.phases}
     build_peak = max(v for p, v in phases.items() if p in BUILD_PHASES)
     frag = FRAGMENTATION[inp.expandable_segments] * peak
-    host = sum(v.at(tokens, seq) for v in [*mm.cpu.values(), *mm.managed.values()]) * inp.gpus_on_node
+    cpu_bytes = {k: v.at(tokens, seq) for k, v in mm.cpu.items()}
+    if mm.offloaded_tensors:
+        cpu_bytes["pinned pool rounding"] = pinned_pool_rounding(mm, tokens, seq)
+    host = (sum(cpu_bytes.values()) + sum(v.at(tokens, seq) for v in mm.managed.values())) * inp.gpus_on_node
     hw = inp.hardware()
     return MemoryPlan(
         stage=mm.stage,
@@ -496,7 +524,7 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
         build_required_bytes=build_peak * (1 + FRAGMENTATION[inp.expandable_segments]) + CUDA_CONTEXT_BYTES,
         step_peak_bytes=max(v for p, v in phases.items() if p not in BUILD_PHASES),
         capacity_bytes=hw.memory_bytes,
-        cpu_bytes={k: v.at(tokens, seq) for k, v in mm.cpu.items()},
+        cpu_bytes=cpu_bytes,
         managed_bytes={k: v.at(tokens, seq) for k, v in mm.managed.items()},
         host_bytes_per_node=host,
         host_capacity_bytes=hw.host_memory_bytes,
