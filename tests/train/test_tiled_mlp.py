@@ -239,6 +239,25 @@ def test_preflight_line_names_the_longest_and_the_switches_that_fit() -> None:
     assert line.endswith("tokens/s).") and "It fits with --memory.recompute=full" in line
 
 
+def test_preflight_line_names_the_host_memory_an_offloading_remedy_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host with room for every block's activations the fastest remedy offloads them: the line says
+    how much host memory that takes, as planned."""
+    from tracetrain.plan import plan
+    from tracetrain.plan.longest import fitting_remedy
+    from tracetrain.plan.mapping import plan_input_from_config
+    from tracetrain.train import oom
+
+    monkeypatch.setattr(oom, "_host_available_gib", lambda: 512.0)
+    cfg = _8b_lora("--data.seq_len=200000")
+    p = plan(plan_input_from_config(cfg, 1, "h200"))
+    line = oom.preflight_line(cfg, "h200", p.memory.required_bytes / 2**30, p.memory.capacity_bytes / 2**30)
+    remedy = fitting_remedy(cfg, 200_000, "h200", host_memory_gib=512.0)
+    assert remedy is not None and remedy[1].memory.host_bytes_per_node > 100 * 2**30
+    host = remedy[1].memory.host_bytes_per_node / 2**30
+    assert f"It fits with {' '.join(remedy[0])} (planned " in line and "--memory.activation_offload=streamed" in line
+    assert f"and {host:.1f} GiB of host memory, " in line and line.endswith("tokens/s).")
+
+
 def test_fitting_remedy_is_the_fastest_planned_row_that_fits() -> None:
     """At 32k the tiled MLP alone and full recomputation both fit an 80 GB GPU; the planner predicts the
     tiled MLP faster (no block recomputed), so that is the advice, with its planned speed."""

@@ -97,9 +97,11 @@ def preflight_line(cfg: Config, gpu: str, need_gib: float, have_gib: float, worl
     if remedy is None:
         return f"{line} {suggestions(cfg, gpu, world_size)}"
     switches, p = remedy
+    host_need = p.memory.host_bytes_per_node / 2**30
+    host_part = f" and {host_need:.1f} GiB of host memory" if host_need >= 0.05 else ""  # offloading remedies
     return (
-        f"{line} It fits with {' '.join(switches)} (planned {p.memory.required_bytes / 2**30:.1f} GiB, "
-        f"{p.tokens_per_s:,.0f} tokens/s)."
+        f"{line} It fits with {' '.join(switches)} (planned {p.memory.required_bytes / 2**30:.1f} GiB per GPU"
+        f"{host_part}, {p.tokens_per_s:,.0f} tokens/s)."
     )
 
 
