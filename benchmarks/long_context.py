@@ -17,12 +17,13 @@ Every probe runs in its own process (an OOM leaves nothing behind; unsloth patch
 
 1. Timed lengths: the full 32-block model, `--steps` steps; tokens/s from the median step after the
    first (which compiles / warms up); peak allocated and reserved GiB; the host's peak resident GiB.
-   A tracetrain row runs the `MEMORY` settings the planner predicts fastest among those it fits at that
-   length with a 10% margin (no recomputation or offload; the tiled MLP alone; or the long-context
-   settings), as a user following `tracetrain plan` would (marked "*" in the table unless the long-context
-   ones; the row's `memory` says which); should that run fail, it runs again with the long-context ones.
-   `--memory NAME` runs the `MEMORY` settings named instead (e.g. `offload`: the tiled MLP with every
-   block's saved tensors streamed to the host and no recomputation). Each tracetrain row carries the
+   A tracetrain row runs the `MEMORY` settings the planner predicts fastest among those whose GPU and host
+   memory it fits at that length with a 10% margin (no recomputation or offload; the tiled MLP alone; the
+   tiled MLP with every block's saved tensors streamed to the host and no recomputation, `offload`, the
+   pick at 64k on an 80 GB H100; or the long-context settings), as a user following `tracetrain plan`
+   would (marked "*" in the table unless the long-context ones; the row's `memory` says which); should
+   that run fail, it runs again with the long-context ones. `--memory NAME` runs the `MEMORY` settings
+   named instead. Each tracetrain row carries the
    planner's tokens/s, GPU and host GiB for its own settings (`plan_tok_s`, `plan_gib`, `plan_host_gib`).
 2. Longest: a 32-block step at 300k+ tokens takes minutes (attention is quadratic in the length), so
    the search probes the same shape with 2 and 3 blocks and extrapolates per block to 32: each block
