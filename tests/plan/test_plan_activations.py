@@ -157,3 +157,22 @@ def test_memory_bound_traffic_matches_the_real_ops(setup: tuple) -> None:
                  + tr.outside_backward(args, nm, last=True))
     assert per_token.bytes_per_token * B * S == pytest.approx(mode_.total, rel=0.06)
     assert per_token.kernels == pytest.approx(mode_.ops, rel=0.25)
+
+
+@pytest.mark.parametrize("path", ["eager", "kernels"])
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_item_tensors_sum_to_the_item(path: str, mode: str) -> None:
+    """Where an item names its tensors (for the pinned pool's rounding, plan/memory.py), they add up to it."""
+    from tracetrain.config import load_config
+    from tracetrain.plan.mapping import plan_input_from_config
+
+    cfg = load_config(None, ["--model.preset=llama3.1-8b", f"--train.mode={mode}", "--lora.targets=all-linear"])
+    inp = plan_input_from_config(cfg, 1, "h100-sxm")
+    nm = act.numerics(inp)
+    items = act.block_items(inp.model, nm, path=path)  # type: ignore[arg-type]
+    kept, _ = act.tiled_block_items(items, inp.model, nm, 8192)
+    named = [i for i in [*items, *kept, *act.full_recompute_items(inp.model, nm)] if i.tensors]
+    names = {i.name for i in named}
+    assert {"q, k after RoPE", "attention out + logsumexp", "tile inputs (mid residual)", "block input"} <= names
+    for item in named:
+        assert sum(item.tensors) == item.per_token, item

@@ -185,6 +185,10 @@ class Item:
     per_token_seq: float = 0.0
     mlp: bool = False  # of the feed-forward half (post-attention norm + MLP): what the tiled MLP tiles
     loss_side: bool = False  # outside the blocks, freed by the loss's backward before any block's backward
+    # The separate tensors behind `per_token` (bytes per token each; they sum to it), where known: the
+    # streamed offload's pinned pool rounds each one (plan/memory.py `pinned_pool_rounding`). () = unknown.
+    tensors: tuple[float, ...] = ()
+    tile_tokens: int = 0  # each tensor covers at most this many tokens (the tiled MLP's input slices)
 
     def at(self, seq: float) -> float:
         return self.per_token + self.per_token_seq * seq
@@ -192,12 +196,17 @@ class Item:
 
 def _input_copies(nm: Numerics, linears: tuple[str, ...], width: int) -> float:
     """Bytes per token kept for the shared input of `linears` (see the module docstring)."""
+    return sum(_input_copy_tensors(nm, linears, width))
+
+
+def _input_copy_tensors(nm: Numerics, linears: tuple[str, ...], width: int) -> tuple[float, ...]:
+    """The tensors behind `_input_copies`: one cast per linear where the input is cast, else the shared one."""
     if nm.full:
-        return len(linears) * nm.c * width if nm.x != nm.c else nm.c * width
+        return (nm.c * width,) * len(linears) if nm.x != nm.c else (nm.c * width,)
     adapted = sum(n in nm.targets for n in linears)
     if not adapted:
-        return 0.0
-    return adapted * nm.a * width if nm.x != nm.a else nm.a * width
+        return ()
+    return (nm.a * width,) * adapted if nm.x != nm.a else (nm.a * width,)
 
 
 def block_path(inp: PlanInput) -> Path:
@@ -229,9 +238,9 @@ def _attention_items(args: ModelArgs, nm: Numerics, backend: Backend) -> list[It
             Item("attention out", nm.c * d, "tp"),
         ]
     return items + [
-        Item("q, k after RoPE", nm.c * (d + kv), "tp"),
-        Item("v", nm.c * kv, "tp"),
-        Item("attention out + logsumexp", nm.c * d + 4 * h, "tp"),
+        Item("q, k after RoPE", nm.c * (d + kv), "tp", tensors=(nm.c * d, nm.c * kv)),
+        Item("v", nm.c * kv, "tp", tensors=(nm.c * kv,)),
+        Item("attention out + logsumexp", nm.c * d + 4 * h, "tp", tensors=(nm.c * d, 4 * h)),
     ]
 
 
@@ -255,33 +264,48 @@ def block_items(
     for mlp_half in (False, True):
         norms = half - (1 if first_lora_block and not mlp_half else 0)  # block 0 of LoRA: its first norm keeps nothing
         if path == "kernels":  # the fused RMSNorm keeps its input (as is) and rstd
-            items.append(Item("norm: input + rstd (fused)", norms * (nm.x * d + 4), "sp", mlp=mlp_half))
+            kept = (nm.x * d, 4.0) * norms
+            items.append(Item("norm: input + rstd (fused)", norms * (nm.x * d + 4), "sp", mlp=mlp_half, tensors=kept))
         else:
-            items.append(Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp", mlp=mlp_half))
+            kept = (4.0 * d, 4.0) * norms
+            items.append(Item("norm: fp32 input + rstd", norms * (4 * d + 4), "sp", mlp=mlp_half, tensors=kept))
             if nm.full:
-                items.append(Item("norm: normalised (weight grad)", half * nm.x * d, "sp", mlp=mlp_half))
-    items.append(Item("q/k/v input", _input_copies(nm, QKV, d)))
+                normalised = (float(nm.x * d),) * half
+                items.append(
+                    Item("norm: normalised (weight grad)", half * nm.x * d, "sp", mlp=mlp_half, tensors=normalised)
+                )
+    qkv_in = _input_copy_tensors(nm, QKV, d)
+    items.append(Item("q/k/v input", sum(qkv_in), tensors=qkv_in))
     items += _attention_items(args, nm, backend)
     if "o_proj" in nm.targets and nm.a != nm.c:
-        items.append(Item("o_proj adapter input copy", nm.a * d, "tp"))
+        items.append(Item("o_proj adapter input copy", nm.a * d, "tp", tensors=(nm.a * d,)))
     swiglu = 2 if path == "kernels" else 3  # the fused SwiGLU recomputes silu in backward
+    gate_up_in = _input_copy_tensors(nm, GATE_UP, d)
+    ffn = nm.c * f * moe_factor
     items += [
-        Item("gate/up input", _input_copies(nm, GATE_UP, d), mlp=True),
-        Item("SwiGLU gate, silu, up", swiglu * nm.c * f * moe_factor, "tp", mlp=True),
+        Item("gate/up input", sum(gate_up_in), mlp=True, tensors=gate_up_in),
+        Item("SwiGLU gate, silu, up", swiglu * ffn, "tp", mlp=True, tensors=(ffn,) * swiglu),
     ]
     if nm.full or "down_proj" in nm.targets:
-        items.append(Item("down input", (nm.c if nm.full else nm.a) * f * moe_factor, "tp", mlp=True))
+        down = (nm.c if nm.full else nm.a) * f * moe_factor
+        items.append(Item("down input", down, "tp", mlp=True, tensors=(down,)))
     if nm.targets:
-        items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank))
+        lora_a = (float(nm.a * nm.rank),) * len(nm.targets)
+        items.append(Item("LoRA A outputs", len(nm.targets) * nm.a * nm.rank, tensors=lora_a))
     items += dora_items(args, nm)
     return [i for i in items if i.per_token or i.per_token_seq]
 
 
-def tiled_block_items(items: list[Item], args: ModelArgs, nm: Numerics) -> tuple[list[Item], list[Item]]:
+def tiled_block_items(
+    items: list[Item], args: ModelArgs, nm: Numerics, tile_tokens: int = 0
+) -> tuple[list[Item], list[Item]]:
     """A block with the tiled norm + MLP (memory/tiled_mlp.py): (what it keeps per token of the whole
     sequence, what one tile keeps per token of the tile). The feed-forward half keeps only its input, a
-    view of the mid residual; its own items exist for one tile at a time, in its backward."""
-    kept = [i for i in items if not i.mlp] + [Item("tile inputs (mid residual)", nm.x * args.dim, "sp")]
+    view of the mid residual (a slice of `tile_tokens` per tile); its own items exist for one tile at a
+    time, in its backward."""
+    width = float(nm.x * args.dim)
+    tiles = Item("tile inputs (mid residual)", width, "sp", tensors=(width,), tile_tokens=tile_tokens)
+    kept = [i for i in items if not i.mlp] + [tiles]
     return kept, [i for i in items if i.mlp]
 
 
@@ -418,7 +442,7 @@ def selective_items(args: ModelArgs, nm: Numerics, moe_factor: float = 1.0) -> l
 
 
 def full_recompute_items(args: ModelArgs, nm: Numerics) -> list[Item]:
-    return [Item("block input", nm.x * args.dim, "sp")]
+    return [Item("block input", nm.x * args.dim, "sp", tensors=(float(nm.x * args.dim),))]
 
 
 def outside_items(

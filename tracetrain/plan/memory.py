@@ -98,6 +98,26 @@ FRAGMENTATION = {True: 0.04, False: 0.12}
 GRADIENT_ITEMS = {"gradients", "FSDP unsharded grads (pipeline)", "FSDP unsharded grads (accumulating)"}
 
 
+@dataclass(frozen=True)
+class OffloadedTensor:
+    """One saved tensor of every offloaded block: `per_token` bytes per token this rank holds (a micro-batch's
+    tokens / `cp`), at most `tile_tokens` of them per tensor (0: all), `blocks` offloaded blocks x
+    `micro_batches` in flight."""
+
+    per_token: float
+    blocks: int
+    micro_batches: int
+    cp: int = 1
+    tile_tokens: int = 0
+
+    def sizes(self, tokens: float) -> tuple[int, int]:
+        """(bytes of one tensor, how many the host holds) for `tokens` tokens per micro-batch."""
+        local, count = tokens / self.cp, self.blocks * self.micro_batches
+        if self.tile_tokens and local > self.tile_tokens:
+            return math.ceil(self.per_token * self.tile_tokens), count * math.ceil(local / self.tile_tokens)
+        return math.ceil(self.per_token * local), count
+
+
 @dataclass
 class MemoryModel:
     """Items of one GPU (the worst pipeline stage) and which items each phase holds."""
@@ -107,9 +127,9 @@ class MemoryModel:
     phases: dict[str, list[str]]
     cpu: dict[str, Affine] = field(default_factory=dict)
     managed: dict[str, Affine] = field(default_factory=dict)
-    # Streamed offload: (bytes of one saved tensor, offloaded blocks, micro-batches in flight) per kind of
-    # tensor, for the pinned pool's rounding (`pinned_pool_rounding`).
-    offloaded_tensors: list[tuple[Affine, int, int]] = field(default_factory=list)
+    # Streamed offload: the saved tensors of one offloaded block whose sizes are known, for the pinned
+    # pool's rounding (`pinned_pool_rounding`).
+    offloaded_tensors: list[OffloadedTensor] = field(default_factory=list)
 
     def phase_bytes(self, phase: str, tokens: float, seq: float) -> float:
         return sum(self.items[n].at(tokens, seq) for n in self.phases[phase])
@@ -191,7 +211,7 @@ def _static(inp: PlanInput, sp: StageParams, nm: act.Numerics) -> tuple[dict[str
 
 
 def _activations(
-    inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Affine], offloaded: list[tuple[Affine, int, int]]
+    inp: PlanInput, stage: int, nm: act.Numerics, cpu: dict[str, Affine], offloaded: list[OffloadedTensor]
 ) -> dict[str, Affine]:
     """Activation items of one GPU: kept block activations x micro-batches in flight, what offload
     leaves on the GPU, what stays of them through the blocks' backward, and one block's backward working
@@ -206,8 +226,8 @@ def _activations(
         args, nm, first_lora_block=inp.mode == "lora", moe_factor=moe, backend=backend, path=path
     )
     if inp.tiled_mlp_tokens > 0:
-        items, _ = act.tiled_block_items(items, args, nm)
-        first_items, _ = act.tiled_block_items(first_items, args, nm)
+        items, _ = act.tiled_block_items(items, args, nm, inp.tiled_mlp_tokens)
+        first_items, _ = act.tiled_block_items(first_items, args, nm, inp.tiled_mlp_tokens)
     blk_none = act.shard(items, tp, sp_on)
     blk_first = act.shard(first_items, tp, sp_on)
     kept = {
@@ -238,11 +258,15 @@ def _activations(
         )
         cpu["offloaded activations"] = (blocks - biggest * stays) * (1 / inp.cp)
         blocks = on_gpu
-        if inp.activation_offload == "streamed" and inp.recompute == "full" and n_ckpt == n:
-            # One tensor per offloaded block: its input. (Without recomputation a block offloads tensors
-            # of several sizes that the items sum up; their pool rounding is not modelled: nothing where
-            # they are powers of two, measured at 64k within 0.2%.)
-            offloaded.append((kept * (1 / inp.cp), n - stays, int(k)))
+        if inp.activation_offload == "streamed" and (n_ckpt == 0 or (inp.recompute == "full" and n_ckpt == n)):
+            # Each tensor an offloaded block saves, where the items name them (an item that does not is
+            # counted without rounding): the block input alone under full recomputation.
+            kinds = act.full_recompute_items(args, nm) if n_ckpt else items
+            for item in kinds:
+                div = tp if item.split == "tp" or (item.split == "sp" and sp_on) else 1
+                offloaded += [
+                    OffloadedTensor(t / div, n - stays, int(k), inp.cp, item.tile_tokens) for t in item.tensors
+                ]
     return {
         "activations": (blocks + outside * k) * (1 / inp.cp),
         # the final norm's (and an eager lm_head's) saved input dies in the loss's backward, before any block's
@@ -302,7 +326,7 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
         # needs (forward and input gradient: 2 bytes per block matmul weight on the GPU) and moves the
         # bf16 base weight to the host: the GPU holds what bf16 LoRA holds, the host 2 bytes more each.
         cpu["bf16 copies of the FP8 base weights"] = Affine(2.0 * sp.num_blocks * sp.block_linear)
-    offloaded: list[tuple[Affine, int, int]] = []
+    offloaded: list[OffloadedTensor] = []
     items.update(_activations(inp, stage, nm, cpu, offloaded))
     n = sp.num_blocks
     n_ckpt = 0 if inp.recompute == "none" else math.ceil(n / inp.recompute_every)
@@ -398,17 +422,18 @@ def stage_model(inp: PlanInput, stage: int) -> MemoryModel:
     return MemoryModel(stage, items, phases, cpu, managed, offloaded)
 
 
-def pinned_pool_rounding(mm: MemoryModel, tokens: float, seq: float) -> float:
+def pinned_pool_rounding(mm: MemoryModel, tokens: float) -> float:
     """Host bytes the streamed offload's pinned pool allocates beyond the offloaded tensors themselves, on
     one GPU: torch's pinned allocator rounds each allocation up to a power of two, and the pool carves its
     buffers out of power-of-two blocks (`PinnedBufferPool.allocated_bytes`): 4.2 GiB on 67.8 at 286,720
     tokens with 31 block inputs of 2.19 GiB (measured on an H100: 73.4 GiB resident, 1.2 of it the process's
-    own), nothing where the tensors are powers of two (64k tokens)."""
+    own), nothing where the tensors are powers of two (64k tokens). Tensors the activation items do not
+    name (`Item.tensors`: compiled blocks, selective recomputation) are counted without rounding."""
     extra = 0.0
-    for tensor, blocks, micro_batches in mm.offloaded_tensors:  # the pool carves one block's worth at a time
-        nbytes, count = math.ceil(tensor.at(tokens, seq)), blocks * micro_batches
+    for tensor in mm.offloaded_tensors:  # the pool carves one block's worth (`blocks` buffers) at a time
+        nbytes, count = tensor.sizes(tokens)
         if nbytes >= DEFAULT_MIN_OFFLOAD_BYTES:  # smaller ones stay on the GPU (counted on the host: < 1 MiB each)
-            extra += PinnedBufferPool.allocated_bytes(count, nbytes, blocks) - count * nbytes
+            extra += PinnedBufferPool.allocated_bytes(count, nbytes, tensor.blocks) - count * nbytes
     return extra
 
 
@@ -508,7 +533,7 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
     frag = FRAGMENTATION[inp.expandable_segments] * peak
     cpu_bytes = {k: v.at(tokens, seq) for k, v in mm.cpu.items()}
     if mm.offloaded_tensors:
-        cpu_bytes["pinned pool rounding"] = pinned_pool_rounding(mm, tokens, seq)
+        cpu_bytes["pinned pool rounding"] = pinned_pool_rounding(mm, tokens)
     host = (sum(cpu_bytes.values()) + sum(v.at(tokens, seq) for v in mm.managed.values())) * inp.gpus_on_node
     hw = inp.hardware()
     return MemoryPlan(
