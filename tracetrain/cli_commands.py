@@ -412,6 +412,14 @@ def cmd_plan(a: argparse.Namespace, overrides: list[str]) -> int:
     if a.search:
         assert isinstance(result, list)  # search() returns the ranked plans
         print("overrides for the top row: " + " ".join(plan_to_config_overrides(result[0])))
+    elif not result.fits:  # type: ignore[union-attr]  # plan() returns one Plan
+        from tracetrain.plan.longest import fitting_remedy, remedy_text
+
+        remedy = fitting_remedy(
+            cfg, cfg.data.seq_len, inp.gpu, a.gpus, host_memory_gib=a.host_memory_gib, hardware=changes
+        )
+        if remedy is not None:  # the long-context switches under which this length fits, the fastest planned
+            print(remedy_text(*remedy))
     if a.longest_context:
         from tracetrain.plan.longest import longest_context_report
 

@@ -224,6 +224,26 @@ def test_plan_command_prints_the_longest_context(capsys: pytest.CaptureFixture) 
     assert 0 < round(fraction * 32) < 31
 
 
+@pytest.mark.parametrize("host_gib,switches", [
+    (120, "--memory.tiled_mlp=on --memory.activation_offload=streamed"),  # every block's activations fit the host
+    (16, "--memory.recompute=full"),  # they do not: recompute
+])
+def test_plan_command_names_the_switches_that_fit(host_gib: int, switches: str, capsys: pytest.CaptureFixture) -> None:
+    """`tracetrain plan` for a length that does not fit says, as the pre-flight line does, the fastest planned
+    long-context switches under which it fits, given the host memory it is told of."""
+    from tracetrain.cli import main
+
+    args = ["plan", "--gpu", "h100-sxm", "--host-memory-gib", str(host_gib), "--model.preset=llama3.1-8b",
+            "--train.mode=lora", "--lora.rank=32", "--lora.targets=all-linear", "--train.micro_batch_size=1",
+            "--data.seq_len=65536", "--data.pack=false"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("It fits with ")]
+    assert line.startswith(f"It fits with {switches} (planned ") and line.endswith("tokens/s).")
+    assert ("GiB of host memory" in line) == ("offload" in switches)
+
+
 def test_preflight_line_names_the_longest_and_the_switches_that_fit() -> None:
     from tracetrain.plan import plan
     from tracetrain.plan.mapping import plan_input_from_config

@@ -188,6 +188,17 @@ def fitting_remedy(
     return best
 
 
+def remedy_text(switches: tuple[str, ...], p: Plan) -> str:
+    """ "It fits with <switches> (planned ...)": a `fitting_remedy` as the pre-flight line and `tracetrain
+    plan` say it, with the host memory an offloading one needs."""
+    host = p.memory.host_bytes_per_node / GIB
+    host_part = f" and {host:.1f} GiB of host memory" if host >= 0.05 else ""
+    return (
+        f"It fits with {' '.join(switches)} (planned {p.memory.required_bytes / GIB:.1f} GiB per GPU{host_part}, "
+        f"{p.tokens_per_s:,.0f} tokens/s)."
+    )
+
+
 def _already(cfg: Config, override: str) -> bool:
     key, value = override.removeprefix("--").split("=", 1)
     section, name = key.split(".")

@@ -84,7 +84,7 @@ def preflight_line(cfg: Config, gpu: str, need_gib: float, have_gib: float, worl
     """The pre-flight warning: the planned and available memory, the longest data.seq_len these settings
     fit, and the long-context switches under which this length fits that the planner predicts fastest
     (plan/longest.py `fitting_remedy`), else the general remedies (`suggestions`)."""
-    from tracetrain.plan.longest import fitting_remedy, longest_context
+    from tracetrain.plan.longest import fitting_remedy, longest_context, remedy_text
 
     seq, mbs, host = cfg.data.seq_len, cfg.train.micro_batch_size, _host_available_gib()
     line = (
@@ -96,13 +96,7 @@ def preflight_line(cfg: Config, gpu: str, need_gib: float, have_gib: float, worl
     remedy = fitting_remedy(cfg, seq, gpu, world_size, host_memory_gib=host)
     if remedy is None:
         return f"{line} {suggestions(cfg, gpu, world_size)}"
-    switches, p = remedy
-    host_need = p.memory.host_bytes_per_node / 2**30
-    host_part = f" and {host_need:.1f} GiB of host memory" if host_need >= 0.05 else ""  # offloading remedies
-    return (
-        f"{line} It fits with {' '.join(switches)} (planned {p.memory.required_bytes / 2**30:.1f} GiB per GPU"
-        f"{host_part}, {p.tokens_per_s:,.0f} tokens/s)."
-    )
+    return f"{line} {remedy_text(*remedy)}"
 
 
 _FALLBACK = "Lower train.micro_batch_size (now {mbs}) or data.seq_len, or use more GPUs."
