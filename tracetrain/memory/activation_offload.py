@@ -202,8 +202,8 @@ class PinnedBufferPool:
         if nbytes <= 0 or count <= 0:
             return 0
         if nbytes >= cls.CARVE_MIN_BYTES and per_shape > 1:
-            full, rest = divmod(count, per_shape)
-            return full * sum(carve_sizes(per_shape, nbytes)) + (sum(carve_sizes(per_shape, nbytes)) if rest else 0)
+            carves = -(-count // per_shape)  # a miss carves all `per_shape`, however few are taken
+            return carves * sum(carve_sizes(per_shape, nbytes))
         return count * (1 << (nbytes - 1).bit_length())
 
     def give(self, key: tuple, buf: torch.Tensor) -> None:

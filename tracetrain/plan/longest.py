@@ -32,7 +32,8 @@ GIB = 2**30
 DEFAULT_MULTIPLE = 1024
 SEARCH_LIMIT = 1 << 24  # tokens: the model section's max_seq_len limit
 
-# Cumulative: each row keeps the switches of the rows above it.
+# Each row is a set of switches (`fitting_remedy` takes the fastest planned that fits); the report lists
+# them in this order, each where it reaches further than the rows above.
 LONG_CONTEXT_REMEDIES: tuple[tuple[str, ...], ...] = (
     ("--memory.tiled_mlp=on",),
     ("--memory.tiled_mlp=on", "--memory.activation_offload=streamed"),
@@ -189,8 +190,8 @@ def fitting_remedy(
 
 
 def remedy_text(switches: tuple[str, ...], p: Plan) -> str:
-    """ "It fits with <switches> (planned ...)": a `fitting_remedy` as the pre-flight line and `tracetrain
-    plan` say it, with the host memory an offloading one needs."""
+    """A `fitting_remedy` as the pre-flight line and `tracetrain plan` say it ("It fits with <switches>
+    (planned ...)"), with the host memory an offloading one needs."""
     host = p.memory.host_bytes_per_node / GIB
     host_part = f" and {host:.1f} GiB of host memory" if host >= 0.05 else ""
     return (
