@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import long_context as lc  # noqa: E402  # after the path: the benchmark is a script, not a package
+import long_context as lc  # after the path: the benchmark is a script, not a package
 
 GIB = 2**30
 BLOCK_BYTES_PER_TOKEN = lc.DIM * 2  # one block input, bf16
@@ -23,7 +23,9 @@ class ModelRunner:
     per-token bytes resident on the GPU whatever the depth, and every block input but the last on the host."""
 
     def __init__(self, seed_lengths: str, search_probes: int, fixed_gib: float = 18.0, per_token: int = 61568) -> None:
-        self.a = argparse.Namespace(probe_steps=1, seed_lengths=seed_lengths, search_probes=search_probes, max_seq=1 << 21)
+        self.a = argparse.Namespace(
+            probe_steps=1, seed_lengths=seed_lengths, search_probes=search_probes, max_seq=1 << 21
+        )
         self.fixed_gib, self.per_token, self.calls = fixed_gib, per_token, []
 
     def gpu_gib(self, seq: int, layers: int) -> float:
@@ -34,8 +36,12 @@ class ModelRunner:
 
     def probe(self, system: str, seq: int, layers: int, steps: int) -> dict:
         self.calls.append((seq, layers))
-        return {"status": "ok", "reserved_gib": self.gpu_gib(seq, layers), "host_peak_gib": self.host_gib(seq, layers),
-                "step_s_median": layers * (seq / 1e5) ** 2}
+        return {
+            "status": "ok",
+            "reserved_gib": self.gpu_gib(seq, layers),
+            "host_peak_gib": self.host_gib(seq, layers),
+            "step_s_median": layers * (seq / 1e5) ** 2,
+        }
 
 
 def true_fit(runner: ModelRunner, seq: int, caps: dict, pooled: bool) -> bool:
