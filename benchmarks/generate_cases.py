@@ -23,7 +23,7 @@ from tracetrain.models.attention import cached_attention, sdpa_attention
 from tracetrain.models.generate import GraphedDecodeStep, forward_last, make_cache
 from tracetrain.models.kv_cache import OffloadedKVCache, causal_valid_mask
 from tracetrain.models.llama import ModelArgs, Transformer
-from tracetrain.models.prefill import PrefillMode
+from tracetrain.models.prefill import PrefillMode, last_position_refusal
 from tracetrain.plan import plan_generation, plan_prefill
 
 
@@ -88,6 +88,7 @@ def run_ours(model: Transformer, method: str, batch: int, context: int, s: dict,
         cache.synchronize()
     row = {
         "prefill_path": path,
+        "prefill_last_block": "every position" if last_position_refusal(model) else "last position",
         "prefill_tok_s": batch * prompt / prefill_s if prefill_s else None,
         "decode_tok_s": statistics.median(tok_s),
         "decode_tok_s_repeats": [round(x, 1) for x in tok_s],

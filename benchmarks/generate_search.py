@@ -12,7 +12,7 @@ from generate_measure import GIB, PREFILL_VARIANTS, autocast, does_not_fit, fail
 
 from tracetrain.models.generate import make_cache
 from tracetrain.models.llama import ModelArgs, Transformer
-from tracetrain.models.prefill import PrefillMode, forward_last, prefill_chunk_tokens
+from tracetrain.models.prefill import PrefillMode, forward_last, last_position_refusal, prefill_chunk_tokens
 
 
 def fits(model: Transformer, context: int, offload: bool, s: dict) -> None:
@@ -137,6 +137,7 @@ def ours_prefill(model: Transformer, batch: int, context: int, s: dict, mode: Pr
             "prefill_tok_s": round(batch * (context - 1) / seconds, 1),
             "prefill_chunk": prefill_chunk_tokens(model, batch, context - 1, cache, s["dtype"], None),
             "prefill_path": path,
+            "prefill_last_block": "every position" if last_position_refusal(model) else "last position",
         }
 
     if mode == "compiled":

@@ -30,6 +30,7 @@ blocks with forward hooks (FP8 bases re-quantise in one, which must run eagerly)
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 import weakref
@@ -38,10 +39,10 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.nn.attention.bias import CausalBias
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from tracetrain.models.kv_cache import OffloadedKVCache, StaticKVCache
-from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.llama import ModelArgs, Transformer, TransformerBlock
 
 PrefillMode = Literal["eager", "compiled"]
 PREFILL_MODES: tuple[str, ...] = ("eager", "compiled")
@@ -102,9 +103,96 @@ def fitting_chunk(prompt_len: int, per_token_bytes: int, free_bytes: int) -> int
 
 
 def forward_last(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-    """Run (batch, s) tokens through the model with the cache; logits of the last position (batch, vocab)."""
-    hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
-    return model.logits(hidden[:, -1])  # Gemma 2's soft-capped logits too
+    """Run (batch, s) tokens through the model with the cache; logits of the last position (batch, vocab).
+    With s > 1 the last block computes its keys and values for every position (the cache needs them) and
+    the rest of its work for the last position alone (`last_position_block`)."""
+    if tokens.shape[1] == 1 or last_position_refusal(model) is not None:
+        hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
+        return model.logits(hidden[:, -1])  # Gemma 2's soft-capped logits too
+    h, layer_inputs = model.layer_inputs(tokens, positions, None, cache)
+    *first, last = model.layers
+    for i, block in enumerate(first):
+        cos, sin, mask = layer_inputs[i]
+        h = block(h, cos, sin, mask, cache.layers[i])
+    h = last_position_block(last, h, *layer_inputs[-1], cache.layers[-1])  # type: ignore[arg-type]  # checked by last_position_refusal; (batch, 1, dim)
+    cache.advance(tokens.shape[1])
+    return model.logits(model.norm(h[:, -1]))
+
+
+class _KeysCaptured(Exception):
+    """Raised by `_CaptureKV.update`: the rest of the capturing forward is not needed."""
+
+
+class _CaptureKV:
+    """The cache layer of `last_position_block`'s first pass: keeps the keys and values the block's
+    attention computed for every position, then stops that pass (its queries, attention and MLP unused)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k, self.v = k, v
+        raise _KeysCaptured
+
+
+class _WriteCapturedKV:
+    """The cache layer of `last_position_block`'s second pass (the last position alone): writes every
+    position's captured keys and values into the real layer, once, and returns what the layer returns.
+    The pass's own k and v (the last position's) are the captured ones' last row: same weights, same input."""
+
+    def __init__(self, layer: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.layer, self.k, self.v = layer, k, v
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer.update(self.k, self.v)
+
+
+def last_position_refusal(model: Transformer) -> str | None:
+    """Why `forward_last` runs the last block over every position; None when it need not."""
+    last = model.layers[-1]
+    if not isinstance(last, TransformerBlock):
+        return f"the last block is a {type(last).__name__}, not a TransformerBlock (attend + ffn)"
+    if last._forward_pre_hooks or last._forward_hooks:
+        return "the last block has forward hooks (FP8's re-quantisation, activation offload), which its halves skip"
+    return None
+
+
+def last_query_mask(mask: Any, s: int) -> Any:
+    """The mask of a prompt's last query alone, from the prompt's (s queries): a dense (batch | 1, 1, s,
+    keys) mask's last row; a lower-right `CausalBias` (s, keys) lets the last query see every key, as a
+    (1, keys) one does; None (plain causal over the prompt's own s keys, the compiled prefill's) the same
+    over s keys."""
+    if isinstance(mask, CausalBias):  # first: a CausalBias is a torch.Tensor subclass
+        return causal_lower_right(1, mask.seq_len_kv)
+    if isinstance(mask, torch.Tensor):
+        return mask[:, :, -1:, :]
+    if mask is None:
+        return causal_lower_right(1, s)
+    raise TypeError(f"a KV-cache forward's mask is a tensor, a CausalBias or None, not {type(mask).__name__}")
+
+
+def last_position_block(
+    block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any, layer: Any
+) -> torch.Tensor:
+    """The last block of a prefill forward, output at the last position only (batch, 1, dim): the logits
+    need nothing else, while the cache needs every position's keys and values. A first pass of the
+    block's attention half over all positions keeps the keys and values its attention computes and stops
+    there (`_CaptureKV`); the block then runs on the last position, attending to all of them, which it
+    writes into `layer` once (`_WriteCapturedKV`). What this leaves out of the block: its attention, its
+    output projection and its MLP for every position but one (a block in 32 at 131,072 tokens: 3% of the
+    prefill); the queries' projection still runs for every position. Every family's block code runs as is
+    (its `attend` and `ffn`, which is what `TransformerBlock.forward` runs with a cache: the compiled,
+    recomputed and tiled block classes run it too)."""
+    capture = _CaptureKV()
+    with contextlib.suppress(_KeysCaptured):
+        block.attend(x, cos, sin, mask, capture)  # type: ignore[arg-type]  # a KV cache layer: has update
+    if capture.k is None or capture.v is None:
+        raise RuntimeError(f"{type(block).__name__}.attend did not write its keys and values to the cache")
+    last_mask = last_query_mask(mask, x.shape[1])
+    written = _WriteCapturedKV(layer, capture.k, capture.v)
+    h = block.attend(x[:, -1:], cos[:, -1:], sin[:, -1:], last_mask, written)  # type: ignore[arg-type]  # a KV cache layer: has update
+    return h + block.ffn(h)
 
 
 def check_prefill_mode(mode: str) -> None:
@@ -246,8 +334,12 @@ def _compiled_prefill(model: Transformer, tokens: torch.Tensor, positions: torch
     s = tokens.shape[1]
     functions = _compiled_functions(model)
     h, layer_inputs = model.layer_inputs(tokens, positions, None, cache)  # (batch, s, dim); the cache's masks
+    last_eager = s > 1 and last_position_refusal(model) is None
     for i, block in enumerate(model.layers):
         cos, sin, mask = layer_inputs[i]
+        if last_eager and i == len(model.layers) - 1:  # its last position only, eagerly (forward_last's way)
+            h = last_position_block(block, h, cos, sin, mask, cache.layers[i])  # type: ignore[arg-type]  # checked by last_position_refusal
+            break
         if isinstance(mask, CausalBias):  # square: the prompt's own keys, plain causal (cached_attention's None)
             mask = None
         for t in (h, cos, sin):  # (batch, s, ...): any prompt length, one graph

@@ -19,7 +19,9 @@ training planner's forward (plan/time.py): every projection as a GEMM of batch x
 `gemm_efficiency`, causal attention at `attention_efficiency` for the prompt's length, the memory-bound
 work of each block (traffic.py: the eager op walk, or Inductor's fused regions for the compiled prefill)
 at HBM_EFFICIENCY of the bandwidth plus a fixed cost per kernel, the gap between eager kernels, the K/V
-written into the cache, and the output head on the last position only. Weights and activations in the
+written into the cache, and the output head on the last position only. The last block's attention,
+output projection and MLP run for the last position alone (`last_position_block`): its q/k/v
+projections count every position, the rest one row per prompt, its memory-bound work as a whole block's. Weights and activations in the
 compute dtype (no autocast), nothing trains.
 """
 
@@ -116,11 +118,14 @@ def plan_prefill(
     dtype_bytes: int = 2,
     gpu: str = "h100-sxm",
     mode: Literal["eager", "compiled", "fused"] = "eager",
+    last_block: bool = True,
 ) -> PrefillPlan:
     """Time of one prefill forward of `batch` unpadded prompts of `prompt_len` tokens from position 0 (the
     module docstring). `mode`: the prefill's path (models/prefill.py): the eager forward, the compiled one,
     or the eager one with the fused Triton norm / RoPE / SwiGLU kernels (train.fused_kernels = 'on'). Dense
-    and MoE blocks (top_k experts per token, balanced)."""
+    and MoE blocks (top_k experts per token, balanced). `last_block`: the last block runs its attention, output
+    projection and MLP for the last position alone (models/prefill.py `last_position_block`, since 2026-12-07);
+    False models the prefill before it, which ran the whole last block."""
     spec, _ = device_spec(gpu)
     peak = (spec.bf16_tflops if dtype_bytes <= 2 else spec.fp32_tflops) * 1e12
     hw = Hardware(
@@ -140,25 +145,34 @@ def plan_prefill(
     block = blocks[mode](args, nm)
     for layer in range(args.n_layers):
         moe = args.is_moe_layer(layer)
-        f, rows = (args.expert_ffn_dim, tokens * args.experts_top_k) if moe else (args.ffn_dim, tokens)
+        # The last block runs its output projection and MLP for the last position of each row alone
+        # (models/prefill.py `last_position_block`); its q, k and v projections see every position.
+        alone = last_block and layer == args.n_layers - 1 and prompt_len > 1
+        out_rows = batch if alone else tokens
+        f, rows = (args.expert_ffn_dim, out_rows * args.experts_top_k) if moe else (args.ffn_dim, out_rows)
         gemms = [
             Gemm("q", tokens, q, d, False, False),
             Gemm("k", tokens, kv, d, False, False),
             Gemm("v", tokens, kv, d, False, False),
-            Gemm("o", tokens, d, q, False, False),
+            Gemm("o", out_rows, d, q, False, False),
             Gemm("gate", rows, f, d, False, False),
             Gemm("up", rows, f, d, False, False),
             Gemm("down", rows, d, f, False, False),
         ]
         if moe:
-            gemms.append(Gemm("router", tokens, args.num_experts, d, False, False))
+            gemms.append(Gemm("router", out_rows, args.num_experts, d, False, False))
         seconds["GEMM"] += sum(gemm_time(g, hw, c)[0] for g in gemms)
         seconds["launch gaps"] += (len(gemms) + 1 + block.kernels) * KERNEL_GAP_S
         seconds["cache write"] += 4 * c * kv * tokens / bw + 2 * KERNEL_FIXED_S  # read k, v; write them
-    attention = attention_forward_flops(args, prompt_len) * tokens
+    # Every block's causal attention over the prompt but the last's (its share: the average block's), which
+    # attends from one position per row (a read of that layer's keys and values, memory-bound).
+    whole = args.n_layers - 1 if last_block and prompt_len > 1 else args.n_layers
+    attention = attention_forward_flops(args, prompt_len) * tokens * whole / args.n_layers
     seconds["attention"] = attention / (hw.bf16_flops * attention_efficiency(args.head_dim, prompt_len, False))
+    if whole < args.n_layers:
+        seconds["attention"] += 2 * c * kv * tokens / bw + KERNEL_FIXED_S
     outside = tr.outside_forward(args, nm, first=True, last=False)  # embedding lookup, rotary tables
-    memory = block * args.n_layers + outside
+    memory = block * args.n_layers + outside  # the last block's as a whole one: a bound (its MLP half runs once)
     seconds["memory-bound"] = memory.bytes_per_token * tokens / bw + memory.kernels * KERNEL_FIXED_S
     # The last position of each row: final norm and the head's GEMM (a weight read, memory-bound).
     head = Gemm("lm_head", batch, args.vocab_size, d, False, False)
