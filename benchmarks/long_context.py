@@ -61,6 +61,9 @@ the docs' PNG (matplotlib; runs anywhere, no GPU).
   PYTHONPATH=. python3 benchmarks/long_context.py --part 64k
   PYTHONPATH=. python3 benchmarks/long_context.py --part longest --systems tracetrain,unsloth
   PYTHONPATH=. python3 benchmarks/long_context.py --part longest --systems tracetrain:fp8,unsloth:4bit
+  # one call, each row seeded where it will fit (a 128 GiB host limits unsloth long before us):
+  PYTHONPATH=. python3 benchmarks/long_context.py --part longest --systems tracetrain,unsloth \
+      --seed-lengths 'tracetrain=131072,262144;unsloth=65536,131072'
   python3 benchmarks/long_context.py --from benchmarks/results/long_context_NVIDIA-H200_*.json \\
       --png docs/long_context.png
 """
@@ -333,6 +336,23 @@ def seed_length(points: list[dict], caps: dict, pooled: bool) -> int | None:
     return int(min(limits)) if limits else None
 
 
+def seed_lengths_for(spec: str, system: str) -> list[int]:
+    """`--seed-lengths` for one row: "65536,131072" for every row, or per row, "tracetrain=131072,262144;
+    unsloth=65536,98304" (a row not named takes the unnamed entry, if any: "131072,262144;unsloth=65536,98304")."""
+    default, named = "", {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        name, eq, lengths = entry.rpartition("=")
+        if eq:
+            named[name.strip()] = lengths
+        else:
+            default = entry
+    text = named.get(system, default)
+    try:
+        return [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise SystemExit(f"--seed-lengths: {text!r} is not a comma-separated list of token counts") from None
+
+
 def search_longest(runner: Runner, system: str, caps: dict) -> dict:
     """The two `--seed-lengths` (cheap: short), a line through their peaks, then `--search-probes`
     lengths, bisecting (multiples of 4096; module docstring)."""
@@ -345,7 +365,7 @@ def search_longest(runner: Runner, system: str, caps: dict) -> dict:
         print(f"  {system} {seq}: {tried[-1].get('why')} {tried[-1].get('gpu_gib_32', '')}", flush=True)
         return result
 
-    seeds = [fit(int(n)) for n in runner.a.seed_lengths.split(",") if n]
+    seeds = [fit(n) for n in seed_lengths_for(runner.a.seed_lengths, system)]
     lo = max([t["seq"] for t in tried if t["fits"]], default=0)
     hi = min([t["seq"] for t in tried if t["fits"] is False], default=limit + step)
     seed = seed_length(seeds, caps, pooled=SYSTEMS[system]["kind"] == "ours")
@@ -525,7 +545,8 @@ def main() -> None:
     ap.add_argument("--part", choices=list(PARTS), default="speed", help="what this call runs (PARTS)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--lengths", default=None, help="full-depth timed lengths (default: the part's)")
-    ap.add_argument("--seed-lengths", default=None, help="lengths probed to seed the search (default: the part's)")
+    ap.add_argument("--seed-lengths", default=None,
+                    help="lengths probed to seed the search (default: the part's); per row: 'tracetrain=131072,262144;unsloth=65536,98304'")
     ap.add_argument("--steps", type=int, default=None,
                     help="steps per full-depth timed length, the first warms up (default: the part's, PARTS)")
     ap.add_argument("--probe-steps", type=int, default=1, help="steps per search probe (2- and 3-block models)")
@@ -558,6 +579,11 @@ def main() -> None:
         ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     a.lengths = PARTS[a.part]["lengths"] if a.lengths is None else a.lengths
     a.seed_lengths = PARTS[a.part]["seed_lengths"] if a.seed_lengths is None else a.seed_lengths
+    named = {e.split("=")[0].strip() for e in a.seed_lengths.split(";") if "=" in e}
+    if named - set(SYSTEMS):
+        ap.error(f"--seed-lengths names unknown rows {sorted(named - set(SYSTEMS))}; choose from {', '.join(SYSTEMS)}")
+    for system in (x for x in a.systems.split(",") if x):
+        seed_lengths_for(a.seed_lengths, system)  # a malformed list stops here, not after other rows ran
     a.steps = PARTS[a.part]["steps"] if a.steps is None else a.steps
     result = {"part": a.part, **run(a)}
     from common import write_result

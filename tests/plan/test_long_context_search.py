@@ -99,3 +99,13 @@ def test_a_failed_probe_stops_with_its_reason() -> None:
     out = lc.search_longest(runner, "tracetrain", {"gpu_gib": 139.8, "host_gib": 400.0})  # type: ignore[arg-type]
     assert out["longest"] == 131072 and out["first_failing"] == 262144
     assert out["tried"][1]["why"] == "OOM"
+
+
+def test_seed_lengths_per_row() -> None:
+    spec = "131072,262144;unsloth=65536,98304"
+    assert lc.seed_lengths_for(spec, "tracetrain") == [131072, 262144]
+    assert lc.seed_lengths_for(spec, "unsloth") == [65536, 98304]
+    assert lc.seed_lengths_for("tracetrain=1,2", "unsloth") == []  # no seeds: the row's search stops at once
+    assert lc.seed_lengths_for("65536,131072", "unsloth:4bit") == [65536, 131072]
+    with pytest.raises(SystemExit, match="not a comma-separated list"):
+        lc.seed_lengths_for("unsloth=64k", "unsloth")
