@@ -1,7 +1,11 @@
 """The README runs as written. Every fenced block of README.md is classified: a block marked
 `<!-- runnable -->` on the line before its fence (invisible on GitHub) runs here on the CPU, word for
 word, in a temporary folder with this checkout's code (`tracetrain` is `python -m tracetrain.cli`);
-every other block is listed in NOT_RUNNABLE with the reason. A new block fails the test until it is
+every other block is listed in NOT_RUNNABLE with the reason. The tour and the config-error example run
+each command's words, as bash splits them, through the CLI's `main` in this process (conftest.cli_here):
+every subcommand they use has a real-process test of its own (test_cli_runs.py, test_export.py,
+test_run_report.py, test_data_command.py, test_output_places.py, test_bad_input.py), and the planner
+examples and the Python snippet here run in fresh processes. A new block fails the test until it is
 marked or listed, and a marked block fails it if it does not run.
 
 What the tour, the planner examples and the Python snippet print is checked against what the README
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import cli_here
 from helpers import REPO
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -88,6 +93,20 @@ def sh(command: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+def words(command: str) -> list[str]:
+    """The arguments bash passes to `tracetrain` for one README command line: its own quoting, comments and
+    expansions, without starting Python."""
+    assert command.startswith("tracetrain "), command
+    script = f'tracetrain() {{ printf "%s\\0" "$@"; }}\n{command}'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    return proc.stdout.split("\0")[:-1]
+
+
+def here(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """One README command, as bash splits it, through the CLI's `main` in this process."""
+    return cli_here(*words(command), cwd=cwd, check=False)
+
+
 def ok(command: str, proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -125,7 +144,7 @@ def tour(tmp_path_factory) -> dict[str, str]:
     cwd = workdir(tmp_path_factory.mktemp("tour"))
     out = {}
     for command in commands(runnable("tracetrain train")):
-        out[command] = ok(command, sh(command, cwd))
+        out[command] = ok(command, here(command, cwd))
     out["cwd"] = str(cwd)
     return out
 
@@ -233,7 +252,7 @@ def test_the_search_example_ranks_the_tables_layout_first(plan_runs):
 def test_the_config_error_example_prints_what_it_shows(tmp_path):
     block = runnable("$ tracetrain train --optim.lr=-1")
     command, *expected = block.text.splitlines()
-    proc = sh(command[2:], workdir(tmp_path))
+    proc = here(command[2:], workdir(tmp_path))
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).strip().splitlines() == expected
     assert not (tmp_path / "runs").exists()  # refused before anything starts
