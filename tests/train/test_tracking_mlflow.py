@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import cli_here
 from helpers import SMALL, read_metrics
 
 mlflow = pytest.importorskip("mlflow.server", reason="needs the full mlflow package: pip install 'tracetrain[mlflow]'")
@@ -81,14 +82,34 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+def _train_args(tmp_path: Path, name: str, extra: tuple[str, ...]) -> list[str]:
+    return [*ARGS, "--logging.mlflow=true", f"--train.output_dir={tmp_path}", f"--train.run_name={name}", *extra]
+
+
 def train_cli(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     """`tracetrain train` with MLflow on, in its own process; the MLflow variables are only those given."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     full.update(env)
-    args = [*ARGS, "--logging.mlflow=true", f"--train.output_dir={tmp_path}", f"--train.run_name={name}", *extra]
+    args = _train_args(tmp_path, name, extra)
     return subprocess.run(
         [sys.executable, "-m", "tracetrain.cli", "train", *args], capture_output=True, text=True, env=full
     )
+
+
+def train_here(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    """train_cli's command through the CLI's `main` in this process (conftest.cli_here), under the same
+    variables: no MLFLOW_ one but those given while it runs, and this process's own restored after it (the
+    tracker sets some). The real process is test_http_server_gets_metrics_params_and_summary's and
+    test_default_store_is_read_by_mlflow_ui's; this one skips seconds of imports (torch, mlflow)."""
+    saved = os.environ.copy()
+    for key in [key for key in os.environ if key.startswith("MLFLOW_")]:
+        del os.environ[key]
+    os.environ.update(env)
+    try:
+        return cli_here("train", *_train_args(tmp_path, name, extra), check=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def assert_logged(client: MlflowClient, run_dir: Path, experiment: str = "tracetrain") -> None:
@@ -114,17 +135,17 @@ def test_http_server_gets_metrics_params_and_summary(server, tmp_path):
 
 def test_sqlite_store_end_to_end(tmp_path):
     uri = f"sqlite:///{tmp_path / 'runs.db'}"
-    proc = train_cli(tmp_path, "sq", {}, f"--logging.mlflow_tracking_uri={uri}", "--logging.mlflow_experiment=e2")
+    proc = train_here(tmp_path, "sq", {}, f"--logging.mlflow_tracking_uri={uri}", "--logging.mlflow_experiment=e2")
     assert proc.returncode == 0, proc.stderr
     assert_logged(MlflowClient(uri), tmp_path / "sq", "e2")
 
 
-def test_file_uri_store_without_the_opt_in_variable(tmp_path):
+def test_file_uri_store_without_the_opt_in_variable(tmp_path, monkeypatch):
     """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true; naming one is opting in."""
     uri = (tmp_path / "store").as_uri()
-    proc = train_cli(tmp_path, "fs", {"MLFLOW_TRACKING_URI": uri})
+    proc = train_here(tmp_path, "fs", {"MLFLOW_TRACKING_URI": uri})
     assert proc.returncode == 0, proc.stderr
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # to read it here
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read it here
     assert_logged(MlflowClient(uri), tmp_path / "fs")
 
 
@@ -150,18 +171,20 @@ def test_default_store_is_read_by_mlflow_ui(tmp_path):
 )
 def test_a_store_that_cannot_be_opened_is_one_line(tmp_path, uri, env, expected):
     uri = uri.format(port=_free_port(), tmp=tmp_path)
-    if env.get("PYTHONPATH") == "{shadow}":  # SQLAlchemy absent, as with mlflow-skinny
+    run = train_here
+    if env.get("PYTHONPATH") == "{shadow}":  # SQLAlchemy absent, as with mlflow-skinny: a fresh process
         (tmp_path / "shadow" / "sqlalchemy").mkdir(parents=True)
         (tmp_path / "shadow" / "sqlalchemy" / "__init__.py").write_text("raise ImportError('absent (test shadow)')\n")
         env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")])}
-    proc = train_cli(tmp_path, "bad", {**env, "MLFLOW_TRACKING_URI": uri})
+        run = train_cli
+    proc = run(tmp_path, "bad", {**env, "MLFLOW_TRACKING_URI": uri})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and expected in last and "MLFLOW_TRACKING_URI" in last, proc.stderr
 
 
 def test_the_experiment_name_must_not_be_empty(tmp_path):
-    proc = train_cli(tmp_path, "e", {}, "--logging.mlflow_experiment= ")
+    proc = train_here(tmp_path, "e", {}, "--logging.mlflow_experiment= ")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: logging.mlflow_experiment is empty")
 
