@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import cli_here
 from helpers import REPO, console_errors, render_in_browser
 
 from tracetrain.config import load_config
@@ -96,8 +97,21 @@ def test_a_rerun_skips_recorded_trials_and_allow_accepts_the_change(tuned, tmp_p
     again = tmp_path / "again"
     shutil.copytree(out, again)
     before = _ledger(again)
-    # A budget too small for any new trial (the recorded ones say how long one takes): only the ledger.
-    proc = _tune(again, "--try", DIVERGE, "--allow", "numerics", budget=0.05)
+    # A budget too small for any new trial (the recorded ones say how long one takes): only the ledger. No
+    # trial starts, so the command runs in this process (cli_here); the fixture's tune is the real process.
+    proc = cli_here(
+        "tune",
+        "--out",
+        str(again),
+        "--budget-min",
+        "0.05",
+        *SMALL,
+        "--try",
+        DIVERGE,
+        "--allow",
+        "numerics",
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("(recorded earlier)") >= len(before)
     assert [r["key"] for r in _ledger(again)] == [r["key"] for r in before]  # nothing measured again
@@ -154,8 +168,7 @@ def test_tuned_toml_puts_changed_keys_under_their_comment_first_in_their_section
 
 
 def test_bad_tune_flags_are_one_line_errors(tmp_path):
-    cmd = [sys.executable, "-m", "tracetrain.cli", "tune", "--out", str(tmp_path), "--allow", "fp4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    proc = cli_here("tune", "--out", str(tmp_path), "--allow", "fp4", check=False)  # the CLI's main, this process
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: --allow fp4: not a kind tune knows; allowed: fp8, fp16, numerics")
     assert "Traceback" not in proc.stderr
