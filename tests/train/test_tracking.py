@@ -4,33 +4,32 @@ MlflowClient, and W&B offline run files; a missing package is a one-line error n
 import json
 
 import pytest
-
+from conftest import cli_here
 from helpers import SMALL, read_metrics, run_cli
 
 ARGS = [*SMALL, "--train.steps=12", "--train.eval_interval=6", "--train.eval_generate=0", "--logging.progress=false"]
 
 
-def test_mlflow_file_store_gets_metrics_config_and_summary(tmp_path):
+def test_mlflow_file_store_gets_metrics_config_and_summary(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow", reason="mlflow is an optional extra: pip install 'tracetrain[mlflow]'")
-    env = {"MLFLOW_TRACKING_URI": ""}  # the default: a file store under the output directory
-    run_cli(
+    # Through the CLI's main in this process (test_tracking_mlflow.py runs MLflow runs in real ones).
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # the default: a file store under the output directory
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")  # put back after the test, and
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")  # unset during it: the tracker sets it (a file store opts in)
+    cli_here(
         "train",
         *ARGS,
         "--logging.mlflow=true",
         "--logging.mlflow_experiment=exp1",
         f"--train.output_dir={tmp_path}",
         "--train.run_name=ml",
-        env=env,
     )
-    import os
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = mlflow.tracking.MlflowClient((tmp_path / "mlruns").as_uri())
     exp = client.get_experiment_by_name("exp1")
     runs = client.search_runs([exp.experiment_id])
     assert [r.info.run_name for r in runs] == ["ml"] and runs[0].info.status == "FINISHED"
     run = runs[0]
-    steps, evals = read_metrics(tmp_path / "ml")
+    steps, _ = read_metrics(tmp_path / "ml")
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["loss"])) for r in steps]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/eval_loss")] == [6, 12]  # + final
@@ -65,14 +64,14 @@ def test_wandb_offline_run_files(tmp_path):
 
 
 @pytest.mark.parametrize(("key", "extra"), [("mlflow", "mlflow"), ("wandb", "wandb")])
-def test_a_missing_tracking_package_is_one_line_naming_the_extra(tmp_path, key, extra):
-    shadow = tmp_path / "shadow" / key
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('not installed (test shadow)')\n")
-    import os
+def test_a_missing_tracking_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, key, extra):
+    # The package cannot be imported (None in sys.modules: `import` raises ImportError, as for a package that
+    # is not installed), in this process through the CLI's main; test_tracking_mlflow.py's SQLAlchemy case
+    # and this file's W&B runs start real processes.
+    import sys
 
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")])}
-    proc = run_cli("train", *ARGS, f"--logging.{key}=true", f"--train.output_dir={tmp_path}", check=False, env=env)
+    monkeypatch.setitem(sys.modules, key, None)
+    proc = cli_here("train", *ARGS, f"--logging.{key}=true", f"--train.output_dir={tmp_path}", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: logging.{key} = true needs the {key} package: pip install 'tracetrain[{extra}]'"
