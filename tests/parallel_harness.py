@@ -608,3 +608,27 @@ def rendezvous_and_count(out: str) -> None:
                 f.write(str(int(total.item())))
     finally:
         tdist.destroy_process_group()
+
+
+def cli_ranks(world_size: int, *args: str, timeout_s: float = 300.0) -> None:
+    """`tracetrain ARGS` on `world_size` gloo ranks started by `launch_local`: each rank runs the CLI's `main`
+    with the variables torchrun gives its workers, on one torch thread (torchrun's default for several
+    workers). The ranks fork from a server that has torch and the trainer imported, seconds of start-up less
+    per rank than torchrun's fresh interpreters: for tests of what the ranks compute. The launcher itself
+    (fresh interpreters, its signals, exit statuses and output) is tested under real torchrun in
+    test_parallel_trainer.py (the FSDP run and its resume), test_parallel_compose.py (FSDP with activation
+    offload), test_parallel_failures.py, test_faults_parallel.py, test_oom_line.py and test_tune.py."""
+    from tracetrain.parallel.launch import launch_local
+
+    launch_local(_cli_rank, world_size, list(args), timeout_s=timeout_s)
+
+
+def _cli_rank(args: list[str]) -> None:
+    import os
+
+    from tracetrain.cli import main
+
+    torch.set_num_threads(1)
+    code = main(args)
+    if code != 0:
+        raise RuntimeError(f"rank {os.environ['RANK']}: tracetrain {' '.join(args)} exited with status {code}")

@@ -1,5 +1,6 @@
-"""`tracetrain train` under torchrun (CPU, gloo): the trainer's own loop with multi-rank layouts gives
-the single-process run's losses, and resumes from its sharded checkpoints."""
+"""`tracetrain train` on 2 ranks (CPU, gloo): the trainer's own loop with multi-rank layouts gives the
+single-process run's losses, and resumes from its sharded checkpoints. The FSDP run and its resume run
+under real torchrun; the TP and CP runs on ranks started by launch_local (parallel_harness.cli_ranks)."""
 
 import json
 import shutil
@@ -10,6 +11,7 @@ import pytest
 import torch
 from conftest import cli_here
 from helpers import read_metrics
+from parallel_harness import cli_ranks
 
 ARGS = [
     "--train.steps=4",
@@ -93,8 +95,9 @@ def test_layouts_match_the_single_process_losses(request, tmp_path, reference, r
     if per_rank == 4:
         run = request.getfixturevalue("fsdp_run")  # this layout's run, with checkpoints (they change no loss)
     else:
-        torchrun(
+        cli_ranks(
             2,
+            "train",
             *ARGS,
             *layout,
             f"--train.micro_batch_size={per_rank}",
