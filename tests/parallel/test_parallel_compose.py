@@ -1,8 +1,9 @@
 """Switches composed with several ranks (CPU, gloo): fp16 loss scaling with FSDP, TP and CP; activation
 offload with FSDP and DDP; the pipeline under the real CLI.
 
-- The trainer under torchrun with fp16 and dp_shard=2 / tp=2 / cp=2 gives the single-process losses
-  (same global batch) within fp16 noise.
+- The trainer on 2 ranks with fp16 and dp_shard=2 / tp=2 / cp=2 gives the single-process losses (same
+  global batch) within fp16 noise. These runs and the pipeline's start their ranks with launch_local
+  (parallel_harness.cli_ranks); FSDP with activation offload runs under real torchrun.
 - An inf in one rank's gradient shard makes every rank skip the step and back off the loss scale alike
   (without the agreement, rank 0 would update while rank 1 skipped, and their weights and scales part).
 - Activation offload on FSDP / DDP ranks trains exactly like one process, and each rank offloads the
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_here
 from helpers import read_metrics
-from parallel_harness import compose_drills
+from parallel_harness import cli_ranks, compose_drills
 
 from tracetrain.parallel.launch import launch_local
 
@@ -63,6 +64,11 @@ def _torchrun(tmp_path: Path, name: str | None, *overrides: str) -> subprocess.C
     return proc
 
 
+def _two_ranks(tmp_path: Path, name: str, *overrides: str) -> None:
+    """The real CLI on 2 ranks started by launch_local (the CLI's main in each, torchrun's variables)."""
+    cli_ranks(2, "train", *ARGS, *overrides, f"--train.output_dir={tmp_path}", f"--train.run_name={name}")
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, list[float]]:
     """{precision: losses} of the single-process runs the layouts are compared with (8 rows a step), run
@@ -82,7 +88,7 @@ def one_process(tmp_path_factory) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize(("layout", "rows_per_rank"), [("dp_shard", 4), ("tp", 8), ("cp", 8)])
 def test_fp16_with_a_layout_matches_one_process(tmp_path, one_process, layout, rows_per_rank):
-    _torchrun(tmp_path, layout, f"--train.micro_batch_size={rows_per_rank}", f"--parallel.{layout}=2")
+    _two_ranks(tmp_path, layout, f"--train.micro_batch_size={rows_per_rank}", f"--parallel.{layout}=2")
     got, one = _losses(tmp_path / layout), one_process["fp16"]
     assert len(got) == len(one) == 6
     # fp16 activations: summation order across shards moves the last bits (measured: <= 4e-5 at ~5.0
@@ -156,8 +162,8 @@ def test_activation_offload_with_fsdp_under_torchrun(fsdp_offload_run, one_proce
     assert max(abs(a - b) for a, b in zip(_losses(run), one_process["fp32"])) < 1e-5
 
 
-def test_pipeline_under_torchrun_matches_one_process(tmp_path, one_process):
-    _torchrun(
+def test_pipeline_on_two_ranks_matches_one_process(tmp_path, one_process):
+    _two_ranks(
         tmp_path,
         "pp",
         "--train.micro_batch_size=8",
