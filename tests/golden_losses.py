@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -64,8 +63,9 @@ CASES: dict[str, list[str]] = {
     "bf16_autocast": ["--train.precision=bf16"],
 }
 
-# Two ranks on gloo through the real CLI under torchrun. Same global batch as full_fp32 (4 rows a step):
-# the data-parallel layouts split it, TP shares it.
+# Two ranks on gloo through the real CLI, started by launch_local (parallel_harness.cli_ranks: torchrun's
+# variables, the ranks forked with torch imported). Same global batch as full_fp32 (4 rows a step): the
+# data-parallel layouts split it, TP shares it.
 LAYOUTS: dict[str, list[str]] = {
     "fsdp_dp_shard_2": ["--parallel.dp_shard=2", "--train.micro_batch_size=2"],
     "ddp_dp_replicate_2": ["--parallel.dp_replicate=2", "--train.micro_batch_size=2"],
@@ -104,17 +104,15 @@ def _read_losses(run_dir: Path) -> list[float]:
 
 
 def losses(case: str) -> list[float]:
-    """Per-step training losses of `case`: in process for CASES, two gloo ranks under torchrun for LAYOUTS."""
+    """Per-step training losses of `case`: in process for CASES, two gloo ranks for LAYOUTS."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         write_data(tmp_path)
         args = overrides_for(case, tmp_path, tmp_path / "runs")
         if case in LAYOUTS:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "-m", "tracetrain.cli", "train", *args]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{case}: torchrun failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            from parallel_harness import cli_ranks
+
+            cli_ranks(2, "train", *args)
         else:
             from tracetrain.config import load_config
             from tracetrain.train.loop import train
