@@ -207,8 +207,10 @@ def test_cli_dpo_run_logs_rewards_and_report(tmp_path: Path) -> None:
 
 
 def test_fsdp_two_ranks_lora_dpo_equals_one_process(tmp_path: Path) -> None:
-    """torchrun, 2 CPU ranks (gloo), FSDP: each rank scores its rows' whole pairs; the loss divisor (pairs)
-    and the reward statistics are summed over the ranks, so losses and rewards equal one process's."""
+    """2 CPU ranks (gloo) started by launch_local (parallel_harness.cli_ranks), FSDP: each rank scores its
+    rows' whole pairs; the loss divisor (pairs) and the reward statistics are summed over the ranks, so
+    losses and rewards equal one process's (run through the CLI's main in this process; the DPO run above
+    is the real process)."""
     path = write_rows(tmp_path / "p.jsonl", string_rows(40))
     args = [
         "train",
@@ -228,13 +230,11 @@ def test_fsdp_two_ranks_lora_dpo_equals_one_process(tmp_path: Path) -> None:
         f"--train.output_dir={tmp_path}",
         "--train.device=cpu",
     ]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
-    for cmd, extra in (
-        (launch, ["--parallel.dp_shard=2", "--train.micro_batch_size=2", "--train.run_name=fsdp"]),
-        ([sys.executable, "-m"], ["--train.micro_batch_size=4", "--train.run_name=one"]),
-    ):
-        proc = subprocess.run([*cmd, "tracetrain.cli", *args, *extra], capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from conftest import cli_here
+    from parallel_harness import cli_ranks
+
+    cli_ranks(2, *args, "--parallel.dp_shard=2", "--train.micro_batch_size=2", "--train.run_name=fsdp")
+    cli_here(*args, "--train.micro_batch_size=4", "--train.run_name=one")
     keys = ("loss", "reward_margin", "reward_accuracy", "reward_chosen")
     runs = [
         [
