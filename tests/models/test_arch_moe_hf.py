@@ -192,12 +192,11 @@ def test_peft_export_of_moe_dense_mlp_adapters_is_refused(tmp_path: Path) -> Non
     assert not (tmp_path / "peft").exists()
 
 
-@pytest.mark.slow  # a 2-rank torchrun run (about 90 s on a busy 2-core machine)
+@pytest.mark.slow  # a 2-rank run
 def test_mixtral_on_expert_parallel_ranks_exports_its_experts(tmp_path: Path) -> None:
     """A Mixtral folder trained on 2 expert-parallel ranks (each reads and holds 2 of the 4 experts), saved
     by both ranks (DCP) and streamed to a Hugging Face folder: transformers computes the trained model."""
-    import subprocess
-    import sys
+    from parallel_harness import cli_ranks
 
     from tracetrain.inference import load_trained
 
@@ -219,19 +218,7 @@ def test_mixtral_on_expert_parallel_ranks_exports_its_experts(tmp_path: Path) ->
         f"--train.output_dir={tmp_path}",
         "--train.run_name=r",
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "tracetrain.cli",
-        "train",
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cli_ranks(2, "train", *args, timeout_s=400)  # launch_local: the CLI's main on each rank
     assert list((tmp_path / "r" / "checkpoints").glob("*/dcp/.metadata"))  # saved by both ranks
     cli_here("export", str(tmp_path / "r"), "--hf", str(tmp_path / "hf"), "--dtype", "fp32")
     exported = hf_from(tmp_path / "hf")
