@@ -3,20 +3,19 @@
 the whole model), transformers loads them with equal logits, and the streamed safetensors are sharded
 with an index (issue #27 item 3).
 
-The run: a 2-rank FSDP LoRA run of a tiny model through the real CLI under torchrun (adapters merged on
-export), 2 steps, checkpoint at the end.
+The run: a 2-rank FSDP LoRA run of a tiny model through the real CLI (the ranks started by launch_local,
+parallel_harness.cli_ranks; adapters merged on export), 2 steps, checkpoint at the end.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import cli_here
+from parallel_harness import cli_ranks
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers", reason="the export is loaded with transformers")
@@ -31,10 +30,7 @@ ARGS = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("runs")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "tracetrain.cli", "train", *ARGS, f"--train.output_dir={out}", "--train.run_name=r"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cli_ranks(2, "train", *ARGS, f"--train.output_dir={out}", "--train.run_name=r", timeout_s=400)
     assert list((out / "r" / "checkpoints").glob("*/dcp/.metadata"))  # saved by both ranks (DCP)
     return out / "r"
 
