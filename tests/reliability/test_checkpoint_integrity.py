@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_here
-from helpers import _load, _tiny, run_cli
+from helpers import _load, _tiny
 from parallel_harness import assemble_tiny, tiny_config
 from safetensors.torch import load_file, save_file
 
@@ -304,8 +304,10 @@ def test_crafted_dcp_item_does_not_run(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.slow  # two CLI processes: ~20 s on a busy 2-core machine
 def test_crafted_dcp_metadata_fails_eval_and_resume_with_one_line(tmp_path):
+    # `eval` and the resume through the CLI's main in this process (conftest.cli_here): both commands have
+    # real-process tests (test_cli_runs.py, test_checkpoint.py); a load that ran the planted call would
+    # touch the marker here as well.
     run = tmp_path / "r"
     run.mkdir()
     cfg = load_config(None, RUN + [f"--train.output_dir={tmp_path}", "--train.run_name=r"])
@@ -316,7 +318,7 @@ def test_crafted_dcp_metadata_fails_eval_and_resume_with_one_line(tmp_path):
     marker = tmp_path / "marker"
     _plant_evil_metadata(path, marker)
     for args in (["eval", str(run)], ["train", "--resume", str(run), "--train.steps=8"]):
-        proc = run_cli(*args, check=False)
+        proc = cli_here(*args, check=False)
         assert proc.returncode == 2, proc.stderr
         assert (
             proc.stderr.strip().splitlines()[-1] == f"error: {path / 'dcp' / '.metadata'}: refusing to load "
