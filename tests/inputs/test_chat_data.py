@@ -6,14 +6,12 @@ tests/fixtures_gen.py) plus added special tokens and a tokenizer_config.json wri
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_here
 from fixtures_gen import bpe_ids, bpe_json_path
-from helpers import REPO
 
 from tracetrain.config import DataSection, load_config
 from tracetrain.data import (ByteTokenizer, HFTokenizer, build_datasets, load_tokenizer, render_generation_prompt,
@@ -457,24 +455,19 @@ def test_held_out_split_is_by_conversation(tmp_path: Path) -> None:
     assert torch.equal(train.rows["input_ids"], again.rows["input_ids"])  # seeded
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
-
-
-@pytest.mark.slow  # two real CLI runs (~20 s on a busy CPU)
 def test_cli_trains_on_chat_data_and_names_a_bad_row(tmp_path: Path) -> None:
+    # Through the CLI's main in this process (conftest.cli_here): `train` has real-process tests of its own.
     path = write_rows(tmp_path / "chat.jsonl", [conversation(i) for i in range(40)])
     common = ["--data.kind=chat", f"--data.path={path}", "--data.chat_template=chatml", "--data.seq_len=256",
               "--train.steps=3", "--optim.warmup_steps=0", "--train.micro_batch_size=2", "--train.eval_interval=0",
               "--train.eval_batches=1", "--train.eval_generate=0", "--train.device=cpu",
               f"--train.output_dir={tmp_path}", "--logging.progress=false", "--checkpoint.save_final=false"]
-    proc = _cli("train", *common, "--train.run_name=ok")
+    proc = cli_here("train", *common, "--train.run_name=ok", check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "ok" / "metrics.jsonl").is_file()
     bad = write_rows(tmp_path / "bad.jsonl", [conversation(0), {"messages": [{"role": "user", "content": ""},
                                                                               {"role": "assistant", "content": "x"}]}])
-    proc = _cli("train", *common, f"--data.path={bad}", "--train.run_name=bad")
+    proc = cli_here("train", *common, f"--data.path={bad}", "--train.run_name=bad", check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {bad}:2: message 0 (user) has empty content"
 
 
