@@ -4,8 +4,8 @@ word, in a temporary folder with this checkout's code (`tracetrain` is `python -
 every other block is listed in NOT_RUNNABLE with the reason. The tour and the config-error example run
 each command's words, as bash splits them, through the CLI's `main` in this process (conftest.cli_here):
 every subcommand they use has a real-process test of its own (test_cli_runs.py, test_export.py,
-test_run_report.py, test_data_command.py, test_output_places.py, test_bad_input.py), and the planner
-examples and the Python snippet here run in fresh processes. A new block fails the test until it is
+test_run_report.py, test_data_command.py, test_output_places.py, test_bad_input.py), and the first planner
+example and the Python snippet here run in fresh processes (the search example in this one). A new block fails the test until it is
 marked or listed, and a marked block fails it if it does not run.
 
 What the tour, the planner examples and the Python snippet print is checked against what the README
@@ -218,9 +218,10 @@ def cell_numbers(cell: str) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def plan_runs(tmp_path_factory) -> dict[str, str]:
+    """The first command in a fresh process (`tracetrain plan`'s real process), the search in this one."""
     cwd = tmp_path_factory.mktemp("plan")
-    block = runnable("tracetrain plan ")
-    return {command: ok(command, sh(command, cwd)) for command in commands(block)}
+    first, *rest = commands(runnable("tracetrain plan "))
+    return {first: ok(first, sh(first, cwd)), **{command: ok(command, here(command, cwd)) for command in rest}}
 
 
 def test_the_plan_example_agrees_with_the_table(plan_runs, tour):

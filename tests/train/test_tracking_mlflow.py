@@ -99,8 +99,8 @@ def train_cli(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> su
 def train_here(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     """train_cli's command through the CLI's `main` in this process (conftest.cli_here), under the same
     variables: no MLFLOW_ one but those given while it runs, and this process's own restored after it (the
-    tracker sets some). The real process is test_http_server_gets_metrics_params_and_summary's and
-    test_default_store_is_read_by_mlflow_ui's; this one skips seconds of imports (torch, mlflow)."""
+    tracker sets some). The real process is test_http_server_gets_metrics_params_and_summary's (and the
+    SQLAlchemy-less refusal's); this one skips seconds of imports (torch, mlflow)."""
     saved = os.environ.copy()
     for key in [key for key in os.environ if key.startswith("MLFLOW_")]:
         del os.environ[key]
@@ -151,7 +151,7 @@ def test_file_uri_store_without_the_opt_in_variable(tmp_path, monkeypatch):
 
 def test_default_store_is_read_by_mlflow_ui(tmp_path):
     """The README's way to look: `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri runs/mlruns`."""
-    proc = train_cli(tmp_path / "runs", "df", {})
+    proc = train_here(tmp_path / "runs", "df", {})
     assert proc.returncode == 0, proc.stderr
     ui = Server("ui", "runs/mlruns", tmp_path, {"MLFLOW_ALLOW_FILE_STORE": "true"})
     try:
