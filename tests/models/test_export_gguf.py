@@ -6,14 +6,13 @@ A tiny run with a byte-level BPE tokenizer trained here (no shared data) is expo
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, TINY_MODEL, train_run
+from helpers import TINY_MODEL, train_run
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'tracetrain[gguf]') writes and reads GGUF")
 
@@ -139,22 +138,21 @@ def test_gguf_loads_in_llama_cpps_reader(run: Path, tmp_path: Path, dtype: str) 
         np.testing.assert_array_equal(data, want)
 
 
-def test_gguf_refuses_an_existing_file_and_names_the_extra_when_missing(run: Path, tmp_path: Path, capsys) -> None:
+def test_gguf_refuses_an_existing_file_and_names_the_extra_when_missing(
+    run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    from conftest import cli_here
+
     from tracetrain.cli import main
 
     out = tmp_path / "m.gguf"
     out.write_bytes(b"mine")
     assert main(["export", str(run), "--gguf", str(out)]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err and out.read_bytes() == b"mine"
-    # Without the package (an import of gguf fails): one line naming the extra, before the model loads.
-    code = "import sys; sys.modules['gguf'] = None; from tracetrain.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code, "export", str(run), "--gguf", str(tmp_path / "n.gguf")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
+    # Without the package (an import of gguf fails: None in sys.modules, put back after the test): one line
+    # naming the extra, before the model loads; through the CLI's main in this process.
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    proc = cli_here("export", str(run), "--gguf", str(tmp_path / "n.gguf"), check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --gguf needs the gguf package (llama.cpp's writer): pip install 'tracetrain[gguf]'"
     ]
