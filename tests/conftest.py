@@ -130,6 +130,36 @@ def gen_model(one_thread_torch):
     return Transformer(ModelArgs(**GEN_ARGS_KW)).eval()
 
 
+def _modules_with_module_fixtures() -> set[str]:
+    """Test files (paths as in node ids) that define a module-scoped fixture: its tests share what it builds."""
+    tests = Path(__file__).resolve().parent
+    found = {p for p in tests.rglob("test_*.py") if 'scope="module"' in p.read_text(encoding="utf-8")}
+    return {p.relative_to(tests.parent).as_posix() for p in found}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under pytest-xdist's default distribution (`-n N` alone), each test file that defines a module-scoped
+    fixture goes to one worker as a whole, and every other test is handed out on its own (xdist's loadscope
+    scheduler: units of more tests first). xdist's `load` sends runs of consecutive tests and can split such a
+    file between workers, which then both build its fixture: in two runs of tests/cli, tests/parallel and
+    tests/reliability on 2 workers it built the HTA cross-check of the 7B trace (24-53 s) and the failure
+    drills (18-29 s) twice each. (`xdist_group` marks would say this per file, but pytest 9 no longer reads the
+    node ids xdist rewrites for them.) `load` is what `-n` alone means; any other `--dist` keeps its scheduler."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    grouped = _modules_with_module_fixtures()
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in grouped else nodeid
+
+    return ModuleFixtureScheduling(config, log)
+
+
 # Skips a fresh clone may show: hardware or a build this machine lacks, or an optional extra (pyproject's
 # extras, by import name) not installed. Anything else (data missing, a feature not written yet) fails
 # the session under CI=true, so that "every feature is tested on a fresh clone" stays true.
