@@ -1,4 +1,4 @@
-"""benchmarks/long_context.py's longest-length search, with its probes answered by a memory model of known
+"""benchmarks/long_context.py's longest-length search (benchmarks/long_context_search.py), with its probes answered by a memory model of known
 limit instead of a GPU: the depth extrapolation (2- and 3-block probes to 32 blocks), tracetrain's move of
 the block inputs the host cannot hold onto the GPU (`memory.activation_offload_fraction`), and a bisection
 that brackets the known limit. The GPU runs of the same code are in benchmarks/results/long_context_*."""
@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import long_context as lc  # after the path: the benchmark is a script, not a package
+import long_context_search as lc  # after the path: the benchmark is a script, not a package
 
 GIB = 2**30
 BLOCK_BYTES_PER_TOKEN = lc.DIM * 2  # one block input, bf16
