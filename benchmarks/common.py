@@ -57,12 +57,23 @@ def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
     return path
 
 
+def last_json_line(text: str) -> dict | None:
+    """The last line of a child's stdout that parses as a JSON object (its result), or None."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def run_peer(peer_script: Path, args: list[str]) -> dict | None:
     """Run ../shared/peers/hf_peer.py (carried into the checkout) and parse its JSON line."""
     proc = subprocess.run(["python3", str(peer_script), *args], capture_output=True, text=True)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
+    out = last_json_line(proc.stdout)
+    if out is not None:
+        return out
     tail = (proc.stderr or proc.stdout)[-600:]
     return {"error": "out of memory" if "OutOfMemory" in tail else tail}
 

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import last_json_line  # the script's folder is on sys.path (long_context.py's, or the test's)
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "long_context.py"  # its --probe runs tracetrain's probes
 GIB = 2**30
@@ -29,16 +31,6 @@ SYSTEMS = {
     "unsloth": {"kind": "unsloth", "four_bit": False, "base": "bf16"},
     "unsloth:4bit": {"kind": "unsloth", "four_bit": True, "base": "4-bit (bitsandbytes)"},
 }
-
-
-def last_json_line(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
 
 
 class Runner:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment  # noqa: E402
+from common import environment, last_json_line  # noqa: E402
 
 # Our case -> (speed.py case, variant, the peers' case name). The variants are what `tracetrain train`
 # resolves for unpacked rows on a GPU (train.attention = auto -> sdpa without a document mask; compile,
@@ -44,16 +44,6 @@ OURS = {
 }
 UNSLOTH_CASES = {"qkvo": "llama2-7b-lora", "all-linear": "llama2-7b-lora-all-linear"}
 REPO = Path(__file__).resolve().parents[1]
-
-
-def last_json_line(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
 
 
 def run_peer(cmd: list[str], peersite: str, extra_env: dict[str, str], timeout_s: float) -> dict:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, median  # noqa: E402
+from common import environment, last_json_line, median  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = {
@@ -117,12 +117,9 @@ def child(args: list[str], env: dict[str, str], timeout_s: float) -> dict:
         proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=REPO)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
-    for line in reversed(proc.stdout.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    out = last_json_line(proc.stdout)
+    if out is not None:
+        return out
     return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
 
 
