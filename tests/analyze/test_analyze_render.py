@@ -11,8 +11,15 @@ import pytest
 import traces_gen as gen
 from rich.console import Console
 
-from tracetrain.profile.analyze import (CompareReport, Report, analyze, compare, render_html, render_json,
-                                        render_terminal)
+from tracetrain.profile.analyze import (
+    CompareReport,
+    Report,
+    analyze,
+    compare,
+    render_html,
+    render_json,
+    render_terminal,
+)
 
 EVIL = 'evil<script>alert("x")</script>_gemm&"quote"'
 

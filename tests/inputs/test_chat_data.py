@@ -14,8 +14,15 @@ from conftest import cli_here
 from fixtures_gen import bpe_ids, bpe_json_path
 
 from tracetrain.config import DataSection, load_config
-from tracetrain.data import (ByteTokenizer, HFTokenizer, build_datasets, load_tokenizer, render_generation_prompt,
-                             resolve_chat_template, tokenize_rows)
+from tracetrain.data import (
+    ByteTokenizer,
+    HFTokenizer,
+    build_datasets,
+    load_tokenizer,
+    render_generation_prompt,
+    resolve_chat_template,
+    tokenize_rows,
+)
 from tracetrain.data.chat import ChatTemplate, TemplateMismatch, tokenize_conversation
 from tracetrain.data.chat_templates import CHATML, LLAMA_3, MISTRAL
 from tracetrain.errors import ConfigError, DataError

@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from tracetrain.config import DataSection
-from tracetrain.data import (ByteTokenizer, PackedDataset, build_datasets, build_loader, exact_match,
-                             format_prompt, generate_examples, iter_batches, load_tokenizer)
+from tracetrain.data import (
+    ByteTokenizer,
+    PackedDataset,
+    build_datasets,
+    build_loader,
+    exact_match,
+    format_prompt,
+    generate_examples,
+    iter_batches,
+    load_tokenizer,
+)
 from tracetrain.data.packing import pack_documents, shift_labels
 from tracetrain.errors import DataError
 

@@ -29,7 +29,7 @@ def test_byte_tokenizer_layout_and_round_trip() -> None:
 
 def test_byte_tokenizer_decodes_invalid_utf8_with_replacement() -> None:
     tok = ByteTokenizer()
-    half_char = "é".encode("utf-8")[:1]
+    half_char = "é".encode()[:1]
     assert tok.decode(list(b"ab" + half_char)) == "ab\ufffd"
 
 

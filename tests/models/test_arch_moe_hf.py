@@ -18,9 +18,9 @@ from conftest import cli_here  # noqa: E402
 from hf_families import assert_same_logits, hf_from, load_tracetrain, save_tiny, tokens, train_and_export  # noqa: E402
 
 from tracetrain.models.accounting import num_params  # noqa: E402
+from tracetrain.models.export import export_hf  # noqa: E402
 from tracetrain.models.generate import generate  # noqa: E402
 from tracetrain.models.hf import load_hf_config, open_hf_checkpoint  # noqa: E402
-from tracetrain.models.export import export_hf  # noqa: E402
 from tracetrain.models.moe import MoEFeedForward  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")

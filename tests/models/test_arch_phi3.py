@@ -15,8 +15,8 @@ from helpers import FAMILY_RUN
 
 from tracetrain.errors import CheckpointError
 from tracetrain.models.build import build_on_meta, materialize_parts
-from tracetrain.models.hf import load_hf_config, open_hf_checkpoint
 from tracetrain.models.export import export_hf
+from tracetrain.models.hf import load_hf_config, open_hf_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="Phi-3 parity is checked against transformers")
 

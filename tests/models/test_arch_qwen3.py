@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers", reason="architecture tests co
 from hf_families import assert_same_logits, hf_from, load_tracetrain, save_tiny, tokens, train_and_export  # noqa: E402
 
 from tracetrain.models.accounting import num_params  # noqa: E402
-from tracetrain.models.hf import load_hf_config  # noqa: E402
 from tracetrain.models.export import export_hf, export_peft_adapter  # noqa: E402
+from tracetrain.models.hf import load_hf_config  # noqa: E402
 from tracetrain.models.lora import apply_lora  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_torch")

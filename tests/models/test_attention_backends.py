@@ -10,8 +10,14 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from tracetrain.models.attention import (FlexCore, apply_attention, document_causal_block_mask, document_causal_mask,
-                                         resolve_attention, sdpa_attention)
+from tracetrain.models.attention import (
+    FlexCore,
+    apply_attention,
+    document_causal_block_mask,
+    document_causal_mask,
+    resolve_attention,
+    sdpa_attention,
+)
 from tracetrain.models.llama import KVCache, ModelArgs, Transformer
 
 

@@ -12,11 +12,10 @@ import torch
 from tracetrain.config import load_config
 from tracetrain.errors import ConfigError
 from tracetrain.models.accounting import lora_params
-from tracetrain.models.lora import DoRALinear
-from tracetrain.models.hf import load_hf_config, load_hf_weights, load_peft_adapter
 from tracetrain.models.export import export_hf, export_peft_adapter
+from tracetrain.models.hf import load_hf_config, load_hf_weights, load_peft_adapter
 from tracetrain.models.llama import Transformer
-from tracetrain.models.lora import apply_lora, merge_lora, trainable_parameters
+from tracetrain.models.lora import DoRALinear, apply_lora, merge_lora, trainable_parameters
 
 peft = pytest.importorskip("peft", reason="DoRA is checked against PEFT: pip install peft (in the dev extra)")
 transformers = pytest.importorskip("transformers", reason="DoRA is checked against PEFT on a transformers model")

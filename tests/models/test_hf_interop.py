@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers", reason="HF interop tests need transformers")
 
 from tracetrain.errors import CheckpointError  # noqa: E402
-from tracetrain.models.hf import load_hf_config, load_hf_weights  # noqa: E402
 from tracetrain.models.export import export_hf  # noqa: E402
+from tracetrain.models.hf import load_hf_config, load_hf_weights  # noqa: E402
 from tracetrain.models.llama import ModelArgs, Transformer  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -3,15 +3,14 @@ and the generation accounting of the planner checked against real cache tensors.
 
 import pytest
 import torch
+from conftest import GEN_ARGS_KW
 
 from tracetrain.models.accounting import kv_cache_bytes, kv_cache_bytes_per_token, num_matmul_params, num_params
 from tracetrain.models.generate import GenerationRequest, forward_last, generate_batch, left_pad
 from tracetrain.models.kv_cache import OffloadedKVCache, StaticKVCache, _ring_runs, carve_blocks
-from tracetrain.models.llama import KVCache, ModelArgs, Transformer
+from tracetrain.models.llama import KVCache, ModelArgs
 from tracetrain.models.presets import get_preset
 from tracetrain.plan import plan_generation
-
-from conftest import GEN_ARGS_KW
 
 CPU = torch.device("cpu")
 ARGS = ModelArgs(**GEN_ARGS_KW)

@@ -11,12 +11,18 @@ import pytest
 import torch
 
 from tracetrain.errors import CheckpointError
-from tracetrain.models.hf import load_hf_config, load_hf_weights, load_peft_adapter
-from tracetrain.models.export import export_hf, export_peft_adapter
 from tracetrain.models.accounting import lora_params
+from tracetrain.models.export import export_hf, export_peft_adapter
+from tracetrain.models.hf import load_hf_config, load_hf_weights, load_peft_adapter
 from tracetrain.models.llama import ModelArgs, Transformer
-from tracetrain.models.lora import (LoRALinear, apply_lora, load_lora_state_dict, lora_state_dict, merge_lora,
-                                    trainable_parameters)
+from tracetrain.models.lora import (
+    LoRALinear,
+    apply_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+    merge_lora,
+    trainable_parameters,
+)
 
 try:  # the PEFT tests compare against the reference libraries (the `dev` extra)
     import peft

@@ -10,11 +10,11 @@ from tracetrain.models.accounting import (
     num_params,
     training_flops_per_token,
 )
-from tracetrain.models.build import materialize
-from tracetrain.models.generate import generate
 from tracetrain.models.attention import document_causal_mask
-from tracetrain.models.llama import ModelArgs, Transformer
+from tracetrain.models.build import materialize
 from tracetrain.models.families import transformer_class
+from tracetrain.models.generate import generate
+from tracetrain.models.llama import ModelArgs, Transformer
 from tracetrain.models.presets import PRESETS, PUBLISHED_PARAMS
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +53,7 @@ def _pair(scaling: dict, tie: bool, kv_heads: int = 2):
     ours = Transformer(args).eval()
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     result = ours.load_state_dict(state, strict=False)
-    assert not result.missing_keys or result.missing_keys == ["lm_head.weight"] and tie
+    assert not result.missing_keys or (result.missing_keys == ["lm_head.weight"] and tie)
     return ours, hf
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tracetrain.train.sharded_checkpoint import load_sharded
-from tracetrain.parallel.launch import launch_local
 from parallel_harness import assemble_tiny, dcp_drill, full_state, global_batches, run_step, state_diff, tiny_config
+
+from tracetrain.parallel.launch import launch_local
+from tracetrain.train.sharded_checkpoint import load_sharded
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parallel_harness import assemble_tiny, global_batches, run_step, tiny_config
 
 from tracetrain.errors import ConfigError
-from tracetrain.models.build import model_args_from_config
 from tracetrain.models.attention import document_causal_mask
+from tracetrain.models.build import model_args_from_config
 from tracetrain.models.moe import MoEFeedForward, load_balancing_loss
 from tracetrain.parallel.apply import ParallelModel
 from tracetrain.parallel.context_parallel import CPDocuments, _unzigzag, shard_sequence
 from tracetrain.parallel.mesh import validate_parallel
 from tracetrain.parallel.pipeline import split_layers
-from parallel_harness import assemble_tiny, global_batches, run_step, tiny_config
 from tracetrain.train.assemble import step_context
 from tracetrain.train.step import train_step
 

@@ -138,7 +138,7 @@ def _h100_rows(name: str) -> list[dict]:
     return [r for r in rows["tracetrain"]["timed"] if r.get("status") == "ok"]
 
 
-def _h100_plan(row: dict):  # noqa: ANN202 - a Plan
+def _h100_plan(row: dict):  # a Plan
     sys.path.insert(0, str(RESULTS.parent))
     from long_context import MEMORY, our_overrides
 

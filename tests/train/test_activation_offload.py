@@ -17,12 +17,17 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_memory import ARGS, assert_same, held_activation_bytes, packed_batch, tiny_model, with_lora
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers_memory import ARGS, assert_same, held_activation_bytes, packed_batch, tiny_model, with_lora
-from tracetrain.memory.activation_offload import (ActivationOffload, SaveOnCpuOffload, StreamedOffload,
-                                                  apply_activation_offload, num_offloaded_blocks)
+from tracetrain.memory.activation_offload import (
+    ActivationOffload,
+    SaveOnCpuOffload,
+    StreamedOffload,
+    apply_activation_offload,
+    num_offloaded_blocks,
+)
 from tracetrain.memory.recompute import apply_recompute
 from tracetrain.models.llama import Transformer
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import tracetrain
-from tracetrain.train.api import write_rows
 from tracetrain.config import load_config
 from tracetrain.errors import ConfigError
+from tracetrain.train.api import write_rows
 from tracetrain.train.assemble import build_model
 
 TINY = ["--train.steps=6", "--train.micro_batch_size=4", "--data.seq_len=256", "--data.template=plain",

@@ -15,12 +15,21 @@ from torch import nn
 
 from tracetrain.config import load_config
 from tracetrain.errors import ConfigError
-from tracetrain.kernels.fp8 import (E4M3, E5M2, RECIPES, Float8FrozenLinear, amax_to_scale, check_fp8_device,
-                                    probe_amax, quantize, quantize_weight, to_float8_frozen)
+from tracetrain.kernels.fp8 import (
+    E4M3,
+    E5M2,
+    RECIPES,
+    Float8FrozenLinear,
+    amax_to_scale,
+    check_fp8_device,
+    probe_amax,
+    quantize,
+    quantize_weight,
+    to_float8_frozen,
+)
 from tracetrain.kernels.fp8_apply import apply_fp8
-from tracetrain.train.assemble import build_model
 from tracetrain.models.llama import ModelArgs, Transformer
-
+from tracetrain.train.assemble import build_model
 
 try:
     import torchao.float8  # noqa: F401

@@ -20,8 +20,13 @@ from torch.library import opcheck
 from tracetrain.kernels.apply import apply_compile
 from tracetrain.kernels.fp8 import E4M3, E5M2, RECIPES, Float8FrozenLinear, to_float8_frozen
 from tracetrain.kernels.fp8_apply import apply_fp8
-from tracetrain.kernels.fp8_mlp import (Float8FrozenFeedForward, fp8_mlp_eligible, swiglu_bwd_quant, swiglu_quant,
-                                        to_float8_frozen_mlp)
+from tracetrain.kernels.fp8_mlp import (
+    Float8FrozenFeedForward,
+    fp8_mlp_eligible,
+    swiglu_bwd_quant,
+    swiglu_quant,
+    to_float8_frozen_mlp,
+)
 from tracetrain.models.llama import FeedForward, ModelArgs, Transformer
 from tracetrain.models.lora import apply_lora
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from golden_losses import BASE, GOLDEN_PATH, all_cases, cpu_fingerprint, losses
 
 GOLDEN = json.loads(GOLDEN_PATH.read_text())

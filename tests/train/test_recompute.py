@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from helpers_memory import ARGS, assert_same, held_activation_bytes, packed_batch, tiny_model, with_lora
 
-from tracetrain.models.llama import ModelArgs, Transformer
 from tracetrain.memory.recompute import apply_recompute, is_recomputed
+from tracetrain.models.llama import ModelArgs, Transformer
 
 CASES = [("full", 1), ("selective", 1), ("full", 2), ("selective", 3)]
 
