@@ -6,6 +6,7 @@ tests/fixtures_gen.py) plus added special tokens and a tokenizer_config.json wri
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -240,7 +241,7 @@ def test_auto_tokenizer_from_init_from(folders: dict[str, Path], tmp_path: Path)
     empty.mkdir()
     assert isinstance(load_tokenizer("auto", init_from=str(empty)), ByteTokenizer)
     (empty / "tokenizer.model").write_bytes(b"\0")
-    with pytest.raises(DataError, match="tokenizer.model.*no tokenizer.json"):
+    with pytest.raises(DataError, match=r"tokenizer.model.*no tokenizer.json"):
         load_tokenizer("auto", init_from=str(empty))
     assert load_config(None, []).data.tokenizer == "auto"
 
@@ -422,7 +423,7 @@ def test_template_errors(tmp_path: Path) -> None:
     broken.write_text("{% for m in messages %}")
     with pytest.raises(TemplateMismatch, match=r"broken.jinja is not a valid Jinja template"):
         build_datasets(chat_cfg(path, chat_template=str(broken), skip_bad_lines=True), qwen_no_template)
-    with pytest.raises(DataError, match="'on_the_fly' is not supported for data.kind = 'chat'"):
+    with pytest.raises(DataError, match=re.escape("'on_the_fly' is not supported for data.kind = 'chat'")):
         build_datasets(chat_cfg(path, chat_template="chatml", tokenize="on_the_fly", pack=False), qwen_no_template)
 
 
@@ -449,7 +450,7 @@ def test_tokenize_rows_gives_text_and_mask(tmp_path: Path) -> None:
 
 
 def test_config_chat_kind_needs_path() -> None:
-    with pytest.raises(ConfigError, match="'data.path' is required when data.kind = 'chat'"):
+    with pytest.raises(ConfigError, match=re.escape("'data.path' is required when data.kind = 'chat'")):
         load_config(None, ["--data.kind=chat"])
 
 

@@ -187,7 +187,7 @@ def test_peft_export_of_moe_dense_mlp_adapters_is_refused(tmp_path: Path) -> Non
     save_family(tmp_path / "base", QWEN3_MOE)
     model = load_tracetrain(tmp_path / "base")
     apply_lora(model, 4, 8.0, 0.0, ["all-linear"])
-    with pytest.raises(ValueError, match="dense blocks' down_proj, gate_proj, up_proj.*export --hf"):
+    with pytest.raises(ValueError, match=r"dense blocks' down_proj, gate_proj, up_proj.*export --hf"):
         export_peft_adapter(model, tmp_path / "peft", 4, 8.0, 0.0, ["all-linear"])
     assert not (tmp_path / "peft").exists()
 
