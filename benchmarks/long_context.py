@@ -16,7 +16,9 @@ Rows (`SYSTEMS`):
 Every probe runs in its own process (an OOM leaves nothing behind; unsloth patches transformers).
 
 1. Timed lengths: the full 32-block model, `--steps` steps; tokens/s from the median step after the
-   first (which compiles / warms up); peak allocated and reserved GiB; the host's peak resident GiB.
+   first (which compiles / warms up); peak allocated and reserved GiB; the host's peak resident GiB;
+   `pool_alloc_s_all`, the host seconds each step spent allocating the offload's pinned buffers (all in
+   the first: a one-step row at 300k tokens pins ~70 GiB inside its timed step).
    A tracetrain row runs the `MEMORY` settings the planner predicts fastest among those whose GPU and host
    memory it fits at that length with a 10% margin (no recomputation or offload; the tiled MLP alone; the
    tiled MLP with every block's saved tensors streamed to the host and no recomputation, `offload`, the
@@ -198,17 +200,22 @@ def probe_ours(system: str, seq: int, layers: int, steps: int) -> dict:
                  "document_ids": torch.zeros(1, seq, dtype=torch.long)}
         batch = {k: v.contiguous().pin_memory() for k, v in batch.items()}
         torch.cuda.reset_peak_memory_stats()
-        times, loss = [], None
+        times, pinning, loss = [], [], None
+        pool = getattr(built.activation_offload, "pool", None)  # the streamed offload's pinned buffers
         with HostPeak() as host:
             for _ in range(steps):
+                pinned_before = pool.alloc_s if pool is not None else 0.0
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 loss = train_step(built.module, built.optimizer, [batch], ctx).loss
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
+                pinning.append(round((pool.alloc_s if pool is not None else 0.0) - pinned_before, 3))
         row["host_peak_gib"] = round(host.peak_bytes / GIB, 2)
         step_s = statistics.median(times[1:] if len(times) > 1 else times)
+        # Host seconds each step spent allocating pinned buffers (the first step's share of a one-step row).
+        row["pool_alloc_s_all"] = pinning
         row.update(status="ok", step_s_all=[round(t, 4) for t in times], step_s_median=round(step_s, 4),
                    tokens_per_s=round(seq / step_s, 1), loss=float(loss),
                    peak_gib=round(torch.cuda.max_memory_allocated() / GIB, 3),

@@ -120,6 +120,24 @@ def test_pool_bytes_as_the_planner_counts_them() -> None:
     assert PinnedBufferPool.allocated_bytes(31, 3 << 30, 31) > 31 * (3 << 30)
 
 
+def test_pool_counts_the_seconds_it_spends_allocating() -> None:
+    """`alloc_s` grows on a miss only (a buffer made), not when a returned buffer is reused, and `clear`
+    starts it again: what a one-step benchmark subtracts as the first step's pinning."""
+    from tracetrain.memory.activation_offload import PinnedBufferPool
+
+    pool = PinnedBufferPool()
+    like = torch.empty(1 << 20, dtype=torch.bfloat16)
+    key, buf = pool.take(like)
+    first = pool.alloc_s
+    assert first > 0
+    pool.give(key, buf)
+    assert pool.take(like)[1] is buf and pool.alloc_s == first  # reused: no allocation, no time
+    pool.take(like)  # a second buffer of the key while the first is held: allocated
+    assert pool.alloc_s > first
+    pool.clear()
+    assert pool.alloc_s == 0.0
+
+
 def test_pool_reuses_buffers_across_steps() -> None:
     wrapped, offload = transformed(tiny_model(), "streamed")
     assert isinstance(offload, StreamedOffload)

@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator
@@ -134,7 +135,9 @@ class PinnedBufferPool:
 
     It grows to the largest set of offloaded tensors alive at once (one micro-batch's offloaded
     activations) and keeps that memory, pinned, until `clear()`: cudaHostAlloc is slow (it maps pages
-    for the GPU), so it is paid in the first step only. `num_bytes` is the pool's total host memory.
+    for the GPU), so it is paid in the first step only. `num_bytes` is the pool's total host memory,
+    `alloc_s` the host seconds spent allocating it (a long context's first step pins tens of GiB: a
+    benchmark that times one step reports this apart).
 
     torch's pinned allocator rounds every allocation up to a power of two: a long context's block input
     (300k tokens x 4096 x 2 bytes = 2.3 GiB) would lock 4 GiB. So a buffer of at least
@@ -151,6 +154,7 @@ class PinnedBufferPool:
         self._lock = threading.Lock()  # buffers come back from the autograd engine's thread
         self.num_buffers = 0
         self.num_bytes = 0
+        self.alloc_s = 0.0
         self.storage_ptrs: set[int] = set()  # every buffer made (tests tell host from device memory)
 
     @staticmethod
@@ -166,12 +170,14 @@ class PinnedBufferPool:
                 return key, self._free[key].pop()
         shape, stride, dtype, pinned = key
         nbytes = like.numel() * like.element_size()
+        start = time.perf_counter()
         if nbytes >= self.CARVE_MIN_BYTES and self.per_shape > 1:
             bufs = self._carve(key, like.numel())
         elif stride is None:
             bufs = [torch.empty(shape, dtype=dtype, pin_memory=pinned)]
         else:
             bufs = [torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pinned)]
+        self.alloc_s += time.perf_counter() - start
         self.num_buffers += len(bufs)
         for buf in bufs:
             if _storage_ptr(buf) not in self.storage_ptrs:
@@ -215,6 +221,7 @@ class PinnedBufferPool:
         with self._lock:
             self._free.clear()
         self.num_buffers = self.num_bytes = 0
+        self.alloc_s = 0.0
         self.storage_ptrs.clear()
 
 
