@@ -373,14 +373,22 @@ class Transformer(nn.Module):
         h: torch.Tensor,
         layer_inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | BlockMask | CausalBias | None]],
         cache: KVCache | None,
+        last_block: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The blocks over the embedded tokens `h` (batch, seq, dim), block i with the rotary cos/sin and the
-        mask of `layer_inputs[i]`; then the cache moves past the new positions, and the final norm."""
+        mask of `layer_inputs[i]`; then the cache moves past the new positions, and the final norm.
+        `last_block(block, h, cos, sin, mask, cache_layer)`, given, runs the last block instead of its own call
+        (generation's prefill runs it at the last position alone: models/prefill.py `forward_last`)."""
+        last, s = len(self.layers) - 1, h.shape[1]  # (last_block's output may hold fewer positions)
         for i, layer in enumerate(self.layers):
             cos, sin, mask = layer_inputs[i]
-            h = layer(h, cos, sin, mask, cache.layers[i] if cache is not None else None)
+            kv = cache.layers[i] if cache is not None else None
+            if i == last and last_block is not None:
+                h = last_block(layer, h, cos, sin, mask, kv)
+            else:
+                h = layer(h, cos, sin, mask, kv)
         if cache is not None:
-            cache.advance(h.shape[1])
+            cache.advance(s)
         return self.norm(h)
 
     def forward(

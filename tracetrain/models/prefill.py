@@ -110,13 +110,8 @@ def forward_last(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
         hidden = model.forward_hidden(tokens, positions, cache=cache)  # (batch, s, dim)
         return model.logits(hidden[:, -1])  # Gemma 2's soft-capped logits too
     h, layer_inputs = model.layer_inputs(tokens, positions, None, cache)
-    *first, last = model.layers
-    for i, block in enumerate(first):
-        cos, sin, mask = layer_inputs[i]
-        h = block(h, cos, sin, mask, cache.layers[i])
-    h = last_position_block(last, h, *layer_inputs[-1], cache.layers[-1])  # type: ignore[arg-type]  # checked by last_position_refusal; (batch, 1, dim)
-    cache.advance(tokens.shape[1])
-    return model.logits(model.norm(h[:, -1]))
+    hidden = model.run_layers(h, layer_inputs, cache, last_block=last_position_block)  # (batch, 1, dim)
+    return model.logits(hidden[:, -1])
 
 
 class _KeysCaptured(Exception):
@@ -266,6 +261,11 @@ def prefill(
             failed = False
         if failed:  # outside the handler: the failed forward's tensors (held by the traceback) are gone
             chunk = _shrunk(chunk, prompt_len, f"a prefill forward of {min(chunk, prompt_len - done)} tokens")
+        elif cache.length - start != done + min(chunk, prompt_len - done):  # a cache that lags would loop on
+            raise RuntimeError(
+                f"a prefill forward of {min(chunk, prompt_len - done)} tokens moved the KV cache from "
+                f"{start + done} to {cache.length}"
+            )
         done = cache.length - start
     assert logits is not None  # the prompt has at least one token
     return logits
