@@ -79,7 +79,7 @@ def test_every_optional_extra_is_known_to_the_skip_check_and_the_bare_ci_step() 
     from conftest import EXTRA_SKIP
 
     pyproject = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())
-    tools = {"pytest", "pytest-xdist", "hypothesis", "ruff", "mypy"}  # test and lint tools, installed in both CI steps
+    tools = {"pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "ruff", "mypy"}  # test and lint tools, installed in both CI steps
     # Triton runs our kernels' tests in its interpreter (full step); CUDA builds of torch bring it, and without
     # it those tests skip as they do without a GPU (bare step): a test tool, not a user's extra.
     tools.add("triton")

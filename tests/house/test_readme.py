@@ -53,7 +53,7 @@ def test_readme_test_command_is_what_ci_runs():
         assert found, f"{part.strip()!r} is not in .ci/run's full step after the previous part"
         at = found[0] + 1
     bare_steps = [_without_quiet(shlex.split(line)) for line in ci_lines[bare[0] :] if line.startswith("python3 ")]
-    assert ["python3", "-m", "pip", "install", "-e", ".", "pytest", "hypothesis", "pytest-xdist"] in bare_steps
+    assert ["python3", "-m", "pip", "install", "-e", ".", "pytest", "hypothesis", "pytest-xdist", "pytest-timeout"] in bare_steps
     assert any(line[:3] == ["python3", "-m", "pytest"] for line in bare_steps)
 
 
