@@ -179,6 +179,9 @@ def test_bad_tune_flags_are_one_line_errors(tmp_path):
         ({"measured_steps": 5}, "--steps 5: the median needs at least 10"),
         ({"budget_min": 0.0}, "--budget-min 0.0: must be above 0"),
         ({"max_memory_gib": -1.0}, "--max-memory -1.0: must be above 0"),
+        # a --try the config refuses: named before the baseline runs, not a traceback or a silent drop
+        ({"tries": ["data.num_worker=4"]}, "--try data.num_worker=4: unknown config key 'data.num_worker'"),
+        ({"tries": ["optim.lr=-1"]}, "--try optim.lr=-1: config key 'optim.lr': -1.0 is out of range"),
     ):
         with pytest.raises(ConfigError, match=re.escape(words)):
             tracetrain.tune(out_dir=tmp_path, **kwargs)

@@ -62,6 +62,7 @@ def tune(
     raw, where = _raw(config, list(overrides))
     cfg = from_dict({k: dict(v) for k, v in raw.items()}, where)
     validate_run(cfg, model_args_from_config(cfg))
+    _check_tries(cfg, tries, opts.tries)
     out = Path(out_dir)
     device, gpu = _device(cfg)
     session = Session(cfg, opts, out / "tune", device, gpu, say)
@@ -107,6 +108,17 @@ def _try(item: Mapping[str, Any] | str) -> dict[str, Any]:
     if isinstance(item, Mapping):
         return dict(item)
     return dict(parse_override("--" + part.strip().removeprefix("--")) for part in item.split(",") if part.strip())
+
+
+def _check_tries(cfg: Config, asked: Sequence[Mapping[str, Any] | str], tries: Sequence[dict[str, Any]]) -> None:
+    """A --try the config refuses (a mistyped key, a value out of range) is one line now, before the
+    baseline runs: later it would be a traceback, or dropped from the candidates without a word."""
+    for item, changes in zip(asked, tries, strict=True):
+        try:
+            cfg.replace(changes)
+        except ConfigError as e:
+            label = item if isinstance(item, str) else ",".join(f"{k}={v}" for k, v in changes.items())
+            raise ConfigError(f"--try {label}: {e}") from None
 
 
 def _device(cfg: Config) -> tuple[str, str]:
