@@ -17,6 +17,15 @@ def test_every_shipped_config_loads(path):
     assert round_trip == cfg
 
 
+@pytest.mark.parametrize("overrides", [[], ["--train.steps=20"]], ids=["as_is", "short_run"])
+def test_tiny_synthetic_config_is_the_default_run(overrides):
+    # README: "the default run, spelled out"; its own header: `tracetrain train` with no config does the same,
+    # with the same overrides too (a fixed warm-up of 50 refused --train.steps=20, which the default runs).
+    # (it spells out data.tokenizer = 'byte', which 'auto' resolves to without model.init_from)
+    default = load_config(None, ["--data.tokenizer=byte", *overrides])
+    assert load_config(REPO / "configs" / "tiny-synthetic.toml", overrides) == default
+
+
 def test_defaults_and_overrides():
     cfg = load_config(None, ["--optim.lr=3e-4", "--train.steps=7", "--optim.warmup_steps=2", "--data.path=my.jsonl",
                              "--data.kind=instruction", "--lora.targets=['q_proj', 'v_proj']"])
