@@ -435,8 +435,9 @@ def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
 
     for name, args in PRESETS.items():
         experts = f" experts {args.num_experts} (top {args.experts_top_k}, ffn {args.expert_ffn_dim})"
+        count = num_params(args)  # exact, as sum(p.numel()) of the built model; billions for a glance
         print(
-            f"{name:<14} {num_params(args) / 1e9:>7.3f}B  dim {args.dim:<5} layers {args.n_layers:<3} "
+            f"{name:<14} {count / 1e9:>7.3f}B {count:>14,}  dim {args.dim:<5} layers {args.n_layers:<3} "
             f"heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.vocab_size}"
             + (f" head_dim {args.head_dim}" if args.head_dim_override else "")
             + (experts if args.num_experts else "")

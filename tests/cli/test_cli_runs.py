@@ -173,3 +173,15 @@ def test_fp16_run_resumes_with_scaler_state(tmp_path):
     )
     state = torch.load(tmp_path / "h" / "checkpoints" / "step_00000006" / "trainer_state.pt", weights_only=True)
     assert state["counters"]["scaler"]["scale"] > 0
+
+
+def test_presets_print_exact_parameter_counts():
+    # README: `tracetrain presets` lists "architectures and exact parameter counts"; billions with three
+    # decimals made the 0.87M-parameter default model "0.001B".
+    from tracetrain.models.accounting import num_params
+    from tracetrain.models.presets import PRESETS
+
+    lines = {line.split()[0]: line for line in cli_here("presets").stdout.splitlines()}
+    assert set(lines) == set(PRESETS)
+    for name, args in PRESETS.items():
+        assert f" {num_params(args):,} " in lines[name], lines[name]
