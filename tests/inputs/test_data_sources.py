@@ -134,6 +134,17 @@ def test_data_command_shows_each_source(tmp_path: Path) -> None:
     assert json.loads(json.dumps(report.stats))["sources"][1]["kind"] == "chat"
 
 
+def test_the_mixtures_95_percent_length_is_never_shorter_than_its_examples(tmp_path: Path) -> None:
+    # A chat source measures no lengths (0); the mixture took the largest of the others, so `tracetrain
+    # data` said 95% of examples fit whole in the short instruction rows' length while the chats, a
+    # quarter of the examples, were longer. Unknown (0, not shown) is true; too short is not.
+    report = inspect_data(load_config(mix_config(tmp_path), ["--data.template=plain"]))
+    keeps = report.stats["data_stats"]["seq_len_keeps_95"]
+    bins = report.stats["train"]["length_histogram"]
+    longer = sum(b["count"] for b in bins if b["lo"] > keeps) / sum(b["count"] for b in bins)
+    assert keeps == 0 or longer <= 0.05, (keeps, longer)
+
+
 SOURCE = '[[data.sources]]\npath = "a.jsonl"\n'
 
 

@@ -41,7 +41,7 @@ from tracetrain.data.tokenizer import Tokenizer
 
 _SUMMED = ("examples_read", "bad_lines_skipped", "examples_truncated", "examples_dropped", "dropped_too_long")
 # Length fields of the mixture: the largest of the sources' (a seq_len that keeps 95% of every source's
-# examples whole keeps 95% of the mixture's).
+# examples whole keeps 95% of the mixture's), and no 95% length when a source did not measure its own.
 _LARGEST = ("dropped_length_p50", "dropped_length_p90", "dropped_length_max", "seq_len_keeps_95")
 
 
@@ -111,6 +111,10 @@ def mixture_documents(data: DataSection, tok: Tokenizer) -> Documents:
             setattr(stats, name, getattr(stats, name) + getattr(p.stats, name))
         for name in _LARGEST:
             setattr(stats, name, max(getattr(stats, name), getattr(p.stats, name)))
+    if any(p.stats.seq_len_keeps_95 == 0 for p in parts):
+        # A source without it (chat data records no lengths) may hold the longest examples: the others'
+        # largest would say 95% fit in a length that a chat source's share of the mixture exceeds.
+        stats.seq_len_keeps_95 = 0
     stats.sources = [_source_row(data, i, p.stats, d) for i, (p, d) in enumerate(zip(parts, drawn))]
     total_examples = sum(counts)
     total_tokens = sum(row["tokens"] for row in stats.sources) or 1

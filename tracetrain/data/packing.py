@@ -89,10 +89,11 @@ class DataStats:
 
     def too_long_note(self, seq_len: int) -> str:
         """'N longer than data.seq_len = S (lengths p50 / p90 / max ...; data.seq_len = W keeps 95% whole)'."""
+        keeps = self.seq_len_keeps_95  # 0: not known (a mixture with a chat source)
         return (
             f"{self.dropped_too_long} with a prompt that alone fills data.seq_len = {seq_len} (their lengths: "
             f"p50 {self.dropped_length_p50}, p90 {self.dropped_length_p90}, max {self.dropped_length_max} "
-            f"tokens; data.seq_len = {self.seq_len_keeps_95} would keep 95% of examples whole)"
+            f"tokens{f'; data.seq_len = {keeps} would keep 95% of examples whole' if keeps else ''})"
         )
 
     def summary(self) -> str:
