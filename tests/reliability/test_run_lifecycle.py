@@ -77,6 +77,30 @@ def finished(finished_once: Path, tmp_path: Path) -> Path:
 # ---- 6: one process per run directory ----------------------------------------------------------------
 
 
+def test_resume_of_a_run_before_its_first_checkpoint_names_the_process_that_has_it(finished: Path):
+    """A run in its first steps has no checkpoint yet: `--resume` of it says who holds it (the lock), not that
+    it has no usable checkpoint; once nobody holds it, the missing checkpoint is the refusal."""
+    from tracetrain.errors import CheckpointError, TracetrainError
+    from tracetrain.train.resume import resolve_resume
+    from tracetrain.train.rundir import claim_new_run_dir
+
+    young = finished.parent / "young"
+    lock = claim_new_run_dir(young)  # held by this process, as a starting run holds it
+    assert lock is not None
+    shutil.copy(finished / "config.toml", young / "config.toml")
+    try:
+        with pytest.raises(TracetrainError) as refused:
+            resolve_resume(str(young), None, [])
+        assert str(refused.value) == (
+            f"run directory {young} is in use by PID {os.getpid()} on host {socket.gethostname()} "
+            f"(lock file {young / '.lock'}); wait for that run to end or stop it, then try again"
+        )
+    finally:
+        lock.release()
+    with pytest.raises(CheckpointError, match="has no usable checkpoint"):
+        resolve_resume(str(young), None, [])
+
+
 def test_second_resume_is_refused_while_the_first_runs_and_signals_exit_128_plus(finished: Path):
     first = _start("train", "--resume", str(finished), "--train.steps=2000")
     _wait_for_steps(finished, 6, first)  # resumed, and holding the lock

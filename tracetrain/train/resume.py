@@ -21,7 +21,7 @@ from tracetrain.config import Config, load_config, to_dict
 from tracetrain.errors import CheckpointError, ConfigError, DataError, utf8_text
 from tracetrain.train.checkpoint import latest_checkpoint, newest_checkpoint
 from tracetrain.train.manifest import step_of
-from tracetrain.train.rundir import RunLock, atomic_write_text, claim_new_run_dir
+from tracetrain.train.rundir import RunLock, atomic_write_text, claim_new_run_dir, in_use_error, lock_holder
 
 ALLOWED_CHANGES = (
     "train.steps",
@@ -123,7 +123,13 @@ def resolve_resume(spec: str, config_path: str | None, overrides: list[str]) -> 
         run_dir = Path(spec)
         if not (run_dir / "config.toml").is_file():
             raise CheckpointError(f"{run_dir} is not a tracetrain run directory (no config.toml)")
-    ckpt = latest_checkpoint(run_dir)
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except CheckpointError:
+        holder = lock_holder(run_dir)  # a run still in its first steps: say who has it, not "no checkpoint"
+        if holder is not None:
+            raise in_use_error(run_dir, holder) from None
+        raise
     saved = load_config(ckpt / "config.toml")
     cfg = load_config(config_path or run_dir / "config.toml", overrides)
     check_compatible(saved, cfg, run_dir)

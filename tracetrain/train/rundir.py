@@ -92,16 +92,39 @@ def _holder(fd: int) -> str:
         return "another process (PID not yet written)"
 
 
+def in_use_error(run_dir: Path, holder: str) -> TracetrainError:
+    """The one line refusing a run directory another process holds."""
+    return TracetrainError(
+        f"run directory {run_dir} is in use by {holder} (lock file {run_dir / LOCK_NAME}); "
+        "wait for that run to end or stop it, then try again"
+    )
+
+
+def lock_holder(run_dir: Path) -> str | None:
+    """Who holds `run_dir`'s lock ('PID 123 on host h'), or None when nobody does (or it has no lock file).
+    It only looks: a shared lock taken and dropped at once, which fails while a run holds its exclusive one."""
+    try:
+        fd = open_no_follow(run_dir / LOCK_NAME, os.O_RDONLY)
+    except (OSError, TracetrainError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _lock(run_dir: Path, fd: int, created: bool) -> RunLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise TracetrainError(
-            f"run directory {run_dir} is in use by {holder} (lock file {run_dir / LOCK_NAME}); "
-            "wait for that run to end or stop it, then try again"
-        ) from None
+        raise in_use_error(run_dir, holder) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
     return RunLock(run_dir, fd, created)
