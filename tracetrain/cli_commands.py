@@ -447,6 +447,8 @@ def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_report(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.train.run_report import write_report
 
+    if a.out:  # before the runs are read and the page drawn
+        check_output_path(a.out, "--out")
     out = write_report([Path(r) for r in a.runs], Path(a.out) if a.out else None)
     print(f"wrote {out}")
     return 0
