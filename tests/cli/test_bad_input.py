@@ -215,6 +215,37 @@ def test_analyze_output_paths(capsys, tmp_path, trace, flag, where, fragment):
     expect_error(capsys, ["analyze", str(trace), flag, str(target)], f"{flag} {target}", fragment)
 
 
+@pytest.mark.parametrize("where, fragment", [
+    ("dir", "is a directory; give the path of a file to write"),
+    ("missing/page.html", "does not exist; create it first"),
+    ("file/page.html", "is not a folder"),
+])
+def test_report_out_paths(capsys, tmp_path, where, fragment):
+    """`report --out` is checked like analyze's files (it was an IsADirectoryError traceback)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("")
+    target = tmp_path / where
+    expect_error(capsys, ["report", str(run), "--out", str(target)], f"--out {target}", fragment)
+
+
+@pytest.mark.parametrize("out, fragment", [
+    ("file", "--out {tmp}/file: is a file; name a folder for tuned.toml and tune/"),
+    ("file/sub", "--out {tmp}/file/sub: is inside {tmp}/file, which is a file"),
+    ("dir", "--out {tmp}/dir: {tmp}/dir/tuned.toml is a folder; tune writes tuned.toml there"),
+])
+def test_tune_out_that_cannot_hold_its_files(capsys, tmp_path, out, fragment):
+    """Refused before the first trial (a file was a NotADirectoryError traceback; a tuned.toml folder
+    failed only after every trial had run)."""
+    (tmp_path / "file").write_text("keep")
+    (tmp_path / "dir" / "tuned.toml").mkdir(parents=True)
+    expect_error(capsys, ["tune", "--out", str(tmp_path / out), "--max-trials", "0", "--budget-min", "0.1"],
+                 fragment.format(tmp=tmp_path))
+    assert (tmp_path / "file").read_text() == "keep" and not (tmp_path / "dir" / "tune").exists()
+
+
 def test_plan_html_into_a_directory(capsys, tmp_path):
     expect_error(capsys, ["plan", "--html", str(tmp_path)], f"--html {tmp_path}: is a directory")
 
