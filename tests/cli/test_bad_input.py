@@ -173,6 +173,19 @@ def test_missing_data_file_named_in_a_config_file_comes_first(capsys, tmp_path, 
     train_error(capsys, tmp_path, ["--config", str(toml)], f"data file gone.jsonl does not exist (config key '{key}')")
 
 
+@pytest.mark.parametrize("skip", ["false", "true"])
+def test_chat_template_needing_a_token_the_tokenizer_lacks(capsys, tmp_path, skip):
+    """Mistral's template ends answers with eos_token, which the byte tokenizer has no text for: every row
+    failed alike, blamed on the data ('eos_token' is undefined), or with skip_bad_lines every row skipped."""
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+    expect_error(capsys, ["data", "--data.kind=chat", f"--data.path={rows}", "--data.chat_template=mistral",
+                          f"--data.skip_bad_lines={skip}"],
+                 "built-in template 'mistral' uses eos_token, which tokenizer byte does not have",
+                 "(built-in: chatml, llama-3)")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Devices and output files
 
