@@ -81,6 +81,7 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from tracetrain.data.files import check_data_file
     from tracetrain.data.prompts import prompt_record, read_prompts_jsonl
     from tracetrain.inference import load_trained
     from tracetrain.models.generate import bad_generation_option, generate_records
@@ -115,6 +116,8 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
         raise TracetrainError(f"--output {output} is a folder; name a file such as {output / 'out.jsonl'}")
     if output is not None and not output.parent.is_dir():
         raise TracetrainError(f"--output {output}: folder {output.parent} does not exist")
+    if a.prompts_file:  # before the model loads
+        check_data_file(a.prompts_file, "--prompts-file")
     loaded = load_trained(a.path, a.device, overrides, generation=True)
     _print_decisions(loaded.spec.decision_lines(), str(loaded.device), file=sys.stderr)  # stdout: the completions
     data = loaded.cfg.data
