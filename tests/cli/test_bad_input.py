@@ -202,6 +202,19 @@ def test_eval_output_into_a_directory(capsys, tmp_path):
                  f"--output {tmp_path}: is a directory")
 
 
+@pytest.mark.parametrize("name, fragment", [
+    ("folder", "data file {p} is a folder; name a file (--prompts-file)"),
+    ("missing.jsonl", "data file {p} does not exist (--prompts-file)"),
+])
+def test_generate_prompts_file_that_is_not_a_file(capsys, tmp_path, name, fragment):
+    # Checked before the run is looked for (the run given here does not exist); a folder was reported as
+    # missing, under "config key '--prompts-file'".
+    (tmp_path / "folder").mkdir()
+    prompts = tmp_path / name
+    expect_error(capsys, ["generate", str(tmp_path / "no-run"), "--prompts-file", str(prompts)],
+                 fragment.format(p=prompts))
+
+
 def test_resolve_device_names_bad_specs():
     with pytest.raises(ConfigError, match=re.escape("config key 'train.device': 'banana' is not allowed")):
         resolve_device("banana")
