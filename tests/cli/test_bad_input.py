@@ -272,6 +272,13 @@ def test_tune_out_that_cannot_hold_its_files(capsys, tmp_path, out, fragment):
     assert (tmp_path / "file").read_text() == "keep" and not (tmp_path / "dir" / "tune").exists()
 
 
+def test_data_stats_json_checked_before_the_data_is_read(capsys, tmp_path):
+    # The data file named here is missing: the output file's error comes first, before any (long) data build.
+    args = ["data", "--data.kind=instruction", f"--data.path={tmp_path / 'gone.jsonl'}"]
+    expect_error(capsys, [*args, "--stats-json", str(tmp_path)], f"--stats-json {tmp_path}: is a directory")
+    expect_error(capsys, [*args, "--stats-json", str(tmp_path / "no" / "s.json")], "does not exist; create it first")
+
+
 def test_plan_html_into_a_directory(capsys, tmp_path):
     expect_error(capsys, ["plan", "--html", str(tmp_path)], f"--html {tmp_path}: is a directory")
 
