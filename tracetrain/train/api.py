@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tracetrain.config import Config, from_dict, parse_override, to_dict
+from tracetrain.config import Config, apply_overrides, from_dict, to_dict
 from tracetrain.config_toml import read_toml
 from tracetrain.errors import ConfigError
 from tracetrain.models.build import model_args_from_config
@@ -102,10 +102,7 @@ def _raw(
         raise ConfigError(
             f"config must be a Config, a TOML file path, a dict of sections or None, not {type(config).__name__}"
         )
-    for arg in overrides:
-        key, value = parse_override(arg)
-        section, name = key.split(".", 1)
-        raw.setdefault(section, {})[name] = value
+    apply_overrides(raw, overrides)
     return raw, where
 
 
