@@ -102,6 +102,20 @@ def test_bad_config_values(capsys, tmp_path, override, fragments):
     train_error(capsys, tmp_path, [override], *fragments)
 
 
+@pytest.mark.parametrize("toml_text, override, line", [
+    ("[train]\nsteps = 4\n", "--optim.lr=banana", "error: config key 'optim.lr': 'banana' is not a number"),
+    ("[train]\nsteps = 4\n", "--optim.lr=5", "error: config key 'optim.lr': 5.0 is out of range; it must be <= 1"),
+    ("[train]\nsteps = 4\n", "--train.stepz=3", "error: unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+    ('[optim]\nlr = "x"\n', "--train.steps=3", "error: {toml}: config key 'optim.lr': 'x' is not a number"),
+], ids=["not-a-number", "out-of-range", "unknown-key", "the-files-own"])
+def test_a_bad_override_is_not_blamed_on_the_config_file(capsys, tmp_path, toml_text, override, line):
+    """A bad value given on the command line was reported as the --config file's ('run.toml: config key
+    'optim.lr': 'banana' ...'), a key the file does not hold; the file's own bad values still name it."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(toml_text)
+    assert train_error(capsys, tmp_path, ["--config", str(toml), override]) == line.format(toml=toml)
+
+
 def test_explicit_warmup_longer_than_a_short_run(capsys, tmp_path):
     """A warmup the user set (50 steps) is refused for a 10-step run instead of never reaching the peak lr."""
     runs = tmp_path / "runs"
