@@ -242,6 +242,15 @@ def trace(tmp_path_factory) -> Path:
     return gen.write(gen.gemm_heavy(steps=1), tmp_path_factory.mktemp("trace") / "t.json.gz")
 
 
+@pytest.mark.parametrize("names", [["t.json.gz", "t.json.gz"], [".", "t.json.gz"], [".", "./t.json.gz"]],
+                         ids=["file-twice", "folder-and-file", "two-spellings"])
+def test_analyze_the_same_trace_twice(capsys, trace, monkeypatch, names):
+    """Read twice, one trace was analysed as two ranks (`analyze t.json.gz t.json.gz`: '2 rank(s)')."""
+    monkeypatch.chdir(trace.parent)
+    expect_error(capsys, ["analyze", *names], "t.json.gz: the same trace is named twice (directly or through its "
+                                              "folder); each file is one rank, so name it once")
+
+
 @pytest.mark.parametrize("flag", ["--html", "--json"])
 @pytest.mark.parametrize("where, fragment", [
     ("dir", "is a directory; give the path of a file to write"),
