@@ -229,6 +229,21 @@ def test_generate_prompts_file_that_is_not_a_file(capsys, tmp_path, name, fragme
                  fragment.format(p=prompts))
 
 
+def test_eval_of_a_run_whose_data_file_moved(capsys, tmp_path):
+    """The run's data.path (relative to where it trained) is gone: the line says the path came from the run's
+    config.toml and how to point eval at the file, before the evaluation runs (it read like a mistyped flag)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": str(i)}) + "\n" for i in range(40)))
+    runs = tmp_path / "runs"
+    assert main(["train", *SMALL, "--data.kind=instruction", f"--data.path={data}", "--data.template=plain",
+                 "--train.run_name=r", f"--train.output_dir={runs}"]) == 0
+    capsys.readouterr()
+    data.unlink()
+    line = expect_error(capsys, ["eval", str(runs / "r")], f"data file {data} does not exist (config key 'data.path')",
+                        "as the run's", "config.toml names it", "pass --data.path=FILE")
+    assert str(runs / "r" / "checkpoints") in line
+
+
 def test_resolve_device_names_bad_specs():
     with pytest.raises(ConfigError, match=re.escape("config key 'train.device': 'banana' is not allowed")):
         resolve_device("banana")
