@@ -165,11 +165,10 @@ def check_named_files(cfg: Config) -> None:
     before the model's shape is read, so that a user who mistyped a path is told that, not what a
     setting would conflict with. (The --config file itself is read, or refused, by `load_config`.)"""
     from tracetrain.data import check_data_files
+    from tracetrain.models.hf_config import require_checkpoint_folder
 
-    init_from = cfg.model.init_from
-    if init_from and not Path(init_from).is_dir():
-        what = "is a file, not a Hugging Face checkpoint folder" if Path(init_from).exists() else "does not exist"
-        raise ConfigError(f"checkpoint folder {init_from} {what} (config key 'model.init_from')")
+    if cfg.model.init_from:
+        require_checkpoint_folder(cfg.model.init_from)
     check_data_files(cfg.data)
     out = Path(cfg.train.output_dir)  # made if missing; the data cache is written there before the run directory
     existing = next(p for p in (out, *out.parents) if p.exists())  # '.' or '/' at the latest
