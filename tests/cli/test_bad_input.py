@@ -163,13 +163,17 @@ def _named_file_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     f"checkpoint folder {tmp / 'ckpt'} does not exist (config key 'model.init_from')"),
         "model.init_from a file": ([f"--model.init_from={data}"],
                                    f"{data} is a file, not a Hugging Face checkpoint folder"),
+        "model.init_from no config.json": ([f"--model.init_from={tmp / 'no_tok'}"],
+                                           f"checkpoint folder {tmp / 'no_tok'} has no config.json, so it is not a "
+                                           "Hugging Face checkpoint folder (config key 'model.init_from')"),
         "chat template": ([*chat, f"--data.chat_template={tmp / 't.jinja'}"],
                           f"chat template file {tmp / 't.jinja'} does not exist (config key 'data.chat_template')"),
     }
 
 
 @pytest.mark.parametrize("case", ["data.path", "data.eval_path", "data.tokenizer file", "data.tokenizer folder",
-                                  "model.init_from missing", "model.init_from a file", "chat template"])
+                                  "model.init_from missing", "model.init_from a file",
+                                  "model.init_from no config.json", "chat template"])
 def test_missing_named_file_is_reported_before_settings(capsys, tmp_path, case):
     args, fragment = _named_file_cases(tmp_path)[case]
     train_error(capsys, tmp_path, [*args, *SETTING_ERRORS, "--train.device=cuda"], fragment)
@@ -356,6 +360,18 @@ def test_hf_config_bad_shape_fields(capsys, tmp_path, key, value, fragment):
     folder = hf_dir(tmp_path, **{key: value})
     # `plan` reads the shape and nothing else; `train` reaches the same load_hf_config.
     expect_error(capsys, ["plan", f"--model.init_from={folder}"], f"{folder / 'config.json'}: {fragment}")
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda p: p.mkdir(), "has no config.json, so it is not a Hugging Face checkpoint folder"),
+    (lambda p: None, "does not exist"),
+], ids=["no-config-json", "missing"])
+def test_plan_init_from_that_is_not_a_checkpoint(capsys, tmp_path, make, what):
+    # `plan` reads only the shape; it said "<folder>/config.json does not exist", naming no key.
+    folder = tmp_path / "ckpt"
+    make(folder)
+    expect_error(capsys, ["plan", f"--model.init_from={folder}"],
+                 f"checkpoint folder {folder} {what} (config key 'model.init_from')")
 
 
 def test_hf_config_not_an_object_or_not_utf8(tmp_path):
