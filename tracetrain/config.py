@@ -149,7 +149,10 @@ def _checked_section(section_name: str, values: Any, where: str) -> dict[str, An
 
 def from_dict(raw: dict[str, Any], where: str = "") -> Config:
     """Build and validate a Config from nested dicts (TOML layout). `where` prefixes error messages."""
-    sections = {name: _SECTION_OWNER[name](**_checked_section(name, values, where)) for name, values in raw.items()}
+    sections = {}
+    for name, values in raw.items():
+        checked = _checked_section(name, values, where)  # first: it names an unknown section
+        sections[name] = _SECTION_OWNER[name](**checked)
     cfg = Config(**sections)
     _check_cross_fields(cfg, where)
     return cfg
