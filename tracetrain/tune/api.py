@@ -62,6 +62,11 @@ def tune(
     raw, where = _raw(config, list(overrides))
     cfg = from_dict({k: dict(v) for k, v in raw.items()}, where)
     validate_run(cfg, model_args_from_config(cfg))
+    for changes in opts.tries:  # checked as the config would check them, not dropped when a trial is made
+        try:
+            cfg.replace(changes)
+        except ConfigError as e:
+            raise ConfigError(f"--try {','.join(f'{k}={v}' for k, v in changes.items())}: {e}") from None
     out = Path(out_dir)
     _check_out_dir(out)
     device, gpu = _device(cfg)
