@@ -75,7 +75,8 @@ def test_config_file_not_utf8(capsys, tmp_path):
     (lambda p: p.mkdir(), "is a directory; give a .toml file"),
     (lambda p: None, "does not exist"),
     (lambda p: p.write_text("[optim\n"), "not valid TOML"),
-], ids=["directory", "missing", "invalid-toml"])
+    (lambda p: p.write_text("[bogus]\nx = 1\n"), "unknown config section 'bogus'; known: checkpoint, data"),
+], ids=["directory", "missing", "invalid-toml", "unknown-section"])
 def test_config_file_read_errors(capsys, tmp_path, make, fragment):
     path = tmp_path / "run.toml"
     make(path)
@@ -114,6 +115,20 @@ def test_a_bad_override_is_not_blamed_on_the_config_file(capsys, tmp_path, toml_
     toml = tmp_path / "run.toml"
     toml.write_text(toml_text)
     assert train_error(capsys, tmp_path, ["--config", str(toml), override]) == line.format(toml=toml)
+
+
+@pytest.mark.parametrize("try_, fragment", [
+    ("optim.lr=banana", "--try optim.lr=banana: config key 'optim.lr': 'banana' is not a number"),
+    ("nosuch.key=1", "--try nosuch.key=1: unknown config section 'nosuch'"),
+    ("data.num_workers=2,optim.lrr=1", "--try data.num_workers=2,optim.lrr=1: unknown config key 'optim.lrr' (did you"),
+], ids=["bad-value", "unknown-section", "unknown-key"])
+def test_tune_try_the_config_refuses(capsys, tmp_path, try_, fragment):
+    """A --try change the config refuses is refused before the first trial: it was dropped without a word
+    (a whole tune ran, exit 0), or an unknown section was an AttributeError traceback."""
+    out = tmp_path / "out"
+    expect_error(capsys, ["tune", "--out", str(out), "--try", try_, "--max-trials", "0", "--budget-min", "0.1"],
+                 fragment)
+    assert not out.exists()
 
 
 def test_explicit_warmup_longer_than_a_short_run(capsys, tmp_path):
