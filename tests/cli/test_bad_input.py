@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import traces_gen as gen
 from helpers import REPO
 
@@ -261,6 +262,18 @@ def test_eval_of_a_run_whose_data_file_moved(capsys, tmp_path):
     line = expect_error(capsys, ["eval", str(runs / "r")], f"data file {data} does not exist (config key 'data.path')",
                         "as the run's", "config.toml names it", "pass --data.path=FILE")
     assert str(runs / "r" / "checkpoints") in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("extra", [["eval"], ["generate", "--prompt", "hi"]], ids=["eval", "generate"])
+def test_device_cuda_without_a_gpu_names_the_flag(capsys, tmp_path, extra):
+    # It named "config key 'train.device'", which the command line did not set.
+    runs = tmp_path / "runs"
+    assert main(["train", *SMALL, "--train.run_name=r", f"--train.output_dir={runs}"]) == 0
+    capsys.readouterr()
+    line = expect_error(capsys, [*extra, str(runs / "r"), "--device", "cuda"],
+                        "--device: 'cuda' but no CUDA GPU is visible to PyTorch")
+    assert "train.device" not in line
 
 
 def test_resolve_device_names_bad_specs():
