@@ -281,8 +281,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     return p, handlers
 
 
-# Report files of analyze and plan; main checks each before the command does its work.
-_OUTPUT_FLAGS = {"html": "--html", "json": "--json"}
+# Report files of analyze, plan and data; main checks each before the command does its work.
+_OUTPUT_FLAGS = {"html": "--html", "json": "--json", "stats_json": "--stats-json"}
 
 
 def _check_flags(a: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tracetrain.errors import TracetrainError
+from tracetrain.errors import DataError, TracetrainError
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,7 @@ def cmd_train(a: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
-    from tracetrain.data import build_datasets
+    from tracetrain.data import build_datasets, check_data_files
     from tracetrain.inference import load_trained
     from tracetrain.train.assemble import build_reference, step_context
     from tracetrain.train.evaluation import exact_match_eval, run_eval
@@ -51,18 +51,25 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
     if a.output:
         check_output_path(a.output, "--output")  # before the model loads and the answers are generated
     loaded = load_trained(a.path, a.device, overrides)
-    _print_decisions(loaded.spec.decision_lines(), str(loaded.device), file=sys.stderr)  # stdout: the JSON result
     cfg = loaded.cfg
+    try:
+        check_data_files(cfg.data)
+    except DataError as e:  # the path the run trained with, relative to where it was started
+        raise DataError(
+            f"{e}, as the run's {loaded.checkpoint / 'config.toml'} names it; to evaluate on a file found "
+            "elsewhere, pass --data.path=FILE (and --data.eval_path=FILE if the run had one)"
+        ) from None
+    _print_decisions(loaded.spec.decision_lines(), str(loaded.device), file=sys.stderr)  # stdout: the JSON result
     _, eval_ds, _ = build_datasets(cfg.data, loaded.tokenizer)
-    # Scored exactly as the training run's evaluations were (full-fine-tuning DPO: against its initial model).
-    reference = build_reference(loaded.spec) if loaded.spec.reference == "copy" else None
-    ctx = step_context(loaded.spec, reference=reference)
-    result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
-    if a.output and not (cfg.train.eval_generate and getattr(eval_ds, "examples", [])):
+    if a.output and not (cfg.train.eval_generate and getattr(eval_ds, "examples", [])):  # before the eval runs
         raise TracetrainError(
             "--output writes generated answers, but none are scored: this run has no held-out "
             "examples or train.eval_generate = 0 (set e.g. --train.eval_generate=200)"
         )
+    # Scored exactly as the training run's evaluations were (full-fine-tuning DPO: against its initial model).
+    reference = build_reference(loaded.spec) if loaded.spec.reference == "copy" else None
+    ctx = step_context(loaded.spec, reference=reference)
+    result = {"checkpoint": str(loaded.checkpoint), **run_eval(loaded.model, eval_ds, cfg, ctx)}
     result.update(
         exact_match_eval(
             loaded.model,
@@ -81,6 +88,7 @@ def cmd_eval(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from tracetrain.data.files import check_data_file
     from tracetrain.data.prompts import prompt_record, read_prompts_jsonl
     from tracetrain.inference import load_trained
     from tracetrain.models.generate import bad_generation_option, generate_records
@@ -115,6 +123,8 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
         raise TracetrainError(f"--output {output} is a folder; name a file such as {output / 'out.jsonl'}")
     if output is not None and not output.parent.is_dir():
         raise TracetrainError(f"--output {output}: folder {output.parent} does not exist")
+    if a.prompts_file:  # before the model loads
+        check_data_file(a.prompts_file, "--prompts-file")
     loaded = load_trained(a.path, a.device, overrides, generation=True)
     _print_decisions(loaded.spec.decision_lines(), str(loaded.device), file=sys.stderr)  # stdout: the completions
     data = loaded.cfg.data
@@ -448,6 +458,8 @@ def cmd_presets(a: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_report(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.train.run_report import write_report
 
+    if a.out:  # before the runs are read and the page drawn
+        check_output_path(a.out, "--out")
     out = write_report([Path(r) for r in a.runs], Path(a.out) if a.out else None)
     print(f"wrote {out}")
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,28 +128,48 @@ def _unknown(kind: str, name: str, known: list[str], where: str) -> ConfigError:
     return ConfigError(f"{where}unknown {kind} '{name}'{suggestion}")
 
 
+def _checked_section(section_name: str, values: Any, where: str) -> dict[str, Any]:
+    """One section's keys, each checked on its own (known key, type, range); `where` prefixes errors."""
+    if section_name not in _SECTION_OWNER:
+        raise _unknown("config section", section_name, list(_SECTION_OWNER), where)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}config section '{section_name}' must be a table, got {values!r}")
+    owner = _SECTION_OWNER[section_name]
+    fields = {f.name: f for f in dataclasses.fields(owner)}
+    checked = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise _unknown("config key", f"{section_name}.{key}", [f"{section_name}.{k}" for k in fields], where)
+        try:
+            checked[key] = check_value(f"{section_name}.{key}", fields[key], value, owner)
+        except ConfigError as e:
+            raise ConfigError(f"{where}{e}") from None
+    return checked
+
+
 def from_dict(raw: dict[str, Any], where: str = "") -> Config:
     """Build and validate a Config from nested dicts (TOML layout). `where` prefixes error messages."""
-    sections: dict[str, Any] = {}
-    for section_name, values in raw.items():
-        if section_name not in _SECTION_OWNER:
-            raise _unknown("config section", section_name, list(_SECTION_OWNER), where)
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where}config section '{section_name}' must be a table, got {values!r}")
-        owner = _SECTION_OWNER[section_name]
-        fields = {f.name: f for f in dataclasses.fields(owner)}
-        checked = {}
-        for key, value in values.items():
-            if key not in fields:
-                raise _unknown("config key", f"{section_name}.{key}", [f"{section_name}.{k}" for k in fields], where)
-            try:
-                checked[key] = check_value(f"{section_name}.{key}", fields[key], value, owner)
-            except ConfigError as e:
-                raise ConfigError(f"{where}{e}") from None
-        sections[section_name] = owner(**checked)
+    sections = {}
+    for name, values in raw.items():
+        checked = _checked_section(name, values, where)  # first: it names an unknown section
+        sections[name] = _SECTION_OWNER[name](**checked)
     cfg = Config(**sections)
     _check_cross_fields(cfg, where)
     return cfg
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> None:
+    """Merge command-line style overrides (`--optim.lr=3e-4`) into `raw` (TOML layout). Each is checked
+    on its own first, so that a bad override is reported as the command line's, not as the config
+    file's (whose name prefixes the errors of `from_dict`)."""
+    for arg in overrides:
+        key, value = parse_override(arg)
+        section, name = key.split(".", 1)
+        _checked_section(section, {name: value}, "")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"override {arg!r}: '{section}' is not a config section")
+        raw[section][name] = value
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -356,13 +377,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         where = f"{path}: "
         raw = read_toml(path)
-    for arg in overrides or []:
-        key, value = parse_override(arg)
-        section, name = key.split(".", 1)
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise ConfigError(f"override {arg!r}: '{section}' is not a config section")
-        raw[section][name] = value
+    apply_overrides(raw, overrides or [])
     return from_dict(raw, where)
 
 

@@ -63,7 +63,7 @@ def load_trained(
     the fused-kernel decision for KV-cache forwards); otherwise exactly as the run trained."""
     ckpt = find_checkpoint(path)
     cfg = load_config(ckpt / "config.toml", overrides)
-    dev = resolve_device(device)
+    dev = resolve_device(device, "--device")  # eval and generate: their flag (export passes "cpu")
     if cfg.train.fp8 != "none" and not fp8_runs_on(dev):
         # FP8 is only how the frozen matmuls ran: the checkpoint holds the same bf16 weights either way, so
         # an export (always on the CPU) or an evaluation without FP8 tensor cores uses them unquantised.

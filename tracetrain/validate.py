@@ -161,16 +161,20 @@ def refuse_with_parallel(cfg: Config) -> None:
 
 def check_named_files(cfg: Config) -> None:
     """The files and folders the config names exist: model.init_from, then the data section's (data.path,
-    data.eval_path, data.tokenizer, the chat template). Run first, before any check of a setting and
+    data.eval_path, data.tokenizer, the chat template), and train.output_dir is not a file. Run first, before any check of a setting and
     before the model's shape is read, so that a user who mistyped a path is told that, not what a
     setting would conflict with. (The --config file itself is read, or refused, by `load_config`.)"""
     from tracetrain.data import check_data_files
+    from tracetrain.models.hf_config import require_checkpoint_folder
 
-    init_from = cfg.model.init_from
-    if init_from and not Path(init_from).is_dir():
-        what = "is a file, not a Hugging Face checkpoint folder" if Path(init_from).exists() else "does not exist"
-        raise ConfigError(f"checkpoint folder {init_from} {what} (config key 'model.init_from')")
+    if cfg.model.init_from:
+        require_checkpoint_folder(cfg.model.init_from)
     check_data_files(cfg.data)
+    out = Path(cfg.train.output_dir)  # made if missing; the data cache is written there before the run directory
+    existing = next(p for p in (out, *out.parents) if p.exists())  # '.' or '/' at the latest
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"is inside {existing}, which is a file"
+        raise ConfigError(f"config key 'train.output_dir': {out} {what}; name a folder (runs are made in it)")
 
 
 def validate(cfg: Config, args: ModelArgs, world_size: int) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import traces_gen as gen
 from helpers import REPO
 
@@ -75,7 +76,8 @@ def test_config_file_not_utf8(capsys, tmp_path):
     (lambda p: p.mkdir(), "is a directory; give a .toml file"),
     (lambda p: None, "does not exist"),
     (lambda p: p.write_text("[optim\n"), "not valid TOML"),
-], ids=["directory", "missing", "invalid-toml"])
+    (lambda p: p.write_text("[bogus]\nx = 1\n"), "unknown config section 'bogus'; known: checkpoint, data"),
+], ids=["directory", "missing", "invalid-toml", "unknown-section"])
 def test_config_file_read_errors(capsys, tmp_path, make, fragment):
     path = tmp_path / "run.toml"
     make(path)
@@ -100,6 +102,34 @@ def test_config_file_read_errors(capsys, tmp_path, make, fragment):
 ])
 def test_bad_config_values(capsys, tmp_path, override, fragments):
     train_error(capsys, tmp_path, [override], *fragments)
+
+
+@pytest.mark.parametrize("toml_text, override, line", [
+    ("[train]\nsteps = 4\n", "--optim.lr=banana", "error: config key 'optim.lr': 'banana' is not a number"),
+    ("[train]\nsteps = 4\n", "--optim.lr=5", "error: config key 'optim.lr': 5.0 is out of range; it must be <= 1"),
+    ("[train]\nsteps = 4\n", "--train.stepz=3", "error: unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+    ('[optim]\nlr = "x"\n', "--train.steps=3", "error: {toml}: config key 'optim.lr': 'x' is not a number"),
+], ids=["not-a-number", "out-of-range", "unknown-key", "the-files-own"])
+def test_a_bad_override_is_not_blamed_on_the_config_file(capsys, tmp_path, toml_text, override, line):
+    """A bad value given on the command line was reported as the --config file's ('run.toml: config key
+    'optim.lr': 'banana' ...'), a key the file does not hold; the file's own bad values still name it."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(toml_text)
+    assert train_error(capsys, tmp_path, ["--config", str(toml), override]) == line.format(toml=toml)
+
+
+@pytest.mark.parametrize("try_, fragment", [
+    ("optim.lr=banana", "--try optim.lr=banana: config key 'optim.lr': 'banana' is not a number"),
+    ("nosuch.key=1", "--try nosuch.key=1: unknown config section 'nosuch'"),
+    ("data.num_workers=2,optim.lrr=1", "--try data.num_workers=2,optim.lrr=1: unknown config key 'optim.lrr' (did you"),
+], ids=["bad-value", "unknown-section", "unknown-key"])
+def test_tune_try_the_config_refuses(capsys, tmp_path, try_, fragment):
+    """A --try change the config refuses is refused before the first trial: it was dropped without a word
+    (a whole tune ran, exit 0), or an unknown section was an AttributeError traceback."""
+    out = tmp_path / "out"
+    expect_error(capsys, ["tune", "--out", str(out), "--try", try_, "--max-trials", "0", "--budget-min", "0.1"],
+                 fragment)
+    assert not out.exists()
 
 
 def test_explicit_warmup_longer_than_a_short_run(capsys, tmp_path):
@@ -149,13 +179,17 @@ def _named_file_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     f"checkpoint folder {tmp / 'ckpt'} does not exist (config key 'model.init_from')"),
         "model.init_from a file": ([f"--model.init_from={data}"],
                                    f"{data} is a file, not a Hugging Face checkpoint folder"),
+        "model.init_from no config.json": ([f"--model.init_from={tmp / 'no_tok'}"],
+                                           f"checkpoint folder {tmp / 'no_tok'} has no config.json, so it is not a "
+                                           "Hugging Face checkpoint folder (config key 'model.init_from')"),
         "chat template": ([*chat, f"--data.chat_template={tmp / 't.jinja'}"],
                           f"chat template file {tmp / 't.jinja'} does not exist (config key 'data.chat_template')"),
     }
 
 
 @pytest.mark.parametrize("case", ["data.path", "data.eval_path", "data.tokenizer file", "data.tokenizer folder",
-                                  "model.init_from missing", "model.init_from a file", "chat template"])
+                                  "model.init_from missing", "model.init_from a file",
+                                  "model.init_from no config.json", "chat template"])
 def test_missing_named_file_is_reported_before_settings(capsys, tmp_path, case):
     args, fragment = _named_file_cases(tmp_path)[case]
     train_error(capsys, tmp_path, [*args, *SETTING_ERRORS, "--train.device=cuda"], fragment)
@@ -171,6 +205,19 @@ def test_missing_data_file_named_in_a_config_file_comes_first(capsys, tmp_path, 
     toml = tmp_path / "run.toml"
     toml.write_text(f'[optim]\nwarmup_steps = 50\n[train]\nsteps = 20\n[data]\nkind = "instruction"\n{data}\n')
     train_error(capsys, tmp_path, ["--config", str(toml)], f"data file gone.jsonl does not exist (config key '{key}')")
+
+
+@pytest.mark.parametrize("skip", ["false", "true"])
+def test_chat_template_needing_a_token_the_tokenizer_lacks(capsys, tmp_path, skip):
+    """Mistral's template ends answers with eos_token, which the byte tokenizer has no text for: every row
+    failed alike, blamed on the data ('eos_token' is undefined), or with skip_bad_lines every row skipped."""
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+    expect_error(capsys, ["data", "--data.kind=chat", f"--data.path={rows}", "--data.chat_template=mistral",
+                          f"--data.skip_bad_lines={skip}"],
+                 "built-in template 'mistral' uses eos_token, which tokenizer byte does not have",
+                 "(built-in: chatml, llama-3)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -189,6 +236,46 @@ def test_eval_output_into_a_directory(capsys, tmp_path):
                  f"--output {tmp_path}: is a directory")
 
 
+@pytest.mark.parametrize("name, fragment", [
+    ("folder", "data file {p} is a folder; name a file (--prompts-file)"),
+    ("missing.jsonl", "data file {p} does not exist (--prompts-file)"),
+])
+def test_generate_prompts_file_that_is_not_a_file(capsys, tmp_path, name, fragment):
+    # Checked before the run is looked for (the run given here does not exist); a folder was reported as
+    # missing, under "config key '--prompts-file'".
+    (tmp_path / "folder").mkdir()
+    prompts = tmp_path / name
+    expect_error(capsys, ["generate", str(tmp_path / "no-run"), "--prompts-file", str(prompts)],
+                 fragment.format(p=prompts))
+
+
+def test_eval_of_a_run_whose_data_file_moved(capsys, tmp_path):
+    """The run's data.path (relative to where it trained) is gone: the line says the path came from the run's
+    config.toml and how to point eval at the file, before the evaluation runs (it read like a mistyped flag)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": str(i)}) + "\n" for i in range(40)))
+    runs = tmp_path / "runs"
+    assert main(["train", *SMALL, "--data.kind=instruction", f"--data.path={data}", "--data.template=plain",
+                 "--train.run_name=r", f"--train.output_dir={runs}"]) == 0
+    capsys.readouterr()
+    data.unlink()
+    line = expect_error(capsys, ["eval", str(runs / "r")], f"data file {data} does not exist (config key 'data.path')",
+                        "as the run's", "config.toml names it", "pass --data.path=FILE")
+    assert str(runs / "r" / "checkpoints") in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("extra", [["eval"], ["generate", "--prompt", "hi"]], ids=["eval", "generate"])
+def test_device_cuda_without_a_gpu_names_the_flag(capsys, tmp_path, extra):
+    # It named "config key 'train.device'", which the command line did not set.
+    runs = tmp_path / "runs"
+    assert main(["train", *SMALL, "--train.run_name=r", f"--train.output_dir={runs}"]) == 0
+    capsys.readouterr()
+    line = expect_error(capsys, [*extra, str(runs / "r"), "--device", "cuda"],
+                        "--device: 'cuda' but no CUDA GPU is visible to PyTorch")
+    assert "train.device" not in line
+
+
 def test_resolve_device_names_bad_specs():
     with pytest.raises(ConfigError, match=re.escape("config key 'train.device': 'banana' is not allowed")):
         resolve_device("banana")
@@ -202,6 +289,15 @@ def trace(tmp_path_factory) -> Path:
     return gen.write(gen.gemm_heavy(steps=1), tmp_path_factory.mktemp("trace") / "t.json.gz")
 
 
+@pytest.mark.parametrize("names", [["t.json.gz", "t.json.gz"], [".", "t.json.gz"], [".", "./t.json.gz"]],
+                         ids=["file-twice", "folder-and-file", "two-spellings"])
+def test_analyze_the_same_trace_twice(capsys, trace, monkeypatch, names):
+    """Read twice, one trace was analysed as two ranks (`analyze t.json.gz t.json.gz`: '2 rank(s)')."""
+    monkeypatch.chdir(trace.parent)
+    expect_error(capsys, ["analyze", *names], "t.json.gz: the same trace is named twice (directly or through its "
+                                              "folder); each file is one rank, so name it once")
+
+
 @pytest.mark.parametrize("flag", ["--html", "--json"])
 @pytest.mark.parametrize("where, fragment", [
     ("dir", "is a directory; give the path of a file to write"),
@@ -213,6 +309,44 @@ def test_analyze_output_paths(capsys, tmp_path, trace, flag, where, fragment):
     (tmp_path / "file").write_text("")
     target = tmp_path / where
     expect_error(capsys, ["analyze", str(trace), flag, str(target)], f"{flag} {target}", fragment)
+
+
+@pytest.mark.parametrize("where, fragment", [
+    ("dir", "is a directory; give the path of a file to write"),
+    ("missing/page.html", "does not exist; create it first"),
+    ("file/page.html", "is not a folder"),
+])
+def test_report_out_paths(capsys, tmp_path, where, fragment):
+    """`report --out` is checked like analyze's files (it was an IsADirectoryError traceback)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("")
+    target = tmp_path / where
+    expect_error(capsys, ["report", str(run), "--out", str(target)], f"--out {target}", fragment)
+
+
+@pytest.mark.parametrize("out, fragment", [
+    ("file", "--out {tmp}/file: is a file; name a folder for tuned.toml and tune/"),
+    ("file/sub", "--out {tmp}/file/sub: is inside {tmp}/file, which is a file"),
+    ("dir", "--out {tmp}/dir: {tmp}/dir/tuned.toml is a folder; tune writes tuned.toml there"),
+])
+def test_tune_out_that_cannot_hold_its_files(capsys, tmp_path, out, fragment):
+    """Refused before the first trial (a file was a NotADirectoryError traceback; a tuned.toml folder
+    failed only after every trial had run)."""
+    (tmp_path / "file").write_text("keep")
+    (tmp_path / "dir" / "tuned.toml").mkdir(parents=True)
+    expect_error(capsys, ["tune", "--out", str(tmp_path / out), "--max-trials", "0", "--budget-min", "0.1"],
+                 fragment.format(tmp=tmp_path))
+    assert (tmp_path / "file").read_text() == "keep" and not (tmp_path / "dir" / "tune").exists()
+
+
+def test_data_stats_json_checked_before_the_data_is_read(capsys, tmp_path):
+    # The data file named here is missing: the output file's error comes first, before any (long) data build.
+    args = ["data", "--data.kind=instruction", f"--data.path={tmp_path / 'gone.jsonl'}"]
+    expect_error(capsys, [*args, "--stats-json", str(tmp_path)], f"--stats-json {tmp_path}: is a directory")
+    expect_error(capsys, [*args, "--stats-json", str(tmp_path / "no" / "s.json")], "does not exist; create it first")
 
 
 def test_plan_html_into_a_directory(capsys, tmp_path):
@@ -254,6 +388,18 @@ def test_hf_config_bad_shape_fields(capsys, tmp_path, key, value, fragment):
     folder = hf_dir(tmp_path, **{key: value})
     # `plan` reads the shape and nothing else; `train` reaches the same load_hf_config.
     expect_error(capsys, ["plan", f"--model.init_from={folder}"], f"{folder / 'config.json'}: {fragment}")
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda p: p.mkdir(), "has no config.json, so it is not a Hugging Face checkpoint folder"),
+    (lambda p: None, "does not exist"),
+], ids=["no-config-json", "missing"])
+def test_plan_init_from_that_is_not_a_checkpoint(capsys, tmp_path, make, what):
+    # `plan` reads only the shape; it said "<folder>/config.json does not exist", naming no key.
+    folder = tmp_path / "ckpt"
+    make(folder)
+    expect_error(capsys, ["plan", f"--model.init_from={folder}"],
+                 f"checkpoint folder {folder} {what} (config key 'model.init_from')")
 
 
 def test_hf_config_not_an_object_or_not_utf8(tmp_path):

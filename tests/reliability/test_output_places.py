@@ -22,11 +22,18 @@ def test_run_names_that_are_not_one_folder_are_refused(run_name):
 
 
 @pytest.mark.parametrize("where", ["afile", "afile/sub"], ids=["a_file", "under_a_file"])
-def test_output_dir_that_is_a_file_or_under_one_is_one_line(tmp_path, where):
+@pytest.mark.parametrize("kind", ["synthetic", "instruction"])
+def test_output_dir_that_is_a_file_or_under_one_is_one_line(tmp_path, where, kind):
+    """Refused with the files the config names, before the data is built (an instruction run wrote its data
+    cache into train.output_dir first: a NotADirectoryError traceback)."""
     (tmp_path / "afile").write_text("keep")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"instruction": "a", "response": "b"}\n' * 8)
+    data = [f"--data.kind={kind}", f"--data.path={rows}", "--data.template=plain"] if kind == "instruction" else []
     proc = cli_here(
         "train",
         *TINY,
+        *data,
         "--train.steps=1",
         "--optim.warmup_steps=0",
         f"--train.output_dir={tmp_path / where}",
@@ -34,7 +41,10 @@ def test_output_dir_that_is_a_file_or_under_one_is_one_line(tmp_path, where):
         check=False,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: config key 'train.output_dir': cannot create")
+    what = "is a file" if where == "afile" else f"is inside {tmp_path / 'afile'}, which is a file"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: config key 'train.output_dir': {tmp_path / where} {what}; name a folder (runs are made in it)"
+    )
     assert (tmp_path / "afile").read_text() == "keep"
 
 

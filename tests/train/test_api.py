@@ -3,6 +3,7 @@ returns the trained model, validates a config made or changed in Python, and tak
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -73,6 +74,25 @@ def test_rows_need_a_data_kind_that_reads_them(tmp_path):
     with pytest.raises(ConfigError, match=r"data.path: row 1 is a str"):
         tracetrain.train(None, data=[ROWS[0], "not a row"],
                          overrides=["--data.kind=instruction", f"--train.output_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"data": ROWS, "overrides": ["--optim.lr=banana"]}, "config key 'optim.lr': 'banana' is not a number"),
+    ({"data": ROWS, "overrides": ["--model.preset=huge"]}, "config key 'model.preset': 'huge' is not a preset"),
+    ({"data": ROWS, "overrides": ["--train.mode=lora", "--lora.rank=1000"]}, "config key 'lora.rank': 1000 is larger"),
+    ({"data": "rows.jsonl"}, "data= takes rows (a list of dicts of fields), not a str; a data file goes in config "
+                             "key 'data.path'"),
+    ({"data": ROWS, "eval_data": ROWS[0]}, "eval_data= takes rows (a list of dicts of fields), not a dict; a data "
+                                           "file goes in config key 'data.eval_path'"),
+], ids=["bad-value", "bad-preset", "model-shape", "data-a-path", "eval-data-one-row"])
+def test_a_refused_call_writes_no_rows(tmp_path, kwargs, fragment):
+    """Rows are written only once the config passed every check: a refused call leaves the output folder
+    as it was (the rows' file was written first, then the config refused; a string or a dict was read as
+    rows of characters or keys: 'row 0 is a str')."""
+    overrides = ["--data.kind=instruction", f"--train.output_dir={tmp_path}", *kwargs.pop("overrides", [])]
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        tracetrain.train(None, overrides=overrides, **kwargs)
+    assert not list(tmp_path.iterdir())
 
 
 def test_rows_are_written_once_by_content(tmp_path):

@@ -42,7 +42,7 @@ from tracetrain.data.chat_templates import (
 from tracetrain.data.files import ReadPosition, iter_rows
 from tracetrain.data.instruction import train_and_eval
 from tracetrain.data.packing import DataStats, Document, Documents, TokenizedExample, compact_document
-from tracetrain.data.tokenizer import Tokenizer
+from tracetrain.data.tokenizer import SPECIAL_TOKEN_KEYS, Tokenizer
 from tracetrain.errors import DataError, TracetrainError
 
 SHAREGPT_FIELD = "conversations"
@@ -205,6 +205,17 @@ def _render(
         raise TemplateMismatch(f"{template.name} {e}") from None
     except RecursionError:
         raise TemplateMismatch(f"{template.name} nests or recurses too deeply to render") from None
+    except jinja2.UndefinedError as e:
+        # A special token the tokenizer lacks (the byte tokenizer has no eos_token text) fails every row
+        # alike: the template and tokenizer do not fit, which no row is to blame for.
+        name = str(e).removesuffix(" is undefined").strip("'")
+        if name in SPECIAL_TOKEN_KEYS:
+            without = [n for n, source in BUILTIN_TEMPLATES.items() if name not in source]
+            raise TemplateMismatch(
+                f"{template.name} uses {name}, which tokenizer {tok.name} does not have; set data.chat_template "
+                f"to a template without it (built-in: {', '.join(without)}) or data.tokenizer to one that has it"
+            ) from None
+        raise DataError(f"{template.name} raised an error for this conversation: {e}") from None
     except (
         jinja2.TemplateError,
         TypeError,

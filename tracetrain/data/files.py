@@ -48,10 +48,19 @@ def data_digest(path: str, key: str, split: str, progress: Progress | None = Non
     return content_digest(path, progress)
 
 
+def check_data_file(path: str, key: str) -> None:
+    """DataError naming the path and `key` (a config key, or a flag such as --prompts-file) unless `path`
+    is a file."""
+    where = key if key.startswith("--") else f"config key '{key}'"
+    if Path(path).is_dir():
+        raise DataError(f"data file {path} is a folder; name a file ({where})")
+    if not Path(path).is_file():
+        raise DataError(f"data file {path} does not exist ({where})")
+
+
 def open_data_file(path: str, key: str) -> TextIO:
     """Open a data file for text reading, or raise DataError naming the path and the config key."""
-    if not Path(path).is_file():
-        raise DataError(f"data file {path} does not exist (config key '{key}')")
+    check_data_file(path, key)
     return open(path, encoding="utf-8")
 
 

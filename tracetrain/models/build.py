@@ -35,8 +35,9 @@ def model_args_from_config(cfg: Config) -> ModelArgs:
     """The architecture: a preset (or a HF checkpoint's config.json) plus the config's overrides."""
     m = cfg.model
     if m.init_from:
-        from tracetrain.models.hf import load_hf_config
+        from tracetrain.models.hf_config import load_hf_config, require_checkpoint_folder
 
+        require_checkpoint_folder(m.init_from)
         args = load_hf_config(m.init_from)
     elif m.preset in PRESETS:
         args = get_preset(m.preset)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tracetrain.errors import CheckpointError
+from tracetrain.errors import CheckpointError, ConfigError
 from tracetrain.models.arch import ConfigReader
 from tracetrain.models.families import family_of_args, family_of_config
 from tracetrain.models.llama import ModelArgs
@@ -85,6 +85,21 @@ def _shared_fields(reader: ConfigReader, own_rope_and_act: bool = False) -> dict
         "init_std": reader.positive_float("initializer_range", 0.02),
         "head_dim_override": head_dim if head_dim * n_heads != dim else 0,  # Qwen3: 128 whatever the width
     }
+
+
+def require_checkpoint_folder(path: str | Path) -> None:
+    """`model.init_from` names a Hugging Face checkpoint folder (one holding config.json): one ConfigError
+    line naming the key otherwise."""
+    folder = Path(path)
+    if not folder.exists():
+        what = "does not exist"
+    elif not folder.is_dir():
+        what = "is a file, not a Hugging Face checkpoint folder"
+    elif not (folder / "config.json").is_file():
+        what = "has no config.json, so it is not a Hugging Face checkpoint folder"
+    else:
+        return
+    raise ConfigError(f"checkpoint folder {folder} {what} (config key 'model.init_from')")
 
 
 def load_hf_config(path: str | Path) -> ModelArgs:

@@ -25,10 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tracetrain.config import Config, from_dict, parse_override, to_dict
+from tracetrain.config import Config, apply_overrides, from_dict, to_dict
 from tracetrain.config_toml import read_toml
 from tracetrain.errors import ConfigError
+from tracetrain.models.build import model_args_from_config
 from tracetrain.train.loop import TrainResult
+from tracetrain.validate import validate_run
 
 
 def train(
@@ -56,18 +58,26 @@ def train(
     raw, where = _raw(config, list(overrides) + ([f"--train.run_name={run_name}"] if run_name else []))
     defaults = Config()
     kind = raw.get("data", {}).get("kind", defaults.data.kind)
-    for key, rows in (("data.path", data), ("data.eval_path", eval_data)):
+    files: list[tuple[Path, str]] = []  # (path, text) of the rows, written once the config is known good
+    for arg, key, rows in (("data", "data.path", data), ("eval_data", "data.eval_path", eval_data)):
         if rows is None:
             continue
         if kind == "synthetic":
             raise ConfigError(
-                f"{key.split('.')[1]} rows were given but config key 'data.kind' is 'synthetic'; "
+                f"{arg}= rows were given but config key 'data.kind' is 'synthetic'; "
                 "set it to 'chat', 'instruction' or 'text'"
             )
         folder = Path(raw.get("train", {}).get("output_dir", defaults.train.output_dir)) / "datasets"
-        raw.setdefault("data", {})[key.split(".")[1]] = str(write_rows(rows, folder, kind, key))
-    # Validated whatever its origin: a Config built or changed in Python gets the command line's checks.
-    return run_training(from_dict(raw, where), callbacks=callbacks)
+        path, text = rows_file(rows, folder, kind, key, arg)
+        raw.setdefault("data", {})[key.split(".")[1]] = str(path)
+        files.append((path, text))
+    # Validated whatever its origin: a Config built or changed in Python gets the command line's checks,
+    # before the rows are written (a refused config leaves nothing behind).
+    cfg = from_dict(raw, where)
+    validate_run(cfg, model_args_from_config(cfg))
+    for path, text in files:
+        write_once(path, text)
+    return run_training(cfg, callbacks=callbacks)
 
 
 def _raw(
@@ -92,15 +102,20 @@ def _raw(
         raise ConfigError(
             f"config must be a Config, a TOML file path, a dict of sections or None, not {type(config).__name__}"
         )
-    for arg in overrides:
-        key, value = parse_override(arg)
-        section, name = key.split(".", 1)
-        raw.setdefault(section, {})[name] = value
+    apply_overrides(raw, overrides)
     return raw, where
 
 
-def write_rows(rows: Iterable[Mapping[str, Any]], folder: Path, kind: str, key: str) -> Path:
-    """The rows as JSONL in `folder`, named by kind and content (written atomically, once)."""
+def rows_file(
+    rows: Iterable[Mapping[str, Any]], folder: Path, kind: str, key: str, arg: str = "data"
+) -> tuple[Path, str]:
+    """The rows as JSONL text, and the file in `folder` that holds them (named by kind and content).
+    `arg` is the parameter they came in (data, eval_data), `key` the config key they stand for."""
+    if isinstance(rows, (str, bytes, Path, Mapping)) or not isinstance(rows, Iterable):
+        raise ConfigError(
+            f"{arg}= takes rows (a list of dicts of fields), not a {type(rows).__name__}; "
+            f"a data file goes in config key '{key}'"
+        )
     lines = []
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
@@ -113,11 +128,21 @@ def write_rows(rows: Iterable[Mapping[str, Any]], folder: Path, kind: str, key: 
         raise ConfigError(f"{key}: no rows were given")
     text = "\n".join(lines) + "\n"
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-    path = folder / f"{kind}-{digest}.jsonl"
+    return folder / f"{kind}-{digest}.jsonl", text
+
+
+def write_once(path: Path, text: str) -> None:
+    """`text` at `path`, written atomically unless the file already holds it."""
     if path.is_file() and path.read_text(encoding="utf-8") == text:
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_rows(rows: Iterable[Mapping[str, Any]], folder: Path, kind: str, key: str) -> Path:
+    """The rows as JSONL in `folder`, named by kind and content (written atomically, once)."""
+    path, text = rows_file(rows, folder, kind, key)
+    write_once(path, text)
     return path

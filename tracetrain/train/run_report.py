@@ -367,5 +367,9 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
             out = Path("report-" + "-vs-".join(r.name for r in runs) + ".html")
             if out.exists():
                 raise TracetrainError(f"{out} exists; choose the page's path with --out")
-    out.write_text(render(runs, out.resolve().parent))
+    page = render(runs, out.resolve().parent)
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as e:  # e.g. a read-only folder, or the disk filled up
+        raise TracetrainError(f"{out}: cannot write the report page ({e.strerror})") from None
     return out

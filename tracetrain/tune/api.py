@@ -64,11 +64,27 @@ def tune(
     validate_run(cfg, model_args_from_config(cfg))
     _check_tries(cfg, tries, opts.tries)
     out = Path(out_dir)
+    _check_out_dir(out)
     device, gpu = _device(cfg)
     session = Session(cfg, opts, out / "tune", device, gpu, say)
     say(f"tune: {device}, budget {budget_min:g} min, window {warmup_steps} warm-up + {measured_steps} measured steps")
     interrupted = session.run()
     return _finish(session, raw, out, _title(config), interrupted)
+
+
+def _check_out_dir(out: Path) -> None:
+    """--out must be (or be creatable as) a folder that can hold tuned.toml and tune/: checked before the
+    first trial, not when its results are written."""
+    existing = next(p for p in (out, *out.parents) if p.exists())  # '.' or '/' at the latest
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"is inside {existing}, which is a file"
+        raise ConfigError(f"--out {out}: {what}; name a folder for tuned.toml and tune/")
+    for name, want_dir in (("tune", True), ("tuned.toml", False)):
+        if (out / name).exists() and (out / name).is_dir() != want_dir:
+            kind = "a file" if want_dir else "a folder"
+            raise ConfigError(
+                f"--out {out}: {out / name} is {kind}; tune writes {name} there (move it or name another --out)"
+            )
 
 
 def _say(line: str) -> None:

@@ -190,6 +190,14 @@ def trace_files(paths: Sequence[str | Path] | str | Path) -> list[Path]:
             files.append(item)
     if not files:
         raise TracetrainError("no trace files given")
+    seen: set[Path] = set()
+    for f in files:  # each file is one rank (or one per process): read twice, it would count twice
+        if f.resolve() in seen:
+            raise TracetrainError(
+                f"{f}: the same trace is named twice (directly or through its folder); each file is one rank, "
+                "so name it once"
+            )
+        seen.add(f.resolve())
     return files
 
 
