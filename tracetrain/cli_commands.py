@@ -95,7 +95,8 @@ def cmd_generate(a: argparse.Namespace, overrides: list[str]) -> int:
     from tracetrain.models.prefill import PREFILL_MODES
 
     if bool(a.prompt) == bool(a.prompts_file):
-        raise TracetrainError("generate needs --prompt TEXT (repeatable) or --prompts-file FILE.jsonl, not both")
+        given = "both were given" if a.prompt else "neither was given"
+        raise TracetrainError(f"generate needs --prompt TEXT (repeatable) or --prompts-file FILE.jsonl ({given})")
     if a.gpu_window and not a.kv_offload:
         raise TracetrainError("--gpu-window needs --kv-offload")
     if a.chat and (a.prompts_file or a.raw):

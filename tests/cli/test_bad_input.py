@@ -118,20 +118,6 @@ def test_a_bad_override_is_not_blamed_on_the_config_file(capsys, tmp_path, toml_
     assert train_error(capsys, tmp_path, ["--config", str(toml), override]) == line.format(toml=toml)
 
 
-@pytest.mark.parametrize("try_, fragment", [
-    ("optim.lr=banana", "--try optim.lr=banana: config key 'optim.lr': 'banana' is not a number"),
-    ("nosuch.key=1", "--try nosuch.key=1: unknown config section 'nosuch'"),
-    ("data.num_workers=2,optim.lrr=1", "--try data.num_workers=2,optim.lrr=1: unknown config key 'optim.lrr' (did you"),
-], ids=["bad-value", "unknown-section", "unknown-key"])
-def test_tune_try_the_config_refuses(capsys, tmp_path, try_, fragment):
-    """A --try change the config refuses is refused before the first trial: it was dropped without a word
-    (a whole tune ran, exit 0), or an unknown section was an AttributeError traceback."""
-    out = tmp_path / "out"
-    expect_error(capsys, ["tune", "--out", str(out), "--try", try_, "--max-trials", "0", "--budget-min", "0.1"],
-                 fragment)
-    assert not out.exists()
-
-
 def test_explicit_warmup_longer_than_a_short_run(capsys, tmp_path):
     """A warmup the user set (50 steps) is refused for a 10-step run instead of never reaching the peak lr."""
     runs = tmp_path / "runs"
@@ -220,6 +206,24 @@ def test_chat_template_needing_a_token_the_tokenizer_lacks(capsys, tmp_path, ski
                  "(built-in: chatml, llama-3)")
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["--data.path={rows}", "--data.eval_path={rows}"], "config key 'data.eval_path': '{rows}' is data.path too, so "
+                                                        "the held-out rows would be training rows"),
+    (["--data.path={rows}", "--data.eval_path=./rows.jsonl"], "'./rows.jsonl' is data.path too"),
+    (["--data.path=hf:nosuch/set", "--data.eval_path=hf:nosuch/set", "--data.eval_split=train"],
+     "'hf:nosuch/set' is data.path too (split 'train' for both)"),
+    # Another split of the same dataset is held-out data: not refused (it is then looked up, and not cached here).
+    (["--data.path=hf:nosuch/set", "--data.eval_path=hf:nosuch/set"], "is not in the local Hugging Face cache"),
+], ids=["same-file", "two-spellings", "same-split", "other-split"])
+def test_eval_path_that_is_the_training_data(capsys, tmp_path, monkeypatch, args, fragment):
+    """Held-out rows that are the training rows made every evaluation look better than it was, silently."""
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"instruction": "a", "response": "b"}\n' * 20)
+    train_error(capsys, tmp_path, ["--data.kind=instruction", "--data.template=plain",
+                                   *(a.format(rows=rows) for a in args)], fragment.format(rows=rows))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Devices and output files
 
@@ -274,6 +278,14 @@ def test_device_cuda_without_a_gpu_names_the_flag(capsys, tmp_path, extra):
     line = expect_error(capsys, [*extra, str(runs / "r"), "--device", "cuda"],
                         "--device: 'cuda' but no CUDA GPU is visible to PyTorch")
     assert "train.device" not in line
+
+
+@pytest.mark.parametrize("args, given", [([], "neither was given"), (["--prompt", "a", "--prompts-file", "p.jsonl"],
+                                                                       "both were given")], ids=["neither", "both"])
+def test_generate_needs_one_source_of_prompts(capsys, tmp_path, args, given):
+    # With no prompt at all it said "..., not both".
+    expect_error(capsys, ["generate", str(tmp_path / "no-run"), *args],
+                 f"generate needs --prompt TEXT (repeatable) or --prompts-file FILE.jsonl ({given})")
 
 
 def test_resolve_device_names_bad_specs():

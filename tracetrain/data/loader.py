@@ -12,6 +12,7 @@ run `num_workers * prefetch_factor` batches ahead, and those are simply produced
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 from tracetrain.config import DataSection
 from tracetrain.data.chat import chat_documents, chat_template_file, iter_chat_examples
 from tracetrain.data.files import require_data_path
+from tracetrain.data.hf_datasets import is_hf
 from tracetrain.data.instruction import (
     instruction_documents,
     instruction_splits,
@@ -66,6 +68,24 @@ def check_data_files(data: DataSection) -> None:
     check_tokenizer_file(data.tokenizer)
 
 
+def check_eval_not_training_data(data: DataSection) -> None:
+    """data.eval_path naming the training file (the same split of a dataset) would measure the held-out
+    loss on rows the model trains on: every evaluation, exact match and report would look better than
+    it is. Splits name parts only of hf: datasets and save_to_disk folders."""
+    if not data.eval_path:
+        return
+    spell = (lambda p: p) if is_hf(data.path) else os.path.realpath  # ./a.jsonl and /here/a.jsonl are one file
+    if spell(data.eval_path) != spell(data.path):
+        return
+    splits = is_hf(data.path) or Path(data.path).is_dir()
+    if not splits or data.split == data.eval_split:
+        also = f" (split {data.split!r} for both)" if splits else ""
+        raise DataError(
+            f"config key 'data.eval_path': {data.eval_path!r} is data.path too{also}, so the held-out rows would "
+            "be training rows; name another file, or leave it '' to hold out data.eval_fraction"
+        )
+
+
 def build_datasets(
     data: DataSection, tok: Tokenizer, *, cache_dir: str | Path | None = None, progress: Progress | None = None
 ) -> tuple[PackedDataset, PackedDataset, DataStats]:
@@ -76,6 +96,7 @@ def build_datasets(
     deleted once mapped; reporting to `progress`.
     `data.tokenize = "on_the_fly"` (instruction and synthetic data) leaves the training rows to the loader.
     """
+    check_eval_not_training_data(data)
     if data.sources:
         return build_record_datasets(data, tok, mixture_documents, cache_dir, progress)
     if data.kind == "text":
